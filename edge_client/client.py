@@ -1,0 +1,23 @@
+"""An edge client, independent of how messages reach it."""
+
+from __future__ import annotations
+
+from fedge.algorithms import run_client_step
+from fedge.algorithms.base import ClientData
+from fedge.backend import Backend
+from fedge.messages import Message
+from fedge.types import ClientId
+
+
+class EdgeClient:
+    """A client's data, runtime and own state (FD and DS-FL clients keep their models across rounds)."""
+
+    def __init__(self, client_id: ClientId, data: ClientData, backend: Backend) -> None:
+        self.client_id = client_id
+        self.data = data
+        self.backend = backend
+        self.store: dict = {}
+
+    def handle(self, task: Message, broadcast: Message | None) -> Message:
+        """Compute the update a task asks for."""
+        return run_client_step(task, broadcast, self.data, self.backend, self.store)

@@ -1,0 +1,1 @@
+"""The simulator: in-process runs and laptop runs over a broker, communication-cost tables, reports and plots."""
