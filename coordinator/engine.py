@@ -128,7 +128,7 @@ class RoundEngine:
                 if level == "wire" and acc == "unicast":
                     continue  # the wire has one truth: what the broker really moved
                 key = f"{level}_bytes" if level == "wire" else f"{level}_bytes_{acc}"
-                out[key] = rb.total(level, acc)  # type: ignore[arg-type]
+                out[key] = rb.total(level, acc)
                 start = prev[f"cum_{key}"] if prev else (self.initial_bytes.get(acc, 0) if level == "tensor" else 0)
                 out[f"cum_{key}"] = start + out[key]
         out["tensor_bytes_up"] = rb.up_tensor

@@ -66,14 +66,8 @@ class Objective:
             return losses.class_weighted_distillation_loss(logits, aux, targets, self.class_weights, tau=self.tau)
         if self.kind == "soft":
             return losses.soft_cross_entropy(logits, aux)
-        # fd: distill only the samples whose class has a leave-one-out target; normalize by the batch, as CE is.
-        ce = F.cross_entropy(logits, targets)
-        if aux_mask is None:
-            aux_mask = torch.ones(len(targets), dtype=torch.bool)
-        if not bool(aux_mask.any()):
-            return ce
-        per_sample = -(aux * F.log_softmax(logits, dim=1)).sum(dim=1)  # (B,)
-        return ce + self.gamma * (per_sample * aux_mask).sum() / len(targets)
+        # fd: distill only the samples whose class has a leave-one-out target (DS-FL eq. 6-7).
+        return losses.fd_distillation_loss(logits, targets, aux, gamma=self.gamma, mask=aux_mask)
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ def run_cost(args: argparse.Namespace) -> int:
                     open_per_round=args.open_per_round,
                     accounting=acc,
                 )
-                rows.append(CostRow(args.model, method, c.bytes_up, c.bytes_down, c.protocol_extra_down))  # type: ignore[arg-type]
+                rows.append(CostRow(args.model, method, c.bytes_up, c.bytes_down, c.protocol_extra_down))
             title = (
                 f"Per-round communication, {args.model} ({values:,} values), {args.num_clients} clients, "
                 f"{args.num_classes} classes, |o_r| = {args.open_per_round} ({acc})"

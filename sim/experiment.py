@@ -103,10 +103,14 @@ def prepare(config: RunConfig) -> Experiment:
     rng = np.random.default_rng(derive_seed(config.seed, "partition"))
     pool = np.arange(len(train))
     open_indices = None
-    if config.algorithm == "dsfl":
+    if config.algorithm == "dsfl" or config.algo.private_size:
+        # DS-FL's open/private split (sec. 4.1). Other algorithms given a private_size train on the same private set,
+        # so that FL and DS-FL runs with one seed are compared on identical client data.
         config = _fit_open_set(config, len(train))
         a = config.algo
         open_indices, pool = open_private_split(len(train), a.open_size, a.private_size, rng)
+        if config.algorithm != "dsfl":
+            open_indices = None
     labels = train.y[pool]
     local = partition(
         labels,

@@ -14,10 +14,11 @@ which keeps the paper's order of steps (U, P, D, U, P, D, ...).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
+from torch import nn
 
 from fedge.aggregation import aggregate_era, aggregate_sa
 from fedge.algorithms.base import (
@@ -35,6 +36,7 @@ from fedge.algorithms.base import (
     update_message,
 )
 from fedge.backend import Backend
+from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.messages import Message, format_float
 from fedge.metrics import mean_entropy
@@ -55,8 +57,16 @@ class DistillationSemiSupervised(Strategy):
 
     name = "dsfl"
 
-    def __init__(self, *args, open_x: torch.Tensor, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        config: RunConfig,
+        model_factory: Callable[[], nn.Module],
+        num_classes: int,
+        run_id: str = "",
+        *,
+        open_x: torch.Tensor,
+    ) -> None:
+        super().__init__(config, model_factory, num_classes, run_id)
         self.open_x = open_x
         self._model = self.model_factory()  # the global model w_g (eq. 11)
         self._soft_labels: torch.Tensor | None = None  # global soft labels of the latest round

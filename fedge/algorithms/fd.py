@@ -11,9 +11,10 @@ first distills on round r-1's broadcast, then uploads. The order of steps is the
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
+from torch import nn
 
 from fedge.aggregation import fd_global_logits, fd_leave_one_out
 from fedge.algorithms.base import (
@@ -31,6 +32,7 @@ from fedge.algorithms.base import (
     update_message,
 )
 from fedge.backend import Backend
+from fedge.config import RunConfig
 from fedge.messages import Message, format_float
 from fedge.training import Objective
 from fedge.types import ClientId
@@ -41,8 +43,10 @@ class FederatedDistillation(Strategy):
 
     name = "fd"
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, config: RunConfig, model_factory: Callable[[], nn.Module], num_classes: int, run_id: str = ""
+    ) -> None:
+        super().__init__(config, model_factory, num_classes, run_id)
         self._global: torch.Tensor | None = None  # (C, C) from the latest round
         self._contributors: torch.Tensor | None = None  # (C,) int32
         self._last_eval: Evaluation | None = None
@@ -91,10 +95,13 @@ def client_step(
     else:
         g, k = broadcast.tensor("global_probs"), broadcast.tensor("contributors").to(torch.int64)
         own_round = int(store["uploaded_round"]) if "uploaded_round" in store else -1
-        if own_round == int(broadcast.param("source_round")):
-            targets, mask = fd_leave_one_out(g, k, store["uploaded_probs"], store["uploaded_counts"])
-        else:  # this client did not contribute to that average: nothing of its own to leave out
-            targets, mask = g, k > 0
+        targets, mask = fd_leave_one_out(  # a client absent from that round has nothing of its own to leave out
+            g,
+            k,
+            store.get("uploaded_probs", torch.zeros_like(g)),
+            store.get("uploaded_counts", torch.zeros_like(k)),
+            own_included=own_round == int(broadcast.param("source_round")),
+        )
         aux, aux_mask = targets[data.y], mask[data.y]
         objective = Objective("fd", gamma=task.float_param("fd_gamma"))
         backend.train(

@@ -10,9 +10,10 @@ local objective:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
+from torch import nn
 
 from fedge.aggregation import weighted_average
 from fedge.algorithms.base import (
@@ -26,6 +27,7 @@ from fedge.algorithms.base import (
     update_message,
 )
 from fedge.backend import Backend
+from fedge.config import RunConfig
 from fedge.losses import fedcad_class_weights
 from fedge.messages import Message, format_float
 from fedge.models import exchanged_state, load_exchanged_state
@@ -38,8 +40,10 @@ OBJECTIVE_OF = {"fedavg": "ce", "fedntd": "ntd", "fedlsd": "lsd", "fedcad": "cad
 class WeightAveraging(Strategy):
     """Server half of FedAvg / FedNTD / FedLSD / FedCAD."""
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, config: RunConfig, model_factory: Callable[[], nn.Module], num_classes: int, run_id: str = ""
+    ) -> None:
+        super().__init__(config, model_factory, num_classes, run_id)
         self.name = self.config.algorithm
         self._model = self.model_factory()  # scratch module for evaluation
         self._weights: StateDict = exchanged_state(self._model)

@@ -1,0 +1,71 @@
+"""The ``fedge`` command as a user runs it."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedge.cli import build_parser, config_from_args, main
+
+
+def test_sim_writes_a_run_directory_with_report(tmp_path: Path, capsys):
+    code = main(
+        [
+            "sim",
+            "--dataset",
+            "synthetic",
+            "--model",
+            "tiny_mlp",
+            "--num-clients",
+            "4",
+            "--rounds",
+            "2",
+            "--partition",
+            "iid",
+            "--out",
+            str(tmp_path),
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    (run,) = tmp_path.iterdir()
+    out = capsys.readouterr().out
+    assert str(run) in out and "final accuracy" in out
+    assert json.loads((run / "config.json").read_text())["num_clients"] == 4
+    assert (run / "report.md").exists() and (run / "accuracy_vs_bytes.png").exists()
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_flags_override_a_config_file(tmp_path: Path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"algorithm": "dsfl", "rounds": 9, "algo": {"aggregation": "sa"}}))
+    args = build_parser().parse_args(["sim", "--config", str(path), "--rounds", "3", "--lr", "0.2"])
+    cfg = config_from_args(args)
+    assert (cfg.algorithm, cfg.rounds, cfg.train.lr, cfg.algo.aggregation) == ("dsfl", 3, 0.2, "sa")
+
+
+def test_cost_reproduces_the_dsfl_tables(capsys):
+    assert main(["cost"]) == 0
+    out = capsys.readouterr().out
+    for figure in ("236.1 MB", "1.1 GB", "40.4 kB", "4.0 MB", "176 B"):
+        assert figure in out
+
+
+def test_missing_dataset_is_a_clear_error_not_a_traceback(tmp_path: Path, capsys):
+    code = main(["sim", "--dataset", "mnist", "--data-dir", str(tmp_path), "--out", str(tmp_path / "runs"), "--quiet"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedge: error:") and "train-images-idx3-ubyte" in err
+
+
+def test_invalid_setting_is_a_clear_error(capsys):
+    assert main(["sim", "--algorithm", "fedprox", "--quiet"]) == 2
+    assert "unknown algorithm" in capsys.readouterr().err
+
+
+def test_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("sim", "cost", "report"):
+        assert command in out

@@ -1,0 +1,224 @@
+"""sim.report on run directories written by hand: labels, tables, plots and the errors a user can hit."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedge.config import AlgorithmConfig, RunConfig
+from fedge.errors import ConfigError, FedgeError
+from fedge.ledger import ByteLedger, LedgerEntry
+from sim.report import run_label, write_report
+from sim.rundir import summarize
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+HEADER = 40  # payload bytes a message adds on top of its tensors
+
+
+def make_run(
+    root: Path,
+    name: str,
+    config: RunConfig,
+    accuracies: Sequence[float | None],
+    *,
+    up: int,
+    down: int,
+    entropy: Sequence[float] | None = None,
+    initial: dict[str, int] | None = None,
+    dropped: dict[int, list[str]] | None = None,
+    rejected: dict[int, list[str]] | None = None,
+    wire: int = 0,
+) -> Path:
+    """A run directory as sim.rundir writes it: each sampled client uploads ``up`` tensor bytes, the server broadcasts
+    ``down``; ``None`` accuracies are rounds without evaluation; ``wire`` > 0 adds that many MQTT bytes per message
+    (and per broadcast copy) on top of the payload, as an MQTT run measures."""
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(config.to_json() + "\n")
+    initial = initial or {}
+    clients = [f"c{i:03d}" for i in range(config.clients_per_round)]
+    ledger = ByteLedger()
+    rounds: list[dict[str, Any]] = []
+    history: list[list[float]] = []
+    for rnd, acc in enumerate(accuracies, start=1):
+        gone = (dropped or {}).get(rnd, [])
+        bad = (rejected or {}).get(rnd, [])
+        replied = [c for c in clients if c not in gone]
+        mqtt = (lambda payload, copies: copies * (payload + wire)) if wire else (lambda payload, copies: 0)
+        entries = [LedgerEntry(rnd, "up", c, "reply", 1, up, up + HEADER, mqtt(up + HEADER, 1)) for c in replied]
+        entries.append(
+            LedgerEntry(rnd, "down", "*", "task", len(clients), down, down + HEADER, mqtt(down + HEADER, len(clients)))
+        )
+        ledger.extend(entries)
+        rb = ledger.round_bytes(rnd)
+        record: dict[str, Any] = {
+            "round": rnd,
+            "sampled": clients,
+            "replied": [c for c in replied if c not in bad],
+            "dropped": gone,
+            "rejected": [{"client": c, "reason": "non-finite values"} for c in bad],
+            "aggregated": len(gone) < 2,
+        }
+        if entropy is not None:
+            record["global_logit_entropy"] = entropy[rnd - 1]
+        if acc is not None:
+            history.append([acc, acc])
+            record["accuracy"] = acc
+            record["per_class_accuracy"] = [acc, acc]
+            record["forgetting"] = max(0.0, max(h[0] for h in history) - acc)
+        prev = rounds[-1] if rounds else None
+        for level in ("tensor", "payload"):
+            for model in ("multicast", "unicast"):
+                key = f"{level}_bytes_{model}"
+                record[key] = rb.total(level, model)
+                start = prev[f"cum_{key}"] if prev else (initial.get(model, 0) if level == "tensor" else 0)
+                record[f"cum_{key}"] = start + record[key]
+        record["wire_bytes"] = rb.total("wire")
+        record["cum_wire_bytes"] = (prev["cum_wire_bytes"] if prev else 0) + record["wire_bytes"]
+        record.update(
+            tensor_bytes_up=rb.up_tensor,
+            tensor_bytes_down_multicast=rb.down_tensor_multicast,
+            tensor_bytes_down_unicast=rb.down_tensor_unicast,
+            wall_s=0.5,
+            exchange_s=0.1,
+        )
+        rounds.append(record)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    ledger.write_csv(path / "ledger.csv")
+    summary = summarize(rounds, initial)
+    summary.update(model="tiny_mlp", transport="inprocess")
+    (path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return path
+
+
+def fedntd(root: Path) -> Path:
+    config = RunConfig(algorithm="fedntd", dataset="digits", num_clients=4, rounds=3, partition="shards")
+    return make_run(
+        root, "fedntd", config, [0.5, 0.8, 0.91], up=40_000, down=40_000, dropped={2: ["c001"]}, rejected={3: ["c002"]}
+    )
+
+
+def dsfl(root: Path, aggregation: str, accuracies: Sequence[float | None], name: str = "") -> Path:
+    config = RunConfig(
+        algorithm="dsfl",
+        dataset="digits",
+        num_clients=4,
+        rounds=len(accuracies),
+        partition="shards",
+        algo=AlgorithmConfig(aggregation=aggregation),
+    )
+    return make_run(
+        root,
+        name or f"dsfl-{aggregation}",
+        config,
+        accuracies,
+        up=4_000,
+        down=4_000,
+        entropy=[2.0, 1.0, 0.5][: len(accuracies)],
+        initial={"multicast": 600_000, "unicast": 2_400_000},
+    )
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, path
+    assert len(data) > 10_000, f"{path} is only {len(data)} bytes"
+
+
+def test_run_label():
+    assert run_label(RunConfig(algorithm="fedntd", partition="shards", shards_per_client=2)) == "FedNTD (shards s=2)"
+    assert run_label(RunConfig(algorithm="fedavg"), partition=False) == "FedAvg"
+    era = RunConfig(algorithm="dsfl", partition="dirichlet", dirichlet_alpha=0.1)
+    assert run_label(era) == "DS-FL ERA (Dir(α=0.1))"
+    sa = RunConfig(algorithm="dsfl", algo=AlgorithmConfig(aggregation="sa"))
+    assert run_label(sa, partition=False) == "DS-FL SA"
+
+
+def test_report_overlays_runs(tmp_path):
+    runs = [fedntd(tmp_path), dsfl(tmp_path, "era", [0.6, 0.85, 0.96]), dsfl(tmp_path, "sa", [0.4, 0.7, 0.82])]
+    out = tmp_path / "out" / "nested"  # created on demand
+    report = write_report(runs, out)
+    assert report == out / "report.md"
+    text = report.read_text()
+    # Same partition for all runs: the labels name only the algorithm.
+    for label, final in (("FedNTD", "91.00%"), ("DS-FL ERA", "96.00%"), ("DS-FL SA", "82.00%")):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
+        assert final in row
+    # ComU@x columns only for thresholds some run reached (0.97 none did); ComU@I for DS-FL's open set.
+    assert "ComU@95%" in text and "ComU@97%" not in text
+    assert "ComU@I" in text and "600.0 kB" in text and "2.4 MB" in text
+    # FedNTD per round: 4 x 40 kB up + one 40 kB broadcast, 3 clients up in round 2 (c001 dropped).
+    assert "| 1 | 50.00% |" in text and "200.0 kB" in text and "160.0 kB" in text
+    assert "dropped: no reply in time" in text and "rejected: non-finite values" in text
+    assert "round skipped" not in text
+    for name in (
+        "accuracy_vs_round",
+        "accuracy_vs_bytes",
+        "bytes_per_round",
+        "entropy_vs_round",
+        "forgetting_vs_round",
+    ):
+        assert_png(out / f"{name}.png")
+        assert f"]({name}.png)" in text
+    assert "](../../fedntd)" in text  # the run directories, relative to the report
+
+
+def test_unicast_accounting_and_no_entropy(tmp_path):
+    out = tmp_path / "out"
+    text = write_report([fedntd(tmp_path)], out, accounting="unicast").read_text()
+    assert "Down (unicast)" in text
+    assert "| 1 | 50.00% |" in text and "320.0 kB" in text  # 4 uploads + 4 copies of the broadcast, 40 kB each
+    assert not (out / "entropy_vs_round.png").exists() and "entropy_vs_round" not in text
+    assert_png(out / "accuracy_vs_bytes.png")
+
+
+def test_duplicate_labels_and_different_partitions(tmp_path):
+    a = dsfl(tmp_path, "era", [0.5, 0.6], name="run-a")
+    b = dsfl(tmp_path, "era", [0.55, 0.65], name="run-b")
+    iid = RunConfig(algorithm="fedavg", num_clients=4, rounds=2, partition="iid")
+    c = make_run(tmp_path, "fedavg", iid, [0.3, 0.4], up=1_000, down=1_000)
+    text = write_report([a, b, c], tmp_path / "out").read_text()
+    assert "DS-FL ERA (shards s=2) [run-a]" in text and "DS-FL ERA (shards s=2) [run-b]" in text
+    assert "FedAvg (IID)" in text
+
+
+def test_runs_without_accuracy(tmp_path):
+    config = RunConfig(algorithm="fedavg", num_clients=4, rounds=2)
+    run = make_run(tmp_path, "noeval", config, [None, None], up=1_000, down=1_000, dropped={1: ["c000", "c001"]})
+    out = tmp_path / "out"
+    text = write_report([run], out).read_text()
+    assert "No run recorded a test accuracy" in text and "round skipped" in text
+    assert not (out / "accuracy_vs_round.png").exists() and not (out / "forgetting_vs_round.png").exists()
+    assert_png(out / "bytes_per_round.png")
+
+
+def test_run_without_ledger_or_summary(tmp_path):
+    run = fedntd(tmp_path)
+    (run / "ledger.csv").unlink()
+    (run / "summary.json").unlink()  # an interrupted run: read_run summarizes the rounds itself
+    text = write_report([run], tmp_path / "out").read_text()
+    assert "no ledger.csv" in text and "91.00%" in text
+    assert "| tensor | 440.0 kB | 120.0 kB | 480.0 kB | 560.0 kB | 920.0 kB | — |" in text
+
+
+def test_wire_bytes_of_an_mqtt_run(tmp_path):
+    config = RunConfig(algorithm="fedavg", num_clients=4, rounds=1)
+    run = make_run(tmp_path, "mqtt", config, [0.5], up=1_000, down=1_000, wire=60)
+    text = write_report([run], tmp_path / "out").read_text()
+    # 4 uploads of 1,040 payload + 60 wire bytes, 4 broadcast copies of the same: 8.8 kB, 10% over 8 kB of tensors.
+    assert "| wire (MQTT) | 4.4 kB | — | 4.4 kB | — | 8.8 kB | +10.00% |" in text
+
+
+def test_not_a_run_directory(tmp_path):
+    (tmp_path / "config.json").write_text(RunConfig().to_json())
+    with pytest.raises(FedgeError, match=r"not a run directory.*metrics\.jsonl") as info:
+        write_report([tmp_path], tmp_path / "out")
+    assert str(tmp_path) in str(info.value)
+    with pytest.raises(FedgeError, match="not a run directory"):
+        write_report([tmp_path / "missing"], tmp_path / "out")
+    with pytest.raises(ConfigError, match="accounting"):
+        write_report([fedntd(tmp_path)], tmp_path / "out", accounting="broadcast")
