@@ -80,8 +80,10 @@ def main() -> None:
             results[f"fedge {'FedAvg' if algorithm == 'fedavg' else 'FedNTD'} round"].append(samples / elapsed)
 
     base = statistics.median(results["plain PyTorch loop"])
-    print(f"model {args.model}, {args.samples} samples x {args.epochs} epochs, batch {args.batch_size}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+    print(
+        f"model {args.model}, {args.samples} samples x {args.epochs} epochs, batch {args.batch_size}, "
+        f"{torch.get_num_threads()} threads, median of {args.repeats}"
+    )
     print(f"{'path':<22} {'samples/s':>10} {'vs plain':>9}")
     for name, values in results.items():
         med = statistics.median(values)
