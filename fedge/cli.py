@@ -98,6 +98,33 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return run_report(args)
 
 
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    from coordinator.cli import run_coordinator_cli
+
+    return run_coordinator_cli(args, config_from_args(args))
+
+
+def _cmd_client(args: argparse.Namespace) -> int:
+    from edge_client.cli import run_client
+
+    return run_client(args)
+
+
+def _cmd_provision(args: argparse.Namespace) -> int:
+    from sim.experiment import prepare
+    from sim.provision import provision
+
+    files = provision(prepare(config_from_args(args)), args.out)
+    print(f"wrote {len(files)} client data files and config.json to {args.out}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from export.cli import run_export_cli
+
+    return run_export_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedge",
@@ -148,6 +175,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--accounting", choices=["multicast", "unicast"], default="multicast")
     p.set_defaults(func=_cmd_report)
+
+    from coordinator.cli import add_coordinator_arguments
+    from edge_client.cli import add_client_arguments
+
+    p = sub.add_parser(
+        "coordinator",
+        help="run rounds over an MQTT broker for clients started elsewhere; writes a run directory",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_coordinator_arguments(p)
+    _add_config_flags(p)
+    p.set_defaults(func=_cmd_coordinator)
+
+    p = sub.add_parser(
+        "client",
+        help="an edge client: join a run over an MQTT broker and train on a local data file",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_client_arguments(p)
+    p.set_defaults(func=_cmd_client)
+
+    p = sub.add_parser(
+        "provision",
+        help="write each client's data file (and the run's config.json) for a deployment",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--out", type=Path, required=True, help="directory for <client>.safetensors, shared and config")
+    _add_config_flags(p)
+    p.set_defaults(func=_cmd_provision)
+
+    from export.cli import add_export_arguments
+
+    p = sub.add_parser(
+        "export",
+        help="export a model to ONNX / ExecuTorch (.pte, training programs) and check parity; `export check FILE...`",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_export_arguments(p)
+    p.set_defaults(func=_cmd_export)
     return parser
 
 

@@ -9,8 +9,9 @@ from typing import Any
 
 from coordinator.engine import RoundEngine
 from edge_client.client import EdgeClient
-from fedge.backend import TorchBackend
+from fedge.backend import Backend, TorchBackend
 from fedge.config import RunConfig
+from fedge.types import ClientId
 from sim.experiment import Experiment, prepare
 from sim.inprocess import InProcessTransport
 from sim.rundir import RunWriter
@@ -33,14 +34,21 @@ def run_inprocess(
     device: str = "cpu",
     on_round: Callable[[dict[str, Any]], None] | None = None,
     experiment: Experiment | None = None,
+    backend_for: Callable[[ClientId], Backend] | None = None,
 ) -> RunResult:
-    """Run ``config`` with every client in this process and write ``run_dir``."""
+    """Run ``config`` with every client in this process and write ``run_dir``.
+
+    ``backend_for``: each client's own runtime (e.g. a mixed fleet of PyTorch and ExecuTorch clients); by default all
+    clients share one PyTorch backend, used in turn.
+    """
     exp = experiment or prepare(config)
     config = exp.config  # resolved (e.g. DS-FL open-set sizes fitted to the dataset)
     run_id = run_dir.name
     backend = TorchBackend(exp.model, exp.input_shape, exp.num_classes, device=device)  # one runtime, shared in turn
     open_x = exp.open_x()
-    clients = [EdgeClient(c, exp.client_data(c, open_x), backend) for c in sorted(exp.parts)]
+    clients = [
+        EdgeClient(c, exp.client_data(c, open_x), backend_for(c) if backend_for else backend) for c in sorted(exp.parts)
+    ]
     strategy = exp.strategy(run_id)
     test_x, test_y = exp.test_tensors()
     engine = RoundEngine(

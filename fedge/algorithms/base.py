@@ -119,6 +119,15 @@ class Strategy(ABC):
             raise CodecError(f"unexpected tensors {sorted(extra)}")
         if reply.int_param("num_examples") < 0:
             raise CodecError("num_examples must be >= 0")
+        # Optional numbers that aggregation parses later: a malformed one must be rejected here, not crash there.
+        if "loss" in reply.params:
+            reply.float_param("loss")
+        for key in ("eval_correct", "eval_total"):
+            counts = reply.params.get(key)
+            if counts is not None and not (
+                len(counts.split(",")) == self.num_classes and all(v.isdigit() for v in counts.split(","))
+            ):
+                raise CodecError(f"{key} must be {self.num_classes} comma-separated counts, got {counts[:80]!r}")
 
     @abstractmethod
     def expected_reply_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

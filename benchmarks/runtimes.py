@@ -1,0 +1,240 @@
+"""On-device runtimes against eager PyTorch, measured in one run on the same CPU.
+
+For each model: the size of each export (ONNX, ExecuTorch inference .pte with XNNPACK, ExecuTorch training program),
+inference latency (eager PyTorch, ONNX Runtime, ExecuTorch XNNPACK, ExecuTorch portable = the training program's
+eval method that the ExecuTorch client uses) and training-step latency (eager PyTorch step vs an ExecuTorch
+training-program step, FedNTD loss, momentum SGD), each as a ratio to eager PyTorch. Then a short FedNTD run with
+every client on ExecuTorch against the same run with every client on PyTorch (in process): accuracy per round and
+the largest difference between the two final global models.
+
+All runtimes get the same number of CPU threads (``--threads``, default 1: one core of a small device; ExecuTorch's
+portable kernels are single-threaded anyway). Absolute times depend on the machine and its load; the ratios are the
+result. Every export passes its parity check before it is timed.
+
+Usage: python benchmarks/runtimes.py [--models fedavg_cnn dsfl_mnist_cnn] [--batch 50] [--repeats 20]
+           [--fl-dataset digits] [--fl-rounds 10] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edge_client.backends.executorch import ExecuTorchBackend
+from export.executorch import export_inference, export_training
+from export.onnx import export_onnx
+from export.parity import check_onnx, check_pte, check_training, require
+from export.program import ModelSpec, TrainingObjective
+from export.runners import OnnxRunner, PteRunner, PteTrainer
+from fedge.config import RunConfig, TrainConfig
+from fedge.models import example_input, exchanged_state
+from fedge.training import Objective, SGDSettings
+from sim.run import run_inprocess
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1000.0 * statistics.median(times)
+
+
+def bench_model(spec: ModelSpec, batch: int, repeats: int, threads: int) -> dict[str, Any]:
+    model = spec.build(seed=0)
+    weights = exchanged_state(model)
+    ntd = TrainingObjective("ntd")
+    t = time.perf_counter()
+    files = {
+        "onnx": export_onnx(model, spec),
+        "pte (XNNPACK)": export_inference(model, spec, max_batch=max(batch, 64)),
+        "pte training (ntd)": export_training(model, spec, ntd, max_batch=max(batch, 64)),
+    }
+    export_s = time.perf_counter() - t
+    require(check_onnx(files["onnx"], weights))
+    require(check_pte(files["pte (XNNPACK)"], weights))
+    require(check_training(files["pte training (ntd)"], weights))
+
+    x1, xb = spec.example(1, seed=1), spec.example(batch, seed=2)
+    y = torch.randint(0, spec.num_classes, (batch,), generator=torch.Generator().manual_seed(3))
+    teacher = torch.randn(batch, spec.num_classes, generator=torch.Generator().manual_seed(4))
+    ort = OnnxRunner(files["onnx"], threads=threads)
+    pte = PteRunner(files["pte (XNNPACK)"])
+    trainer = PteTrainer(files["pte training (ntd)"])
+    trainer.set_weights(weights)
+    model.eval()
+
+    def eager(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(x)
+
+    runners: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "eager PyTorch": eager,
+        "ONNX Runtime": ort.logits,
+        "ExecuTorch XNNPACK": pte.logits,
+        "ExecuTorch portable (client)": trainer.logits,
+    }
+    inference = {
+        name: {n: median_ms(functools.partial(run, x), repeats) for n, x in ((1, x1), (batch, xb))}
+        for name, run in runners.items()
+    }
+
+    sgd = SGDSettings(lr=0.01, momentum=0.9, weight_decay=1e-5)
+    train_model = spec.build(seed=0).train()
+    opt = torch.optim.SGD(train_model.parameters(), lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay)
+    objective = Objective("ntd")
+
+    def eager_step() -> None:
+        loss = objective.loss(train_model(xb), y, teacher, None)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    et_opt = trainer.optimizer(sgd)
+    idx = torch.arange(batch)
+    inputs = trainer.step_inputs(idx, xb, y, teacher, None, None)
+    training = {
+        "eager PyTorch": median_ms(eager_step, repeats),
+        "ExecuTorch training program": median_ms(lambda: trainer.step(et_opt, inputs), repeats),
+    }
+    return {
+        "model": spec.name,
+        "input_shape": list(spec.input_shape),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "file_bytes": {k: len(v) for k, v in files.items()},
+        "state_bytes": sum(v.numel() * v.element_size() for v in weights.values()),
+        "export_s": export_s,
+        "inference_ms": inference,
+        "train_step_ms": training,
+    }
+
+
+def fl_accuracy(args: argparse.Namespace) -> dict[str, Any]:
+    """The same short FedNTD run with all-PyTorch and with all-ExecuTorch clients."""
+    config = RunConfig(
+        algorithm="fedntd",
+        dataset=args.fl_dataset,
+        data_dir=args.fl_data_dir,
+        model=args.fl_model,
+        num_clients=args.fl_clients,
+        rounds=args.fl_rounds,
+        train=TrainConfig(local_epochs=args.fl_epochs),
+    )
+    out: dict[str, Any] = {
+        "config": {"dataset": config.dataset, "rounds": config.rounds, "clients": config.num_clients}
+    }
+    out["config"]["local_epochs"] = config.train.local_epochs
+    with tempfile.TemporaryDirectory(prefix="fedge-bench-") as tmp:
+        from sim.experiment import prepare
+
+        exp = prepare(config)
+        et = ExecuTorchBackend(exp.model, exp.input_shape, exp.num_classes, cache_dir=Path(tmp) / "programs")
+        t = time.perf_counter()
+        et.prepare([Objective("ce"), Objective("ntd")], config.train.batch_size)  # export + check, not timed below
+        out["export_and_check_s"] = time.perf_counter() - t
+        runs = {}
+        for name, backend_for in (("PyTorch clients", None), ("ExecuTorch clients", lambda c: et)):
+            t = time.perf_counter()
+            result = run_inprocess(config, Path(tmp) / name.split()[0], experiment=exp, backend_for=backend_for)
+            runs[name] = {
+                "accuracy": [r["accuracy"] for r in result.rounds],
+                "wall_s": time.perf_counter() - t,
+            }
+        from safetensors.torch import load_file
+
+        a = load_file(str(Path(tmp) / "PyTorch" / "global_model.safetensors"))
+        b = load_file(str(Path(tmp) / "ExecuTorch" / "global_model.safetensors"))
+        out["runs"] = runs
+        out["model"] = exp.model
+        out["max_global_weight_diff"] = max(float((a[k] - b[k]).abs().max()) for k in a)
+    return out
+
+
+def print_report(results: list[dict[str, Any]], fl: dict[str, Any] | None, batch: int, threads: int) -> None:
+    print(f"# On-device runtimes vs eager PyTorch ({threads} thread(s), torch {torch.__version__})\n")
+    print("## Export sizes\n")
+    print("| model | parameters | state (float32) | ONNX | .pte XNNPACK | .pte training (ntd) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        f = r["file_bytes"]
+        print(
+            f"| {r['model']} {r['input_shape']} | {r['parameters']:,} | {r['state_bytes']:,} | {f['onnx']:,} | "
+            f"{f['pte (XNNPACK)']:,} | {f['pte training (ntd)']:,} |"
+        )
+    print("\n## Inference latency (median ms; ratio to eager PyTorch)\n")
+    print(f"| model | runtime | batch 1 | x | batch {batch} | x |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in results:
+        base = r["inference_ms"]["eager PyTorch"]
+        for name, ms in r["inference_ms"].items():
+            print(
+                f"| {r['model']} | {name} | {ms[1]:.3f} | {ms[1] / base[1]:.2f} | {ms[batch]:.2f} | "
+                f"{ms[batch] / base[batch]:.2f} |"
+            )
+    print(f"\n## Training step, batch {batch}, FedNTD loss, momentum SGD (median ms; ratio to eager PyTorch)\n")
+    print("| model | eager PyTorch | ExecuTorch training program | x |")
+    print("|---|---:|---:|---:|")
+    for r in results:
+        t = r["train_step_ms"]
+        e, x = t["eager PyTorch"], t["ExecuTorch training program"]
+        print(f"| {r['model']} | {e:.2f} | {x:.2f} | {x / e:.2f} |")
+    if fl is not None:
+        c = fl["config"]
+        print(
+            f"\n## FedNTD, {c['clients']} clients, {c['rounds']} rounds of {c['local_epochs']} local epochs on "
+            f"{c['dataset']} ({fl['model']}; ExecuTorch export + check {fl['export_and_check_s']:.0f} s, not in wall)\n"
+        )
+        print("| clients | accuracy per round | wall s |")
+        print("|---|---|---:|")
+        for name, run in fl["runs"].items():
+            accs = " ".join(f"{a:.4f}" for a in run["accuracy"])
+            print(f"| {name} | {accs} | {run['wall_s']:.1f} |")
+        print(f"\nlargest difference between the final global models: {fl['max_global_weight_diff']:.3g}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["fedavg_cnn", "dsfl_mnist_cnn"])
+    p.add_argument("--batch", type=int, default=50, help="batch of the training step and of batched inference")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--fl-dataset", default="digits", help="dataset of the FedNTD comparison ('none' to skip)")
+    p.add_argument("--fl-data-dir", default=None)
+    p.add_argument("--fl-model", default=None, help="model of the FedNTD comparison (default: the dataset's)")
+    p.add_argument("--fl-rounds", type=int, default=10)
+    p.add_argument("--fl-epochs", type=int, default=3, help="local epochs per round (FedNTD's default)")
+    p.add_argument("--fl-clients", type=int, default=10)
+    p.add_argument("--json", type=Path, default=None, help="also write the raw numbers here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+    _unsafe_reset_threadpool(args.threads)  # XNNPACK's thread pool (portable kernels are single-threaded)
+
+    results = []
+    for name in args.models:
+        shape = tuple(example_input(name, batch=1).shape[1:])
+        spec = ModelSpec(name, shape, 2 if name == "imdb_lstm" else 10)
+        results.append(bench_model(spec, args.batch, args.repeats, args.threads))
+    fl = None
+    if args.fl_dataset != "none":
+        fl = fl_accuracy(args)
+    print_report(results, fl, args.batch, args.threads)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"models": results, "fedntd": fl}, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""A coordinator run over MQTT: the experiment's strategy and test data, the round engine, the run directory.
+
+The same set-up as :func:`sim.run.run_inprocess` (``sim.experiment.prepare``), with :class:`MqttTransport` in place
+of the in-process transport, so both write the same run directory and, for the same config and seeds, the same
+global model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from coordinator.engine import RoundEngine
+from coordinator.mqtt import BrokerCounters, MqttTransport
+from fedge.config import RunConfig
+from fedge.protocol import BrokerAddress, ClientStatus
+from sim.experiment import Experiment, prepare
+from sim.run import RunResult
+from sim.rundir import RunWriter
+
+log = logging.getLogger(__name__)
+
+
+def admission_rule(exp: Experiment) -> Callable[[ClientStatus], str | None]:
+    """Refuse clients whose model, input shape, classes, open set or algorithms do not match this run."""
+    algorithm = exp.config.algorithm
+    open_x = exp.open_x()
+
+    def admit(s: ClientStatus) -> str | None:
+        if s.model and s.model != exp.model:
+            return f"its data is for model {s.model!r}, this run trains {exp.model!r}"
+        if s.input_shape and tuple(s.input_shape) != tuple(exp.input_shape):
+            return f"input shape {list(s.input_shape)} differs from the run's {list(exp.input_shape)}"
+        if s.num_classes and s.num_classes != exp.num_classes:
+            return f"{s.num_classes} classes, the run has {exp.num_classes}"
+        if s.capabilities and algorithm not in s.capabilities:
+            return f"it cannot run {algorithm!r} (it knows {', '.join(s.capabilities)})"
+        if open_x is not None and s.open_size != len(open_x):
+            return f"DS-FL needs the {len(open_x)}-sample open set on the client, it holds {s.open_size}"
+        return None
+
+    return admit
+
+
+def run_coordinator(
+    config: RunConfig,
+    run_dir: Path,
+    *,
+    broker: str,
+    run: str | None = None,
+    min_clients: int | None = None,
+    round_timeout: float = 300.0,
+    join_timeout: float = 600.0,
+    rejoin_grace: float = 5.0,
+    broker_counters: bool = False,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    experiment: Experiment | None = None,
+    abort: Callable[[], str | None] | None = None,
+) -> RunResult:
+    """Wait for clients on ``broker``, run ``config.rounds`` rounds over MQTT, write ``run_dir``.
+
+    ``run`` names the federation (topic prefix and message run id; default: the run directory's name).
+    ``min_clients`` (default ``config.num_clients``) must be online before round 1. A client whose connection
+    drops mid-round has ``rejoin_grace`` seconds to come back before it counts as dropped. ``abort`` is polled
+    while waiting and returns a reason to give up (e.g. a client process died).
+    """
+    exp = experiment or prepare(config)
+    config = exp.config
+    run = run or run_dir.name
+    strategy = exp.strategy(run)
+    test_x, test_y = exp.test_tensors()
+    needed = min_clients if min_clients is not None else config.num_clients
+    address = BrokerAddress.parse(broker)
+    transport = MqttTransport(
+        address,
+        run,
+        round_timeout=round_timeout,
+        rejoin_grace=rejoin_grace,
+        admit=admission_rule(exp),
+        broker_counters=broker_counters,
+    )
+    with transport:
+        transport.wait_for_clients(needed, join_timeout, abort=abort)
+        before = transport.broker_counters() if broker_counters else None
+        engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
+        writer = RunWriter(run_dir, config, exp.partition_summary())
+
+        def record(r: dict[str, Any]) -> None:
+            r.update(transport.round_metrics.pop(r["round"], {}))  # timings and drop reasons of this round
+            writer.round(r)
+            if on_round is not None:
+                on_round(r)
+
+        history = engine.run(record)
+        after = transport.broker_counters() if broker_counters and before is not None else None
+
+    wire = sum(e.wire_bytes for e in history.ledger.entries)
+    extra: dict[str, Any] = {
+        "model": exp.model,
+        "transport": "mqtt",
+        "broker": address.url,
+        "run": run,
+        "clients": {c: _describe(s) for c, s in sorted(transport.clients.items())},
+        "drops": transport.drops,
+        "rejected_by_reason": dict(transport.rejection_counts),
+        "wire_bytes": wire,
+    }
+    if before is not None and after is not None:
+        extra["broker_bytes"] = compare_with_broker(wire, before, after)
+        log.info(
+            "wire bytes: ours %d, broker's %d (%+.2f%%)",
+            wire,
+            extra["broker_bytes"]["broker_total"],
+            extra["broker_bytes"]["diff_pct"],
+        )
+    summary = writer.finish(
+        history.rounds, history.ledger, strategy.global_weights(), initial_bytes=exp.initial_bytes(), extra=extra
+    )
+    return RunResult(run_dir, config, history.rounds, summary)
+
+
+def compare_with_broker(ours: int, before: BrokerCounters, after: BrokerCounters) -> dict[str, Any]:
+    """How far the ledger's wire bytes are from the broker's own counters over the same rounds."""
+    received, sent = after.received - before.received, after.sent - before.sent
+    total = received + sent
+    sys_bytes = after.sys_bytes - before.sys_bytes
+    residual = total - ours
+    return {
+        "broker_received": received,
+        "broker_sent": sent,
+        "broker_total": total,
+        "ledger_wire": ours,
+        "sys_topic_bytes": sys_bytes,  # the $SYS counters' own messages to this coordinator: part of the residual
+        "residual": residual,
+        "diff_pct": 100.0 * residual / total if total else math.nan,
+    }
+
+
+def _describe(s: ClientStatus) -> dict[str, Any]:
+    return {
+        "state": s.state,
+        "runtime": s.runtime,
+        "device": s.device,
+        "dataset_size": s.dataset_size,
+        **({"reason": s.reason} if s.reason else {}),
+        **({"host": s.extra["host"]} if "host" in s.extra else {}),
+    }

@@ -1,0 +1,137 @@
+"""A client runtime on ONNX Runtime: inference only.
+
+ONNX Runtime (the ``onnxruntime`` package) has no backward pass, and every algorithm's client half trains locally
+(FedAvg/FedNTD/FedLSD/FedCAD on weights, FD and DS-FL on their own models), so an ONNX Runtime client cannot be a full
+participant. What it can do:
+
+- evaluate: logits (and so accuracy) of whatever weights it is given, e.g. the global model of a FedAvg-family round,
+  with the session rebuilt from those weights (:meth:`set_weights`);
+- with ``train_policy="skip"``, take part in **FD and DS-FL as a predict-only client**: local steps are skipped, its
+  model is the one it was deployed with (the ONNX file's weights, also what :meth:`init_weights` returns), and it
+  uploads that model's per-class outputs (FD, eq. 4) or predictions on the round's open samples (DS-FL, eq. 9).
+  Its uploads are valid but its model never learns; do not enrol it in FedAvg-family runs, where it would upload the
+  global weights unchanged.
+
+With the default ``train_policy="refuse"`` a training task raises :class:`ConfigError`, which makes the client drop
+out of that round with the reason logged (as a client that cannot compute its task does).
+
+On-device training with ONNX: ``onnxruntime-training`` (1.19.2, the last release) can train with a custom loss, but
+it ships the same ``onnxruntime`` Python package (never install both in one environment), needs ``onnx==1.17.0``
+and its SGD has no momentum; it would live in a separate environment with its own client process (see
+docs/on_device.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from edge_client.backends.cache import cached_program, checked_once, default_cache_dir, toolchain_tag
+from export.program import FORMAT_VERSION, ModelSpec
+from export.runners import OnnxRunner
+from fedge.errors import ConfigError
+from fedge.models import exchanged_state
+from fedge.training import Objective, SGDSettings, TrainStats
+from fedge.types import StateDict
+
+log = logging.getLogger(__name__)
+
+TrainPolicy = Literal["refuse", "skip"]
+
+
+class OnnxRuntimeBackend:
+    """The :class:`fedge.backend.Backend` protocol on an ONNX Runtime session; see the module docstring for limits."""
+
+    runtime = "onnxruntime"
+
+    def __init__(
+        self,
+        model: str,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        *,
+        model_file: Path | None = None,
+        cache_dir: Path | None = None,
+        train_policy: TrainPolicy = "refuse",
+        threads: int = 0,
+        verify: bool = True,
+    ) -> None:
+        """``model_file``: a deployed ``.onnx`` (checked unless ``verify`` is off); else exported into ``cache_dir``."""
+        if train_policy not in ("refuse", "skip"):
+            raise ConfigError(f"train_policy must be 'refuse' or 'skip', got {train_policy!r}")
+        self.spec = ModelSpec(model, tuple(input_shape), num_classes)
+        self.train_policy = train_policy
+        self.cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
+        data = self._model_bytes(model_file, verify)
+        self._runner = OnnxRunner(data, source=str(model_file or "ONNX model"), threads=threads)
+        if self._runner.meta.model != self.spec:
+            raise ConfigError(
+                f"{model_file} holds {self._runner.meta.model}, but this client's data is for {self.spec}"
+            )
+        self._deployed = self._runner.get_weights()
+
+    def _model_bytes(self, model_file: Path | None, verify: bool) -> bytes:
+        from export.parity import check_onnx, require
+
+        def run_check(data: bytes, source: str) -> None:
+            for report in require(check_onnx(data, source=source)):
+                log.info("%s", report)
+
+        check = run_check if verify else None
+        if model_file is not None:
+            data = Path(model_file).read_bytes()
+            checked_once(data, str(model_file), check)
+            return data
+        s = self.spec
+        shape = "x".join(str(d) for d in s.input_shape)
+        path = self.cache_dir / f"{s.name}-{shape}-c{s.num_classes}-v{FORMAT_VERSION}-{toolchain_tag('onnx')}.onnx"
+
+        def make() -> bytes:
+            from export.onnx import export_onnx
+
+            return export_onnx(s.build(seed=0), s)
+
+        try:
+            return cached_program(path, make, check)
+        except OSError as exc:
+            raise ConfigError(f"cannot use the program cache {self.cache_dir}: {exc}") from exc
+
+    def set_weights(self, state: StateDict) -> None:
+        self._runner.set_weights(state)
+
+    def get_weights(self) -> StateDict:
+        return self._runner.get_weights()
+
+    def init_weights(self, seed: int) -> StateDict:
+        """Seeded initial weights, as on every runtime; a predict-only client's model is its deployed one instead."""
+        if self.train_policy == "skip":
+            return {k: v.clone() for k, v in self._deployed.items()}
+        return exchanged_state(self.spec.build(seed=seed))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self._runner.logits(x)
+
+    def train(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        objective: Objective,
+        sgd: SGDSettings,
+        *,
+        epochs: int,
+        batch_size: int,
+        seed: int,
+        aux: torch.Tensor | None = None,
+        aux_mask: torch.Tensor | None = None,
+    ) -> TrainStats:
+        if self.train_policy == "skip":
+            log.info("onnxruntime client: skipping %d epochs of %s training (predict-only)", epochs, objective.kind)
+            return TrainStats(steps=0, samples=0, mean_loss=0.0)
+        raise ConfigError(
+            f"an onnxruntime client cannot train (task asks for {epochs} epochs of {objective.kind!r}): ONNX Runtime "
+            "has no backward pass. Use --runtime executorch or torch for training clients; an onnxruntime client can "
+            "serve FD and DS-FL as a predict-only client (--predict-only)"
+        )

@@ -1,0 +1,136 @@
+"""``fedge client``: one edge client process (a Jetson board, another machine, or one of many on a laptop)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import signal
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from fedge.backend import TorchBackend
+
+log = logging.getLogger(__name__)
+
+
+def add_client_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``fedge client``."""
+    p.add_argument("--broker", required=True, help="mqtt://HOST:PORT of the broker")
+    p.add_argument("--client-id", required=True, help="this client's id, e.g. c003 (unique in the run)")
+    p.add_argument("--data", required=True, help="client data file (.safetensors, see edge_client/data.py)")
+    p.add_argument("--run", default="default", help="the run (federation) name, the same as the coordinator's --run")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present: the Jetson path), cpu or cuda[:N]")
+    p.add_argument(
+        "--runtime",
+        default="torch",
+        choices=["torch", "executorch", "onnxruntime"],
+        help="torch, executorch (training programs) or onnxruntime (inference only); see docs/on_device.md",
+    )
+    p.add_argument(
+        "--program-cache",
+        type=Path,
+        default=None,
+        help="executorch/onnxruntime: directory of exported programs "
+        "(default: $FEDGE_PROGRAM_CACHE, else ~/.cache/fedge/programs)",
+    )
+    p.add_argument("--model-file", type=Path, default=None, help="onnxruntime: the deployed .onnx model to serve")
+    p.add_argument(
+        "--predict-only",
+        action="store_true",
+        help="onnxruntime: skip local training, upload the deployed model's outputs (FD, DS-FL)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (0 = torch's default; 1 when many clients share a laptop)",
+    )
+    p.add_argument(
+        "--connect-timeout", type=float, default=60.0, help="seconds to keep trying to reach the broker at start"
+    )
+    p.add_argument("--fail-at-round", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
+
+
+def run_client(args: argparse.Namespace) -> int:
+    """Load the data, build the runtime, serve until SIGTERM/SIGINT."""
+    # Imported here so that building the `fedge` parser does not load torch.
+    import torch
+
+    from edge_client.backends import make_backend
+    from edge_client.client import EdgeClient
+    from edge_client.data import load_client_data
+    from edge_client.mqtt import MqttEdgeClient
+    from fedge.backend import TorchBackend
+    from fedge.errors import ConfigError
+    from fedge.protocol import BrokerAddress, check_name
+
+    check_name(args.client_id, "client id")
+    if args.threads < 0:
+        raise ConfigError(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data, info = load_client_data(args.data)
+    if info.client and info.client != args.client_id:
+        log.warning("data file %s was written for client %r, serving it as %r", args.data, info.client, args.client_id)
+    backend = make_backend(
+        args.runtime,
+        info.model,
+        info.input_shape,
+        info.num_classes,
+        device=args.device if args.runtime == "torch" else "cpu",
+        cache_dir=args.program_cache,
+        model_file=args.model_file,
+        predict_only=args.predict_only,
+        threads=args.threads,
+    )
+    device = str(getattr(backend, "device", "cpu"))
+    log.info(
+        "client %s: %d samples, model %s on %s (%s runtime)",
+        args.client_id,
+        len(data),
+        info.model,
+        device,
+        args.runtime,
+    )
+    if isinstance(backend, TorchBackend):
+        _warm_up(backend, data.x, data.y)
+    else:  # load (on first use: export and check) the program behind logits before the hello, not in round 1
+        backend.logits(data.x[:2])
+    server = MqttEdgeClient(
+        EdgeClient(args.client_id, data, backend),
+        info,
+        BrokerAddress.parse(args.broker),
+        args.run,
+        device=device,
+        runtime=args.runtime,
+        fail_at_round=args.fail_at_round,
+    )
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        log.info("signal %d: leaving", signum)
+        server.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    server.serve(connect_timeout=args.connect_timeout)
+    return 0
+
+
+def _warm_up(backend: TorchBackend, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Two throw-away training steps on a copy of the model, before the hello.
+
+    The first training call of a process pays for kernel, optimizer and library initialization (seconds on a CPU,
+    more for a CUDA context on a Jetson); paying it here keeps it out of round 1's deadline and timing. The real
+    model and the client's state are untouched, so results do not change.
+    """
+    from fedge.training import Objective, SGDSettings, predict_logits, train
+
+    model = copy.deepcopy(backend.model)
+    n = min(len(x), 64)
+    train(model, x[:n], y[:n], Objective("ce"), SGDSettings(lr=1e-3, momentum=0.9), epochs=1, batch_size=32, seed=0)
+    predict_logits(model, x[:n])

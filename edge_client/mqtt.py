@@ -1,0 +1,194 @@
+"""An edge client served over MQTT: announce, receive tasks and broadcasts, compute, upload; survive reconnects.
+
+The client subscribes to its own task topic and the run's broadcast topic, then publishes a retained hello on its
+status topic (with a last will that says "offline"). For each task it runs :meth:`EdgeClient.handle` — the same
+client half as the in-process simulator — and publishes the update. A task that needs its round's broadcast waits
+for it (the two travel on different topics, so they may arrive in either order). Its :class:`EdgeClient` object, and
+with it the client's own state (FD/DS-FL local models), lives as long as the process, across reconnects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import platform
+import threading
+import time
+
+import torch
+
+from edge_client.client import EdgeClient
+from edge_client.data import ClientDataInfo
+from fedge.algorithms import CLIENT_STEPS
+from fedge.errors import CodecError, ConfigError
+from fedge.messages import BROADCAST, TASK, Message, decode, encode, format_float
+from fedge.mqtt import MqttLink, Will
+from fedge.protocol import (
+    BROADCAST_ROUND_PARAM,
+    COMPUTE_CPU_S_PARAM,
+    COMPUTE_S_PARAM,
+    SESSION_PARAM,
+    BrokerAddress,
+    ClientStatus,
+    Topics,
+    encode_status,
+    error_message,
+)
+
+log = logging.getLogger(__name__)
+
+FAULT_EXIT_CODE = 70  # what a client started with fail_at_round exits with (tests look for it)
+_KEEP_BROADCASTS = 4  # rounds of broadcasts kept while their tasks may still come
+
+
+class MqttEdgeClient:
+    """Serves one :class:`EdgeClient` over a broker until :meth:`stop` (or SIGTERM via the CLI)."""
+
+    def __init__(
+        self,
+        client: EdgeClient,
+        info: ClientDataInfo,
+        address: BrokerAddress,
+        run: str,
+        *,
+        device: str = "cpu",
+        runtime: str = "torch",
+        fail_at_round: int | None = None,
+        keepalive: int = 30,
+    ) -> None:
+        self.client = client
+        self.topics = Topics(run)
+        self.fail_at_round = fail_at_round
+        self._stop = threading.Event()
+        self._broadcasts: dict[tuple[str, int], Message] = {}  # by (session, round)
+        self._pending: Message | None = None  # a task waiting for its broadcast
+        self._session: str | None = None  # the coordinator run being served
+        self._done: set[int] = set()  # rounds of this session already answered: QoS 1 may deliver twice
+        self.updates_sent = 0
+        cid = client.client_id
+        self._hello = encode_status(
+            ClientStatus(
+                client=cid,
+                state="online",
+                runtime=runtime,
+                device=device,
+                dataset_size=len(client.data),
+                model=info.model,
+                input_shape=info.input_shape,
+                num_classes=info.num_classes,
+                open_size=0 if client.data.open_x is None else len(client.data.open_x),
+                capabilities=tuple(sorted(CLIENT_STEPS)),
+                extra={"host": platform.node(), "pid": str(os.getpid()), "torch": torch.__version__},
+            ),
+            run,
+        )
+        will = encode_status(ClientStatus(client=cid, state="offline", reason="connection lost"), run)
+        self.link = MqttLink(
+            address,
+            f"fedge-{run}-{cid}",
+            subscriptions=[(self.topics.task(cid), 1), (self.topics.broadcast, 1)],
+            will=Will(self.topics.status(cid), will),
+            on_ready=self._announce,  # after every (re)connect: the coordinator learns we are back
+            keepalive=keepalive,
+        )
+
+    def _announce(self, link: MqttLink) -> None:
+        link.publish(self.topics.status(self.client.client_id), self._hello, qos=1, retain=True)
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return (thread-safe; also what SIGTERM does)."""
+        self._stop.set()
+
+    def serve(self, connect_timeout: float = 60.0) -> None:
+        """Connect, then handle messages until :meth:`stop`; leave cleanly (empty retained status)."""
+        self.link.start(connect_timeout)
+        log.info("client %s connected to %s, serving run %r", self.client.client_id, self.link.address, self.topics.run)
+        try:
+            while not self._stop.is_set():
+                item = self.link.get(timeout=0.2)
+                if item is None:
+                    continue
+                try:
+                    msg = decode(item.payload)
+                except CodecError as exc:
+                    log.warning("ignoring an unreadable message on %s: %s", item.topic, exc)
+                    continue
+                if msg.kind == BROADCAST:
+                    self._on_broadcast(msg)
+                elif msg.kind == TASK:
+                    self._on_task(msg)
+                else:
+                    log.warning("ignoring a %r message on %s", msg.kind, item.topic)
+        finally:
+            # An empty retained message deletes the hello: this client left on purpose (the will is for crashes).
+            self.link.close(final=[(self.topics.status(self.client.client_id), b"", True)])
+            log.info("client %s stopped after %d updates", self.client.client_id, self.updates_sent)
+
+    def _on_broadcast(self, msg: Message) -> None:
+        if msg.run != self.topics.run:
+            log.warning("ignoring a broadcast of run %r (serving %r)", msg.run, self.topics.run)
+            return
+        key = (msg.params.get(SESSION_PARAM, ""), msg.round)
+        self._broadcasts[key] = msg
+        while len(self._broadcasts) > _KEEP_BROADCASTS:  # dicts keep insertion order: drop the oldest
+            del self._broadcasts[next(iter(self._broadcasts))]
+        pending = self._pending
+        if pending is not None and _wanted_broadcast(pending) == key:
+            self._pending = None
+            self._run_task(pending, msg)
+
+    def _on_task(self, task: Message) -> None:
+        cid = self.client.client_id
+        if task.client != cid or task.run != self.topics.run:
+            log.warning("ignoring a task for client %r of run %r", task.client, task.run)
+            return
+        session = task.params.get(SESSION_PARAM, "")
+        if session != self._session:
+            if self._session is not None:  # a new coordinator run: the old local state belongs to the old run
+                log.info("round %d of a new run (session %s): fresh local state", task.round, session)
+                self.client.store.clear()
+            self._session = session
+            self._done.clear()
+        if task.round in self._done:
+            log.info("round %d: task delivered again; already answered", task.round)
+            return
+        if self.fail_at_round is not None and task.round >= self.fail_at_round:
+            log.error("round %d: fault injection: exiting hard in the middle of the task", task.round)
+            os._exit(FAULT_EXIT_CODE)  # no DISCONNECT, no cleanup: the broker publishes our last will
+        wanted = _wanted_broadcast(task)
+        if wanted is None:
+            self._run_task(task, None)
+            return
+        broadcast = self._broadcasts.get(wanted)
+        if broadcast is None:
+            self._pending = task  # the broadcast is on its way on the other topic
+            return
+        self._run_task(task, broadcast)
+
+    def _run_task(self, task: Message, broadcast: Message | None) -> None:
+        started, cpu_started = time.perf_counter(), time.process_time()
+        try:
+            update = self.client.handle(task, broadcast)
+        except (CodecError, ConfigError, ValueError) as exc:  # a task this client cannot do: say why, stay up
+            log.error("round %d: cannot do the task: %s", task.round, exc)
+            self._send(task, error_message(task, str(exc)))
+            return
+        timing = {
+            COMPUTE_S_PARAM: format_float(time.perf_counter() - started),
+            COMPUTE_CPU_S_PARAM: format_float(time.process_time() - cpu_started),
+        }
+        self._send(task, dataclasses.replace(update, params={**update.params, **timing}))
+        self.updates_sent += 1
+
+    def _send(self, task: Message, reply: Message) -> None:
+        self._done.add(task.round)
+        payload = encode(reply)
+        self.link.publish(self.topics.update(self.client.client_id), payload, qos=1)
+        log.info("round %d: sent %s (%d bytes)", task.round, reply.kind, len(payload))
+
+
+def _wanted_broadcast(task: Message) -> tuple[str, int] | None:
+    """(session, round) of the broadcast a task needs, or None."""
+    wanted = task.params.get(BROADCAST_ROUND_PARAM)
+    return None if wanted is None else (task.params.get(SESSION_PARAM, ""), int(wanted))

@@ -1,0 +1,168 @@
+"""``fedge export``: export a model to ONNX / ExecuTorch, check parity, refuse what fails; ``fedge export check``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fedge.errors import ConfigError, ExportError
+from fedge.training import OBJECTIVES
+from fedge.types import StateDict
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from export.program import ModelSpec, TrainingObjective
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("onnx", "pte", "pte-train")
+WEIGHTS_FILE = "weights.safetensors"
+"""The reference weights written beside the exports of one ``fedge export`` call (read back by ``check``)."""
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``fedge export`` and its ``check`` subcommand."""
+    p.add_argument(
+        "--model", help="model name (fedavg_cnn, dsfl_mnist_cnn, dsfl_fmnist_cnn, reuters_mlp, imdb_lstm, ...)"
+    )
+    p.add_argument("--input-shape", default=None, help="per-sample input shape, e.g. 1,28,28 (none: the paper's)")
+    p.add_argument("--num-classes", type=int, default=10)
+    p.add_argument(
+        "--weights", type=Path, default=None, help="exchanged state to export (.safetensors, e.g. a run's global_model)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="initialization seed when no --weights are given")
+    p.add_argument("--format", nargs="+", choices=FORMATS, default=["onnx", "pte"], help="what to export")
+    p.add_argument(
+        "--objective",
+        nargs="+",
+        choices=OBJECTIVES,
+        default=["ntd"],
+        help="losses of the training programs (--format pte-train), one program each",
+    )
+    p.add_argument("--tau", type=float, default=1.0, help="distillation temperature baked into ntd/kd/lsd/cad programs")
+    p.add_argument("--beta", type=float, default=1.0, help="distillation weight baked into ntd/kd programs")
+    p.add_argument("--gamma", type=float, default=1.0, help="FD regularizer weight baked into fd programs")
+    p.add_argument("--max-batch", type=int, default=64, help="largest batch the .pte programs accept")
+    p.add_argument("--no-xnnpack", action="store_true", help="inference .pte on portable kernels only")
+    p.add_argument("--out", type=Path, default=Path("exports"), help="output directory")
+    sub = p.add_subparsers(dest="export_command", metavar="check")
+    c = sub.add_parser("check", help="re-run the parity checks of existing exports")
+    c.add_argument("files", nargs="+", type=Path, help=".onnx / .pte files")
+    c.add_argument(
+        "--weights",
+        dest="check_weights",
+        type=Path,
+        default=None,
+        help=f"reference weights (none: {WEIGHTS_FILE} beside each file, if present)",
+    )
+
+
+def run_export_cli(args: argparse.Namespace) -> int:
+    """Dispatch ``fedge export`` / ``fedge export check``."""
+    if args.export_command == "check":
+        return _check(args.files, args.check_weights)
+    return _export(args)
+
+
+def _load_weights(path: Path) -> StateDict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return dict(load_file(str(path)))
+    except (OSError, SafetensorError) as exc:
+        raise ConfigError(f"cannot read weights {path}: {exc}") from exc
+
+
+def _input_shape(model: str, text: str | None) -> tuple[int, ...]:
+    from fedge.models import example_input
+
+    if text is None:
+        return tuple(example_input(model, batch=1).shape[1:])
+    try:
+        return tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--input-shape must be comma-separated integers, got {text!r}") from None
+
+
+def _export(args: argparse.Namespace) -> int:
+    from export.parity import check_bytes, require
+    from export.program import ModelSpec, TrainingObjective
+    from fedge.cost import format_bytes
+    from fedge.models import exchanged_state, load_exchanged_state
+
+    if not args.model:
+        raise ConfigError("fedge export needs --model (or the subcommand `check FILE...`)")
+    if args.max_batch < 1:
+        raise ConfigError(f"--max-batch must be >= 1, got {args.max_batch}")
+    spec = ModelSpec(args.model, _input_shape(args.model, args.input_shape), args.num_classes)
+    model = spec.build(seed=args.seed)
+    if args.weights is not None:
+        load_exchanged_state(model, _load_weights(args.weights))
+    weights = exchanged_state(model)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    jobs: list[tuple[str, str, TrainingObjective | None]] = []
+    for fmt in args.format:
+        if fmt == "pte-train":
+            for kind in args.objective:
+                o = TrainingObjective(kind, tau=args.tau, beta=args.beta, gamma=args.gamma)
+                jobs.append((fmt, f"{spec.name}-train-{o.tag}.pte", o))
+        else:
+            jobs.append((fmt, f"{spec.name}.{'onnx' if fmt == 'onnx' else 'pte'}", None))
+
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / WEIGHTS_FILE))
+    refused = 0
+    for fmt, name, objective in jobs:
+        data = _make(fmt, model, spec, objective, args)
+        reports = check_bytes(data, fmt, weights, source=name)
+        for r in reports:
+            print(f"  {r}")
+        try:
+            require(reports)
+        except ExportError as exc:
+            print(f"fedge: refused {name}: {exc}", file=sys.stderr)
+            refused += 1
+            continue
+        (out / name).write_bytes(data)
+        print(f"{out / name}  {format_bytes(len(data))} ({len(data):,} bytes)")
+    return 1 if refused else 0
+
+
+def _make(
+    fmt: str, model: nn.Module, spec: ModelSpec, objective: TrainingObjective | None, args: argparse.Namespace
+) -> bytes:
+    if fmt == "onnx":
+        from export.onnx import export_onnx
+
+        return export_onnx(model, spec)
+    if fmt == "pte":
+        from export.executorch import export_inference
+
+        return export_inference(model, spec, xnnpack=not args.no_xnnpack, max_batch=args.max_batch)
+    from export.executorch import export_training
+
+    assert objective is not None  # pte-train jobs always carry one
+    return export_training(model, spec, objective, max_batch=args.max_batch)
+
+
+def _check(files: list[Path], weights_path: Path | None) -> int:
+    from export.parity import check_file
+
+    failed = 0
+    for path in files:
+        if not path.is_file():
+            raise ConfigError(f"{path} does not exist")
+        candidate = weights_path or path.parent / WEIGHTS_FILE
+        weights = _load_weights(candidate) if candidate.is_file() else None
+        reports = check_file(path, weights)
+        for r in reports:
+            print(r)
+        failed += sum(not r.passed for r in reports)
+    return 1 if failed else 0

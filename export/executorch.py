@@ -1,0 +1,217 @@
+"""Export to ExecuTorch: inference programs (``.pte``, XNNPACK-delegated) and on-device training programs.
+
+A **training program** is a ``.pte`` with two methods:
+
+- ``forward_backward(x, y[, aux][, class_weights | aux_mask], *bn_stats) -> (loss, logits, *new_bn_stats)``: one
+  training step's forward and backward pass. The loss is :meth:`fedge.training.Objective.loss` with the objective's
+  hyperparameters fixed at export; ExecuTorch's training ABI appends the gradients and the (mutable) parameters to the
+  outputs, and an SGD optimizer in the runtime applies the gradients to those parameters in place.
+- ``forward(x, *params, *bn_stats) -> logits``: eval-mode inference with the weights passed in, so the logits always
+  come from the weights being trained.
+
+Batch-norm running statistics are inputs and outputs of the training method rather than buffers mutated inside the
+program: ExecuTorch 1.4.1 can keep mutable buffers, but gives no way to read or set them from the host, and its
+Python ``TrainingModule`` mis-slices the outputs of a program that mutates buffers (it counts the buffer mutations
+that the runtime does not return). With the statistics passed through, they follow eager PyTorch exactly (same
+momentum update, unbiased variance) and travel with the weights.
+
+Two workarounds are applied before lowering: the decomposition of ``max_pool2d_with_indices_backward``, whose
+portable kernel accumulates into an un-zeroed buffer in 1.4.1 (pytorch/executorch#21686, wrong gradients from the
+second step on), and of ``_native_batch_norm_legit_functional``, which has no out-variant kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.export import Dim, ExportedProgram
+from torch.func import functional_call
+
+from export.program import (
+    EVAL_METHOD,
+    META_METHOD,
+    TRAIN_METHOD,
+    ModelSpec,
+    ProgramMeta,
+    TrainingObjective,
+    describe_weights,
+    example_training_inputs,
+    stat_names,
+)
+from fedge.errors import ExportError
+from fedge.training import Objective
+
+if TYPE_CHECKING:
+    from executorch.exir import EdgeProgramManager
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BATCH = 64
+"""Upper bound of the batch dimension. ExecuTorch plans memory for the largest allowed shape, so keep it small."""
+
+
+class TrainingStep(nn.Module):
+    """The loss module exported as a training method: the model (as ``self.model``) plus a fixed objective."""
+
+    def __init__(self, model: nn.Module, objective: TrainingObjective) -> None:
+        super().__init__()
+        self.model = model
+        self.objective = objective
+        self.stat_names = stat_names(model)
+        self.counter_names = tuple(k for k, v in model.named_buffers() if not v.is_floating_point())
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = len(self.objective.inputs)
+        inputs = dict(zip(self.objective.inputs, args[:n], strict=True))
+        # BN updates running stats in place; updating clones of the inputs makes export return the new values as
+        # plain outputs. The batch counters only matter for BN with momentum=None, which no model here uses.
+        buffers = {k: s.clone() for k, s in zip(self.stat_names, args[n:], strict=True)}
+        buffers.update({k: torch.zeros((), dtype=torch.long) for k in self.counter_names})
+        logits = functional_call(self.model, buffers, (inputs["x"],), strict=False)
+        o = self.objective
+        objective = Objective(o.kind, o.tau, o.beta, o.gamma, class_weights=inputs.get("class_weights"))
+        loss = objective.loss(logits, inputs["y"], inputs.get("aux"), inputs.get("aux_mask"))
+        return (loss, logits.detach(), *(buffers[k] for k in self.stat_names))
+
+
+class EvalStep(nn.Module):
+    """Eval-mode logits with every weight an input: ``forward(x, *params, *bn_stats)``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.names = tuple(k for k, _ in model.named_parameters()) + stat_names(model)
+
+    def forward(self, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.model, dict(zip(self.names, weights, strict=True)), (x,), strict=False)
+
+
+def _batch_dim(max_batch: int) -> Dim:
+    return Dim("batch", min=1, max=max_batch)
+
+
+def export_inference(
+    model: nn.Module, spec: ModelSpec, *, xnnpack: bool = True, max_batch: int = DEFAULT_MAX_BATCH
+) -> bytes:
+    """An inference ``.pte`` (eval mode, weights baked in) with a dynamic batch dimension up to ``max_batch``.
+
+    XNNPACK's channels-last pass in ExecuTorch 1.4.1 narrows the batch range of convolution models (to 15 on
+    ``fedavg_cnn``, whatever bound was asked for); such a model is exported again with the narrowed bound, which is
+    what the file records, and :class:`export.runners.PteRunner` splits larger batches.
+    """
+    was_training = model.training
+    model.eval()
+    shapes = describe_weights(model)
+    meta = ProgramMeta(
+        "pte", spec, weights=tuple(shapes), shapes=shapes, max_batch=max_batch, extra={"xnnpack": str(xnnpack)}
+    )
+    try:
+        edge = _lower_inference(model, spec, meta, xnnpack)
+        bound = _batch_upper_bound(edge.exported_program())
+        if bound < max_batch:
+            log.info("%s: XNNPACK lowering narrowed the batch bound from %d to %d", spec.name, max_batch, bound)
+            meta = dataclasses.replace(meta, max_batch=bound)
+            edge = _lower_inference(model, spec, meta, xnnpack)
+        manager = edge.to_executorch()
+    except Exception as exc:  # torch.export and ExecuTorch raise many types; name the model and stage
+        raise ExportError(f"ExecuTorch inference export of {spec.name} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        model.train(was_training)
+    return bytes(manager.buffer)
+
+
+def _lower_inference(model: nn.Module, spec: ModelSpec, meta: ProgramMeta, xnnpack: bool) -> EdgeProgramManager:
+    from executorch.exir import to_edge_transform_and_lower
+
+    ep = torch.export.export(model, (spec.example(2),), dynamic_shapes={"x": {0: _batch_dim(meta.max_batch)}})
+    partitioner = []
+    if xnnpack:
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+        partitioner = [XnnpackPartitioner()]
+    return to_edge_transform_and_lower(ep, partitioner=partitioner, constant_methods={META_METHOD: meta.to_json()})
+
+
+def _batch_upper_bound(ep: ExportedProgram) -> int:
+    """The largest batch the lowered program's input ``x`` admits (what ExecuTorch plans memory for)."""
+    from executorch.exir.sym_util import eval_upper_bound
+
+    (x,) = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name == "x"]
+    return int(eval_upper_bound(x.meta["val"].shape[0]))
+
+
+def _decompose_for_training(ep: ExportedProgram, *, max_pool_workaround: bool) -> ExportedProgram:
+    table = torch._decomp.decomposition_table
+    ops = [torch.ops.aten._native_batch_norm_legit_functional.default]
+    if max_pool_workaround:
+        ops.append(torch.ops.aten.max_pool2d_with_indices_backward.default)
+    return ep.run_decompositions({op: table[op] for op in ops})
+
+
+def export_training(
+    model: nn.Module,
+    spec: ModelSpec,
+    objective: TrainingObjective,
+    *,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    max_pool_workaround: bool = True,
+) -> bytes:
+    """A training ``.pte`` for ``objective`` (portable kernels) holding ``model``'s current weights.
+
+    ``max_pool_workaround=False`` skips the max-pool backward decomposition; it exists to show that the parity
+    check catches the upstream gradient bug, never use it for a real export.
+    """
+    from executorch.exir import EdgeCompileConfig, to_edge
+    from torch.export.experimental import _export_forward_backward
+
+    was_training = model.training
+    model.train()
+    step = TrainingStep(model, objective)
+    eval_step = EvalStep(model)
+    params = tuple(k for k, _ in model.named_parameters())
+    stats = step.stat_names
+    state = dict(model.state_dict())
+    stat_values = tuple(state[k].detach().clone() for k in stats)
+    batch = _batch_dim(max_batch)
+    args = example_training_inputs(spec, objective)
+    # Every per-sample input shares the batch dimension; per-class inputs (class_weights) and BN stats are static.
+    shapes = tuple(None if k == "class_weights" else {0: batch} for k in objective.inputs)
+    try:
+        ep = torch.export.export(
+            step, (*args, *stat_values), dynamic_shapes={"args": (*shapes, *(None for _ in stats))}
+        )
+        ep = _export_forward_backward(ep)
+        ep = _decompose_for_training(ep, max_pool_workaround=max_pool_workaround)
+        model.eval()
+        weights = tuple(p.detach().clone() for p in model.parameters()) + stat_values
+        ep_eval = torch.export.export(
+            eval_step,
+            (spec.example(2), *weights),
+            dynamic_shapes={"x": {0: batch}, "weights": tuple(None for _ in weights)},
+        )
+        meta = ProgramMeta(
+            "pte-train",
+            spec,
+            objective=objective,
+            weights=tuple(describe_weights(model)),
+            shapes=describe_weights(model),
+            params=params,
+            stats=stats,
+            max_batch=max_batch,
+        )
+        manager = to_edge(
+            {TRAIN_METHOD: ep, EVAL_METHOD: ep_eval},
+            constant_methods={META_METHOD: meta.to_json()},
+            compile_config=EdgeCompileConfig(_check_ir_validity=False),
+        ).to_executorch()
+    except Exception as exc:  # see export_inference
+        raise ExportError(
+            f"ExecuTorch training export of {spec.name} ({objective.tag}) failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        model.train(was_training)
+    return bytes(manager.buffer)

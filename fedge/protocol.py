@@ -1,0 +1,313 @@
+"""The MQTT protocol of a deployment, as pure functions: topics, client status messages and wire-byte formulas.
+
+Nothing here touches a socket; :mod:`fedge.mqtt` does the I/O. See ``docs/protocol.md`` for the whole protocol.
+
+Topics, all under ``fedge/<run>/`` (``<run>`` names one federation, given to the coordinator and every client):
+  ``task/<client>``    coordinator -> one client: a TASK (and, on a resend, that round's BROADCAST)
+  ``broadcast``        coordinator -> every client, published once and fanned out by the broker
+  ``update/<client>``  client -> coordinator: an UPDATE, or an ERROR saying why the client could not do its task
+  ``status/<client>``  client -> coordinator, retained: the hello (state ``online``), the last will (``offline``);
+                       an empty retained message clears it when a client leaves cleanly
+
+Wire bytes follow MQTT 3.1.1 (OASIS standard, sec. 2-3): every packet is a fixed header (1 byte of type and flags,
+then the "remaining length" as a 1-4 byte varint) plus the remaining length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import urlsplit
+
+from fedge.errors import CodecError, ConfigError
+from fedge.messages import Message, decode, encode
+
+ROOT = "fedge"
+DEFAULT_PORT = 1883
+
+# Message kinds of the deployment protocol, on top of fedge.messages' TASK / BROADCAST / UPDATE.
+STATUS = "status"  # a client's hello (online) or last will (offline); metadata only
+ERROR = "error"  # a client could not do its task; metadata only, the reason in param "error"
+
+Channel = Literal["task", "broadcast", "update", "status"]
+CHANNELS: tuple[Channel, ...] = ("task", "broadcast", "update", "status")
+ClientState = Literal["online", "offline"]
+
+# Transport-level parameters the MQTT roles add to messages; algorithms never read them.
+BROADCAST_ROUND_PARAM = "mqtt.broadcast_round"  # in a task: wait for this round's broadcast before computing
+SESSION_PARAM = "mqtt.session"  # in tasks and broadcasts: one coordinator run; a new one resets a client's state
+COMPUTE_S_PARAM = "mqtt.compute_s"  # in an update: wall seconds of the client step
+COMPUTE_CPU_S_PARAM = "mqtt.compute_cpu_s"  # in an update: CPU seconds of the client step (this process)
+
+
+# --- names and topics -------------------------------------------------------------------------------------------
+
+
+def check_name(name: str, what: str) -> str:
+    """``name`` if it can be one topic level (a run or client id), else a ConfigError saying why not."""
+    if not name:
+        raise ConfigError(f"{what} must not be empty")
+    bad = sorted({ch for ch in name if ch in "/+#\0" or ord(ch) < 32})
+    if bad:
+        raise ConfigError(f"{what} {name!r} contains {bad}; use letters, digits, '-', '_' or '.'")
+    if name.startswith("$"):
+        raise ConfigError(f"{what} {name!r} must not start with '$' (reserved for broker topics such as $SYS)")
+    if len(name.encode()) > 128:
+        raise ConfigError(f"{what} {name!r} is longer than 128 bytes")
+    return name
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The topic names of one run."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        check_name(self.run, "run name")
+
+    @property
+    def prefix(self) -> str:
+        return f"{ROOT}/{self.run}"
+
+    def task(self, client: str) -> str:
+        return f"{self.prefix}/task/{check_name(client, 'client id')}"
+
+    @property
+    def broadcast(self) -> str:
+        return f"{self.prefix}/broadcast"
+
+    def update(self, client: str) -> str:
+        return f"{self.prefix}/update/{check_name(client, 'client id')}"
+
+    def status(self, client: str) -> str:
+        return f"{self.prefix}/status/{check_name(client, 'client id')}"
+
+    @property
+    def all_updates(self) -> str:
+        """Subscription filter for every client's updates."""
+        return f"{self.prefix}/update/+"
+
+    @property
+    def all_statuses(self) -> str:
+        """Subscription filter for every client's status."""
+        return f"{self.prefix}/status/+"
+
+    def parse(self, topic: str) -> tuple[Channel, str | None]:
+        """(channel, client) of a topic of this run; client is None for the broadcast. CodecError for anything else."""
+        head = self.prefix + "/"
+        if not topic.startswith(head):
+            raise CodecError(f"topic {topic!r} is not under {head!r}")
+        parts = topic[len(head) :].split("/")
+        if parts == ["broadcast"]:
+            return "broadcast", None
+        if len(parts) == 2 and parts[0] in ("task", "update", "status") and parts[1]:
+            return parts[0], parts[1]  # type: ignore[return-value]
+        raise CodecError(f"topic {topic!r} is not a fedge topic (expected {head}task|update|status/<client>)")
+
+
+# --- broker addresses -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    """Where a broker listens; written ``mqtt://HOST:PORT``."""
+
+    host: str
+    port: int = DEFAULT_PORT
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ConfigError("broker host must not be empty")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"broker port must be in 1..65535, got {self.port}")
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://{self.host}:{self.port}"
+
+    def __str__(self) -> str:
+        return self.url
+
+    @classmethod
+    def parse(cls, text: str) -> BrokerAddress:
+        """``mqtt://host[:port]``, ``tcp://host[:port]`` or ``host[:port]``."""
+        raw = text.strip()
+        if "://" not in raw:
+            raw = "mqtt://" + raw
+        parts = urlsplit(raw)
+        if parts.scheme in ("mqtts", "ssl", "wss", "ws"):
+            raise ConfigError(f"broker URL {text!r}: only plain TCP (mqtt://HOST:PORT) is supported so far")
+        if parts.scheme not in ("mqtt", "tcp"):
+            raise ConfigError(f"broker URL {text!r} must look like mqtt://HOST:PORT")
+        try:
+            port = parts.port or DEFAULT_PORT
+        except ValueError as exc:
+            raise ConfigError(f"broker URL {text!r} has an invalid port: {exc}") from None
+        if not parts.hostname:
+            raise ConfigError(f"broker URL {text!r} lacks a host, e.g. mqtt://127.0.0.1:1883")
+        return cls(parts.hostname, port)
+
+
+# --- client status (hello / last will) --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClientStatus:
+    """What a client announces about itself (hello) or what its last will says (offline)."""
+
+    client: str
+    state: ClientState
+    runtime: str = ""  # "torch", later "onnxruntime" / "executorch"
+    device: str = ""  # "cpu", "cuda", "cuda:0" ...
+    dataset_size: int = 0  # labeled private samples
+    model: str = ""
+    input_shape: tuple[int, ...] = ()
+    num_classes: int = 0
+    open_size: int = 0  # DS-FL open-set samples held locally (0 = none)
+    capabilities: tuple[str, ...] = ()  # algorithms the client can run
+    reason: str = ""  # why offline: "connection lost" (last will)
+    extra: dict[str, str] = field(default_factory=dict)  # free-form facts: host name, torch version ...
+
+    def __post_init__(self) -> None:
+        if self.state not in ("online", "offline"):
+            raise CodecError(f"client state must be online|offline, got {self.state!r}")
+
+    @property
+    def online(self) -> bool:
+        return self.state == "online"
+
+
+def encode_status(status: ClientStatus, run: str) -> bytes:
+    """A status as a metadata-only safetensors message."""
+    params = {
+        "state": status.state,
+        "runtime": status.runtime,
+        "device": status.device,
+        "dataset_size": str(status.dataset_size),
+        "model": status.model,
+        "input_shape": ",".join(str(d) for d in status.input_shape),
+        "num_classes": str(status.num_classes),
+        "open_size": str(status.open_size),
+        "capabilities": ",".join(status.capabilities),
+        "reason": status.reason,
+    }
+    params.update({f"extra.{k}": v for k, v in status.extra.items()})
+    return encode(Message(STATUS, 0, run=run, client=status.client, params=params))
+
+
+def decode_status(payload: bytes) -> ClientStatus:
+    """Parse a status message; CodecError for anything that is not one."""
+    msg = decode(payload)
+    if msg.kind != STATUS:
+        raise CodecError(f"expected a {STATUS!r} message, got {msg.kind!r}")
+    shape = msg.param("input_shape", "")
+    caps = msg.param("capabilities", "")
+    try:
+        input_shape = tuple(int(d) for d in shape.split(",")) if shape else ()
+    except ValueError:
+        raise CodecError(f"input_shape {shape!r} is not a comma-separated list of integers") from None
+    return ClientStatus(
+        client=msg.client,
+        state=msg.param("state"),  # type: ignore[arg-type]  # checked in __post_init__
+        runtime=msg.param("runtime", ""),
+        device=msg.param("device", ""),
+        dataset_size=msg.int_param("dataset_size", 0),
+        model=msg.param("model", ""),
+        input_shape=input_shape,
+        num_classes=msg.int_param("num_classes", 0),
+        open_size=msg.int_param("open_size", 0),
+        capabilities=tuple(c for c in caps.split(",") if c),
+        reason=msg.param("reason", ""),
+        extra={k[6:]: v for k, v in msg.params.items() if k.startswith("extra.")},
+    )
+
+
+def error_message(task: Message, reason: str) -> Message:
+    """What a client sends instead of an update when it cannot do ``task``."""
+    return Message(ERROR, task.round, run=task.run, client=task.client, params={"error": reason[:2000]})
+
+
+# --- wire bytes (MQTT 3.1.1) -------------------------------------------------------------------------------------
+
+MAX_REMAINING_LENGTH = 268_435_455  # 4 varint bytes: the largest packet MQTT can carry (256 MiB)
+PUBACK_BYTES = 4  # fixed header (2) + packet id (2)
+CONNACK_BYTES = 4
+PINGREQ_BYTES = PINGRESP_BYTES = DISCONNECT_BYTES = 2
+
+
+def varint_size(value: int) -> int:
+    """Bytes of MQTT's "remaining length" encoding of ``value`` (7 bits per byte, at most 4 bytes)."""
+    if value < 0 or value > MAX_REMAINING_LENGTH:
+        raise CodecError(f"remaining length {value} is outside 0..{MAX_REMAINING_LENGTH} (MQTT's 256 MiB limit)")
+    size = 1
+    while value >= 128:
+        value >>= 7
+        size += 1
+    return size
+
+
+def _packet(remaining: int) -> int:
+    return 1 + varint_size(remaining) + remaining
+
+
+def publish_packet_bytes(topic: str, payload_bytes: int, qos: int = 1) -> int:
+    """One PUBLISH packet: fixed header, topic (2-byte length + UTF-8), packet id when QoS > 0, payload."""
+    if qos not in (0, 1, 2):
+        raise CodecError(f"QoS must be 0, 1 or 2, got {qos}")
+    return _packet(2 + len(topic.encode()) + (2 if qos else 0) + payload_bytes)
+
+
+def publish_acks_bytes(qos: int) -> int:
+    """Acknowledgement bytes of one delivered PUBLISH: PUBACK (QoS 1), PUBREC+PUBREL+PUBCOMP (QoS 2)."""
+    return (0, PUBACK_BYTES, 3 * PUBACK_BYTES)[qos]
+
+
+def delivery_wire_bytes(topic: str, payload_bytes: int, *, subscribers: int, qos: int = 1) -> int:
+    """Every byte one published message puts on the wire, through a broker, to ``subscribers`` subscribers.
+
+    The publisher's PUBLISH and its acknowledgement, plus one PUBLISH and acknowledgement per subscriber (the broker's
+    fan-out copies; subscriptions are at the same QoS, so every copy carries a packet id).
+    """
+    one = publish_packet_bytes(topic, payload_bytes, qos) + publish_acks_bytes(qos)
+    return one * (1 + subscribers)
+
+
+def connect_packet_bytes(
+    client_id: str,
+    *,
+    will_topic: str | None = None,
+    will_payload_bytes: int = 0,
+    username: str | None = None,
+    password: bytes | None = None,
+) -> int:
+    """A CONNECT packet (3.1.1): protocol name "MQTT", level, flags, keepalive, then the payload fields."""
+    remaining = 10 + 2 + len(client_id.encode())
+    if will_topic is not None:
+        remaining += 2 + len(will_topic.encode()) + 2 + will_payload_bytes
+    if username is not None:
+        remaining += 2 + len(username.encode())
+    if password is not None:
+        remaining += 2 + len(password)
+    return _packet(remaining)
+
+
+def subscribe_packet_bytes(filters: Iterable[str]) -> int:
+    """A SUBSCRIBE packet: packet id, then per filter its length-prefixed UTF-8 and a QoS byte."""
+    return _packet(2 + sum(2 + len(f.encode()) + 1 for f in filters))
+
+
+def suback_packet_bytes(num_filters: int) -> int:
+    return _packet(2 + num_filters)
+
+
+def session_overhead_bytes(
+    client_id: str, filters: Sequence[str], *, will_topic: str | None = None, will_payload_bytes: int = 0
+) -> int:
+    """Bytes of one connection's set-up and tear-down: CONNECT/CONNACK, SUBSCRIBE/SUBACK, DISCONNECT."""
+    total = connect_packet_bytes(client_id, will_topic=will_topic, will_payload_bytes=will_payload_bytes)
+    total += CONNACK_BYTES + DISCONNECT_BYTES
+    if filters:
+        total += subscribe_packet_bytes(filters) + suback_packet_bytes(len(filters))
+    return total

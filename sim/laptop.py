@@ -1,0 +1,160 @@
+"""A whole deployment on one machine: a broker, N ``fedge client`` processes and the coordinator in this process.
+
+``run_over_mqtt`` is what ``fedge sim --transport mqtt`` runs. It writes each client's data file (the DS-FL open set
+and FD's test set once, in a shared file), starts the clients as real processes talking to a real broker, runs the
+coordinator here and always stops the clients at the end, on errors and on Ctrl-C alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from coordinator.run import run_coordinator
+from fedge.config import RunConfig
+from fedge.types import ClientId
+from sim.brokers import embedded_broker, stop_process
+from sim.experiment import Experiment, prepare
+from sim.provision import write_client_files
+from sim.run import RunResult
+
+log = logging.getLogger(__name__)
+
+
+def run_over_mqtt(
+    config: RunConfig,
+    run_dir: Path,
+    *,
+    broker: str | None = None,
+    device: str = "cpu",
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    client_faults: Mapping[ClientId, int] | None = None,
+    client_runtimes: Mapping[ClientId, str] | None = None,
+    round_timeout: float = 300.0,
+    join_timeout: float | None = None,
+    client_threads: int = 1,
+    broker_counters: bool | None = None,
+    experiment: Experiment | None = None,
+) -> RunResult:
+    """Run ``config`` as a coordinator and ``config.num_clients`` client processes over a broker; write ``run_dir``.
+
+    ``broker``: ``mqtt://HOST:PORT`` of a running broker, or None for an embedded one on loopback.
+    ``client_faults``: client -> round; that client exits hard when its task of that round arrives (tests).
+    ``client_runtimes``: client -> ``fedge client --runtime`` (torch, executorch, onnxruntime); default torch.
+    ``client_threads``: torch CPU threads per client process (1 keeps N clients from oversubscribing the cores).
+    ``broker_counters``: read the broker's $SYS byte counters (default: when ``broker`` is given).
+    """
+    exp = experiment or prepare(config)
+    config = exp.config
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run = run_dir.name
+    # Generous: N processes importing torch on a small laptop take a while, and a crashed one aborts the wait anyway.
+    join_timeout = join_timeout if join_timeout is not None else 120.0 + 10.0 * config.num_clients
+    counters = broker is not None if broker_counters is None else broker_counters
+    with contextlib.ExitStack() as stack:
+        url = broker if broker is not None else stack.enter_context(embedded_broker())
+        data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedge-clients-")))
+        files = write_client_files(exp, data_dir)
+        procs = stack.enter_context(
+            client_processes(
+                files,
+                url,
+                run,
+                log_dir=run_dir / "logs",
+                device=device,
+                threads=client_threads,
+                faults=client_faults or {},
+                runtimes=client_runtimes or {},
+            )
+        )
+
+        def dead_client() -> str | None:
+            for cid, proc in procs.items():
+                if proc.poll() is not None:
+                    log_path = run_dir / "logs" / f"{cid}.log"
+                    return f"client {cid} exited with code {proc.returncode} before the run started (see {log_path})"
+            return None
+
+        result = run_coordinator(
+            config,
+            run_dir,
+            broker=url,
+            run=run,
+            min_clients=config.num_clients,
+            round_timeout=round_timeout,
+            join_timeout=join_timeout,
+            broker_counters=counters,
+            on_round=on_round,
+            experiment=exp,
+            abort=dead_client,
+        )
+    return result
+
+
+@contextlib.contextmanager
+def client_processes(
+    files: Mapping[ClientId, Path],
+    broker: str,
+    run: str,
+    *,
+    log_dir: Path,
+    device: str = "cpu",
+    threads: int = 1,
+    faults: Mapping[ClientId, int] | None = None,
+    runtimes: Mapping[ClientId, str] | None = None,
+) -> Iterator[dict[ClientId, subprocess.Popen[bytes]]]:
+    """Start one ``fedge client`` process per data file; on exit stop them all (SIGTERM, then SIGKILL)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs: dict[ClientId, subprocess.Popen[bytes]] = {}
+    logs: list[IO[bytes]] = []
+    try:
+        for cid, path in sorted(files.items()):
+            cmd = [sys.executable, "-m", "fedge.cli", "client", "--broker", broker, "--run", run]
+            cmd += ["--client-id", cid, "--data", str(path), "--device", device, "--threads", str(threads)]
+            if faults and cid in faults:
+                cmd += ["--fail-at-round", str(faults[cid])]
+            if runtimes and cid in runtimes:
+                cmd += ["--runtime", runtimes[cid]]
+            fh = open(log_dir / f"{cid}.log", "wb")  # noqa: SIM115 - closed in finally, after the process
+            logs.append(fh)
+            procs[cid] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        log.info("started %d client processes (logs in %s)", len(procs), log_dir)
+        yield procs
+    finally:
+        for proc in procs.values():  # SIGTERM all first, so they leave in parallel
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for cid, proc in procs.items():
+            code = stop_process(proc)
+            if code not in (0, None, -signal.SIGTERM):
+                log.info("client %s exited with code %s", cid, code)
+        for log_file in logs:
+            log_file.close()
+
+
+def _resolve_prctl() -> Callable[..., int] | None:
+    # Looked up here, in the parent: after fork() only the call itself is safe (other threads may hold loader locks).
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _resolve_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies, so a killed run leaves no orphan clients (Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)

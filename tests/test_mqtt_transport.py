@@ -1,0 +1,231 @@
+"""MqttTransport against real brokers, with fake clients the test controls message by message."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+
+import pytest
+import torch
+from mqtt_support import (  # noqa: F401 - pytest fixtures
+    FakeClient,
+    broker_url,
+    embedded_url,
+    fake_clients,
+    mosquitto_url,
+    require_mosquitto,
+)
+
+from coordinator.mqtt import MqttTransport
+from coordinator.transport import Exchange
+from fedge.algorithms.base import Evaluation, RoundPlan, Strategy
+from fedge.config import RunConfig
+from fedge.errors import TransportError
+from fedge.messages import BROADCAST, TASK, UPDATE, Message, encode
+from fedge.mqtt import MqttLink
+from fedge.protocol import BrokerAddress, ClientStatus, delivery_wire_bytes, encode_status
+from fedge.types import ClientId
+from sim.brokers import free_port, mosquitto_broker
+
+pytestmark = pytest.mark.broker
+
+
+class VectorStrategy(Strategy):
+    """Just enough of a strategy to validate replies: one float32 tensor "w" of 4 values."""
+
+    name = "vector"
+
+    def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
+        return RoundPlan(
+            broadcast=Message(BROADCAST, rnd, run=self.run_id, tensors={"w": torch.zeros(4)}),
+            tasks={c: Message(TASK, rnd, run=self.run_id, client=c, params={"algorithm": "vector"}) for c in clients},
+        )
+
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
+        return {}
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
+        return None
+
+    def expected_reply_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"w": ((4,), torch.float32)}
+
+
+def update(run: str, client: str, rnd: int, w: torch.Tensor | None = None, **params: str) -> bytes:
+    w = torch.ones(4) if w is None else w
+    params = {"num_examples": "3", **params}
+    return encode(Message(UPDATE, rnd, run=run, client=client, params=params, tensors={"w": w}))
+
+
+def start_round(transport: MqttTransport, strategy: Strategy, clients: list[str], rnd: int = 1):  # type: ignore[no-untyped-def]
+    """Run ``exchange`` in a thread; the test plays the clients meanwhile."""
+    holder: dict[str, Exchange] = {}
+    plan = strategy.configure(rnd, clients)
+    thread = threading.Thread(
+        target=lambda: holder.setdefault(
+            "ex", transport.exchange(plan, lambda c, m: strategy.validate_reply(rnd, c, m))
+        ),
+        daemon=True,  # a failing test must not leave pytest waiting for the round's deadline
+    )
+    thread.start()
+    return thread, holder, plan
+
+
+def test_every_bad_message_is_rejected_with_its_reason_and_the_round_completes(
+    broker_url: str,  # noqa: F811
+    fake_clients: Callable[..., FakeClient],  # noqa: F811
+) -> None:
+    run = "bad"
+    strategy = VectorStrategy(RunConfig(), lambda: torch.nn.Linear(1, 1), 2, run_id=run)
+    with MqttTransport(BrokerAddress.parse(broker_url), run, round_timeout=30) as transport:
+        fakes = [fake_clients(broker_url, run, c) for c in ("c000", "c001")]
+        assert transport.wait_for_clients(2, 10) == ["c000", "c001"]
+        sender = MqttLink(BrokerAddress.parse(broker_url), "attacker").start(10)
+        thread, holder, _ = start_round(transport, strategy, ["c000", "c001"])
+        for fake in fakes:
+            fake.next(TASK)
+            fake.next(BROADCAST)
+        t = transport.topics
+        nan = torch.tensor([1.0, float("nan"), 0.0, 0.0])
+        # One sender, QoS 1: the broker keeps their order, so the duplicate arrives before the round closes.
+        for topic, payload in [
+            (t.update("c000"), b"\x10\x00\x00\x00\x00\x00\x00\x00garbage"),
+            (t.update("c000"), update(run, "c000", 0)),
+            (t.update("c000"), update(run, "c000", 2)),
+            (t.update("c999"), update(run, "c999", 1)),
+            (t.update("c001"), update(run, "c001", 1, torch.ones(5))),
+            (t.update("c001"), update(run, "c001", 1, torch.ones(4, dtype=torch.float64))),
+            (t.update("c001"), update(run, "c001", 1, nan)),
+            (t.update("c000"), update(run, "c001", 1)),
+            (t.update("c000"), update("other-run", "c000", 1)),
+            (t.update("c000"), update(run, "c000", 1, loss="low")),  # aggregation would choke on it later
+            (t.update("c000"), update(run, "c000", 1)),
+            (t.update("c000"), update(run, "c000", 1)),
+            (t.update("c001"), update(run, "c001", 1, **{"mqtt.compute_s": "soon"})),  # bad timing: accepted
+        ]:
+            sender.publish(topic, payload)
+        thread.join(30)
+        sender.close()
+    ex = holder["ex"]
+    assert sorted(ex.replies) == ["c000", "c001"] and ex.dropped == []
+    categories = Counter(r.reason.split(":")[0] for r in ex.rejected)
+    expected = {
+        "unparseable": 1,
+        "late": 1,
+        "wrong round": 1,
+        "unknown client": 1,
+        "invalid": 4,  # wrong shape, wrong dtype, wrong run, a loss that is not a number
+        "non-finite": 1,
+        "wrong sender": 1,
+        "duplicate": 1,
+    }
+    assert categories == expected
+    assert dict(transport.rejection_counts) == expected
+    # Every message that arrived is in the ledger: 13 uploads, the broadcast and two tasks.
+    ups = [e for e in ex.entries if e.direction == "up"]
+    assert len(ups) == 13 and ups[0].kind == "invalid" and ups[0].tensor_bytes == 0
+    (bc,) = [e for e in ex.entries if e.kind == "broadcast"]
+    assert bc.recipients == 2 and bc.tensor_bytes == 16
+    assert bc.wire_bytes == delivery_wire_bytes(transport.topics.broadcast, bc.payload_bytes, subscribers=2)
+
+
+def test_silent_and_offline_clients_are_dropped_with_reasons(
+    embedded_url: str,  # noqa: F811
+    fake_clients: Callable[..., FakeClient],  # noqa: F811
+) -> None:
+    run = "drops"
+    strategy = VectorStrategy(RunConfig(), lambda: torch.nn.Linear(1, 1), 2, run_id=run)
+    with MqttTransport(BrokerAddress.parse(embedded_url), run, round_timeout=2.0, rejoin_grace=0.5) as transport:
+        fakes = {c: fake_clients(embedded_url, run, c) for c in ("c000", "c001", "c002")}
+        transport.wait_for_clients(3, 10)
+        thread, holder, _ = start_round(transport, strategy, ["c000", "c001", "c002"])
+        for fake in fakes.values():
+            fake.next(TASK)
+        fakes["c000"].link.publish(transport.topics.update("c000"), update(run, "c000", 1))
+        # c001 says goodbye the way its last will would; c002 stays silent.
+        offline = encode_status(ClientStatus(client="c001", state="offline", reason="connection lost"), run)
+        fakes["c001"].link.publish(transport.topics.status("c001"), offline, retain=True)
+        started = time.monotonic()
+        thread.join(10)
+        assert time.monotonic() - started < 5
+        assert "c001" not in transport.available_clients()
+    ex = holder["ex"]
+    assert list(ex.replies) == ["c000"] and ex.dropped == ["c001", "c002"]
+    reasons = {d["client"]: d["reason"] for d in transport.drops}
+    assert reasons["c001"].startswith("went offline") and "connection lost" in reasons["c001"]
+    assert reasons["c002"].startswith("silent past the 2 s deadline")
+    assert transport.round_metrics[1]["drop_reasons"] == reasons
+
+
+def test_a_client_that_reconnects_mid_round_gets_its_task_again(
+    mosquitto_url: str,  # noqa: F811
+    fake_clients: Callable[..., FakeClient],  # noqa: F811
+) -> None:
+    run = "resend"
+    strategy = VectorStrategy(RunConfig(), lambda: torch.nn.Linear(1, 1), 2, run_id=run)
+    with MqttTransport(BrokerAddress.parse(mosquitto_url), run, round_timeout=20) as transport:
+        fake = fake_clients(mosquitto_url, run, "c000")
+        transport.wait_for_clients(1, 10)
+        thread, holder, _ = start_round(transport, strategy, ["c000"])
+        fake.next(TASK)
+        # Cut the TCP connection without DISCONNECT: the broker publishes the will, the link reconnects and says hello.
+        sock = fake.link._client.socket()
+        assert isinstance(sock, socket.socket)
+        sock.shutdown(socket.SHUT_RDWR)
+        fake.next(TASK)  # sent again, on the task topic, together with its own copy of the broadcast
+        fake.link.publish(transport.topics.update("c000"), update(run, "c000", 1))
+        thread.join(20)
+        assert fake.link.connections == 2
+    ex = holder["ex"]
+    assert list(ex.replies) == ["c000"] and ex.dropped == []
+    resent = [e for e in ex.entries if e.direction == "down" and e.client == "c000"]
+    assert sorted(e.kind for e in resent) == ["broadcast", "task", "task"]
+
+
+def test_waiting_for_clients_times_out_naming_who_is_missing_and_who_was_refused(
+    embedded_url: str,  # noqa: F811
+    fake_clients: Callable[..., FakeClient],  # noqa: F811
+) -> None:
+    def admit(s: ClientStatus) -> str | None:
+        return None if s.model == "tiny_mlp" else f"model {s.model!r} is not tiny_mlp"
+
+    with MqttTransport(BrokerAddress.parse(embedded_url), "join", admit=admit) as transport:
+        fake_clients(embedded_url, "join", "c000", model="tiny_mlp")
+        fake_clients(embedded_url, "join", "c001", model="resnet")
+        with pytest.raises(TransportError, match=r"only 1 of 2 clients.*c001 refused: model 'resnet'"):
+            transport.wait_for_clients(2, 1.0)
+
+
+def test_an_unreachable_broker_is_a_clear_error() -> None:
+    link = MqttLink(BrokerAddress("127.0.0.1", free_port()), "nobody")
+    with pytest.raises(TransportError, match=r"cannot reach broker at mqtt://127\.0\.0\.1:\d+: .*is it running"):
+        link.start(timeout=0.5)
+
+
+def test_the_link_reconnects_and_resubscribes_after_a_broker_restart() -> None:
+    require_mosquitto()
+    port = free_port()
+    ready: list[int] = []
+    with mosquitto_broker(port) as url:
+        address = BrokerAddress.parse(url)
+        link = MqttLink(
+            address, "survivor", subscriptions=[("t/#", 1)], on_ready=lambda _: ready.append(1), backoff=(0.1, 0.5)
+        ).start(10)
+    deadline = time.monotonic() + 10
+    while link.connected and time.monotonic() < deadline:  # the broker is gone; the link notices
+        time.sleep(0.05)
+    assert not link.connected
+    try:
+        with mosquitto_broker(port):
+            assert link.wait_ready(10), "the link did not reconnect"
+            other = MqttLink(address, "other").start(10)
+            other.publish("t/x", b"after restart").wait_for_publish(5)
+            item = link.get(5)
+            assert item is not None and item.payload == b"after restart"  # subscribed again without being asked
+            assert link.connections == 2 and len(ready) == 2
+            other.close()
+    finally:
+        link.close(wait=0)
