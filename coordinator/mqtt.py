@@ -201,7 +201,9 @@ class MqttTransport:
             topic = self.topics.broadcast
             self.link.publish(topic, state.broadcast, qos=self.qos)
             wire = delivery_wire_bytes(topic, len(state.broadcast), subscribers=len(self.online()), qos=self.qos)
-            out.entries.append(_entry(plan.broadcast, "down", BROADCAST_CLIENT, len(state.broadcast), recipients, wire))
+            out.entries.append(
+                LedgerEntry.of(plan.broadcast, "down", BROADCAST_CLIENT, len(state.broadcast), recipients, wire)
+            )
         for client, task in sorted(plan.tasks.items()):
             extra = {SESSION_PARAM: self.session}
             if plan.broadcast is not None:  # tell the client to wait for the broadcast, which travels apart
@@ -266,7 +268,7 @@ class MqttTransport:
         state.sent_at[client] = time.monotonic()
         subscribers = 1 if self._is_online(client) else 0
         wire = delivery_wire_bytes(topic, len(payload), subscribers=subscribers, qos=self.qos)
-        out.entries.append(_entry(task, "down", client, len(payload), 1, wire))
+        out.entries.append(LedgerEntry.of(task, "down", client, len(payload), 1, wire))
 
     def _on_update(self, item: Inbound, state: _Round, plan: RoundPlan, check: ReplyCheck, out: Exchange) -> None:
         rnd = state.rnd
@@ -447,19 +449,6 @@ class MqttTransport:
         if self._sys_fresh_at <= asked or "received" not in self._sys:
             return None
         return BrokerCounters(self._sys["received"], self._sys["sent"], self._sys_bytes)
-
-
-def _entry(message: Message, direction: str, client: str, payload: int, recipients: int, wire: int) -> LedgerEntry:
-    return LedgerEntry(
-        round=message.round,
-        direction="up" if direction == "up" else "down",
-        client=client,
-        kind=message.kind,
-        recipients=recipients,
-        tensor_bytes=message.tensor_bytes,
-        payload_bytes=payload,
-        wire_bytes=wire,
-    )
 
 
 def _tensor_bytes(payload: bytes) -> int:

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
+from fedge.messages import Message
+
 Direction = Literal["up", "down"]
 Accounting = Literal["multicast", "unicast"]
 ACCOUNTING_MODELS: tuple[Accounting, ...] = ("multicast", "unicast")
@@ -35,6 +37,28 @@ class LedgerEntry:
     tensor_bytes: int
     payload_bytes: int
     wire_bytes: int = 0  # MQTT packets for all copies; 0 when the transport has no wire
+
+    @classmethod
+    def of(
+        cls,
+        message: Message,
+        direction: Direction,
+        client: str,
+        payload_bytes: int,
+        recipients: int,
+        wire_bytes: int = 0,
+    ) -> LedgerEntry:
+        """The entry for ``message`` as sent: its tensor bytes, its encoded size and what the wire carried."""
+        return cls(
+            round=message.round,
+            direction=direction,
+            client=client,
+            kind=message.kind,
+            recipients=recipients,
+            tensor_bytes=message.tensor_bytes,
+            payload_bytes=payload_bytes,
+            wire_bytes=wire_bytes,
+        )
 
     def counted(self, level: str, accounting: Accounting) -> int:
         """Bytes at ``level`` ("tensor", "payload" or "wire") under an accounting model."""

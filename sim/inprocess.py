@@ -28,10 +28,10 @@ class InProcessTransport:
         if plan.broadcast is not None:
             blob = encode(plan.broadcast)
             broadcast = decode(blob)
-            out.entries.append(_entry(plan.broadcast, "down", BROADCAST_CLIENT, len(blob), len(plan.tasks)))
+            out.entries.append(LedgerEntry.of(plan.broadcast, "down", BROADCAST_CLIENT, len(blob), len(plan.tasks)))
         for client_id, task in sorted(plan.tasks.items()):
             task_blob = encode(task)
-            out.entries.append(_entry(task, "down", client_id, len(task_blob), 1))
+            out.entries.append(LedgerEntry.of(task, "down", client_id, len(task_blob), 1))
             try:
                 reply = self.clients[client_id].handle(decode(task_blob), broadcast)
             except (CodecError, ConfigError) as exc:  # a client that cannot do its task drops out of the round
@@ -39,7 +39,7 @@ class InProcessTransport:
                 out.dropped.append(client_id)
                 continue
             reply_blob = encode(reply)
-            out.entries.append(_entry(reply, "up", client_id, len(reply_blob), 1))
+            out.entries.append(LedgerEntry.of(reply, "up", client_id, len(reply_blob), 1))
             try:
                 received = decode(reply_blob)
                 check(client_id, received)
@@ -49,15 +49,3 @@ class InProcessTransport:
                 continue
             out.replies[client_id] = received
         return out
-
-
-def _entry(message: Message, direction: str, client: str, payload: int, recipients: int) -> LedgerEntry:
-    return LedgerEntry(
-        round=message.round,
-        direction="up" if direction == "up" else "down",
-        client=client,
-        kind=message.kind,
-        recipients=recipients,
-        tensor_bytes=message.tensor_bytes,
-        payload_bytes=payload,
-    )
