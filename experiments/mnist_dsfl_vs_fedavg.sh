@@ -5,7 +5,7 @@
 # all sampled every round, 1 local and 1 distillation epoch per round (not 5).
 # Usage: bash experiments/mnist_dsfl_vs_fedavg.sh [ROUNDS] [OUT]
 set -euo pipefail
-ROUNDS=${1:-30}
+ROUNDS=${1:-20}
 OUT=${2:-runs/mnist-dsfl}
 DATA=${FEDGE_DATA:-../shared/data/mnist}
 common=(--dataset mnist --data-dir "$DATA" --model dsfl_mnist_cnn --num-clients 20 --client-fraction 1.0
