@@ -23,7 +23,7 @@ from fedge.config import RunConfig
 from fedge.errors import CodecError
 from fedge.messages import BROADCAST, TASK, UPDATE, Message, format_float
 from fedge.metrics import per_class_accuracy
-from fedge.training import SGDSettings
+from fedge.training import SGDSettings, predict_logits
 from fedge.types import ClientId
 
 
@@ -163,8 +163,6 @@ def sgd_from_task(task: Message, *, lr_key: str = "lr") -> SGDSettings:
 
 def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int) -> Evaluation:
     """Accuracy and per-class accuracy of ``model`` on (x, y)."""
-    from fedge.training import predict_logits
-
     preds = predict_logits(model, x).argmax(dim=1).numpy()
     labels = y.numpy()
     return Evaluation(

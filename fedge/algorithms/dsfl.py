@@ -40,7 +40,7 @@ from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.messages import Message, format_float
 from fedge.metrics import mean_entropy
-from fedge.models import load_exchanged_state
+from fedge.models import exchanged_state, load_exchanged_state
 from fedge.training import Objective, train
 from fedge.types import ClientId
 
@@ -82,8 +82,6 @@ class DistillationSemiSupervised(Strategy):
         return {"soft_labels": ((self.config.algo.open_per_round, self.num_classes), torch.float32)}
 
     def global_weights(self) -> dict[str, torch.Tensor]:
-        from fedge.models import exchanged_state
-
         return exchanged_state(self._model)
 
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
