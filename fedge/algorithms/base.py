@@ -203,7 +203,10 @@ def pooled_local_eval(replies: Mapping[ClientId, Message], num_classes: int) -> 
             per_class.append(np.where(total > 0, correct / np.maximum(total, 1), np.nan))
     if not accs:
         return None
-    return Evaluation(accuracy=float(np.mean(accs)), per_class=np.nanmean(np.stack(per_class), axis=0))
+    stacked = np.stack(per_class)  # (clients, C), NaN where a client's test data lacks the class
+    seen = (~np.isnan(stacked)).sum(axis=0)
+    mean = np.where(seen > 0, np.nansum(stacked, axis=0) / np.maximum(seen, 1), np.nan)
+    return Evaluation(accuracy=float(np.mean(accs)), per_class=mean)
 
 
 _OWN_WEIGHTS = "weights."
