@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.experiment import prepare
 from coordinator.run import run_coordinator
 from fedge.config import RunConfig, TrainConfig
 from sim.brokers import mosquitto_broker
-from sim.experiment import prepare
 from sim.laptop import client_processes
 from sim.provision import write_client_files
 

@@ -137,7 +137,7 @@ def fl_accuracy(args: argparse.Namespace) -> dict[str, Any]:
     }
     out["config"]["local_epochs"] = config.train.local_epochs
     with tempfile.TemporaryDirectory(prefix="fedge-bench-") as tmp:
-        from sim.experiment import prepare
+        from common.experiment import prepare
 
         exp = prepare(config)
         et = ExecuTorchBackend(exp.model, exp.input_shape, exp.num_classes, cache_dir=Path(tmp) / "programs")

@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 
 
 def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``fedge coordinator`` (the run's config flags are added by fedge.cli)."""
+    """The flags of ``fedge coordinator`` (the run's config flags are added by cli.main)."""
     p.add_argument("--broker", required=True, help="mqtt://HOST:PORT of the broker")
     p.add_argument(
         "--run",
@@ -46,9 +46,9 @@ def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_coordinator_cli(args: argparse.Namespace, config: RunConfig) -> int:
+    from common.rundir import new_run_dir
     from coordinator.run import run_coordinator
     from fedge.cost import format_bytes
-    from sim.rundir import new_run_dir
 
     run_dir = new_run_dir(args.out, config, args.name)
     print(f"run directory: {run_dir}", flush=True)

@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
+from common.mqtt import Inbound, MqttLink
 from coordinator.transport import Exchange, Rejection, ReplyCheck
 from fedge.algorithms.base import RoundPlan
 from fedge.errors import CodecError, TransportError
 from fedge.ledger import BROADCAST_CLIENT, LedgerEntry
 from fedge.messages import Message, decode, encode
-from fedge.mqtt import Inbound, MqttLink
 from fedge.protocol import (
     BROADCAST_ROUND_PARAM,
     COMPUTE_CPU_S_PARAM,

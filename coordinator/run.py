@@ -1,6 +1,6 @@
 """A coordinator run over MQTT: the experiment's strategy and test data, the round engine, the run directory.
 
-The same set-up as :func:`sim.run.run_inprocess` (``sim.experiment.prepare``), with :class:`MqttTransport` in place
+The same set-up as :func:`sim.run.run_inprocess` (``common.experiment.prepare``), with :class:`MqttTransport` in place
 of the in-process transport, so both write the same run directory and, for the same config and seeds, the same
 global model.
 """
@@ -13,13 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from common.experiment import Experiment, prepare
+from common.rundir import RunResult, RunWriter
 from coordinator.engine import RoundEngine
 from coordinator.mqtt import BrokerCounters, MqttTransport
 from fedge.config import RunConfig
 from fedge.protocol import BrokerAddress, ClientStatus
-from sim.experiment import Experiment, prepare
-from sim.run import RunResult
-from sim.rundir import RunWriter
 
 log = logging.getLogger(__name__)
 

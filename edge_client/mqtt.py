@@ -18,12 +18,12 @@ import time
 
 import torch
 
+from common.mqtt import MqttLink, Will
 from edge_client.client import EdgeClient
 from edge_client.data import ClientDataInfo
 from fedge.algorithms import CLIENT_STEPS
 from fedge.errors import CodecError, ConfigError
 from fedge.messages import BROADCAST, TASK, Message, decode, encode, format_float
-from fedge.mqtt import MqttLink, Will
 from fedge.protocol import (
     BROADCAST_ROUND_PARAM,
     COMPUTE_CPU_S_PARAM,

@@ -1,6 +1,6 @@
 """The MQTT protocol of a deployment, as pure functions: topics, client status messages and wire-byte formulas.
 
-Nothing here touches a socket; :mod:`fedge.mqtt` does the I/O. See ``docs/protocol.md`` for the whole protocol.
+Nothing here touches a socket; :mod:`common.mqtt` does the I/O. See ``docs/protocol.md`` for the whole protocol.
 
 Topics, all under ``fedge/<run>/`` (``<run>`` names one federation, given to the coordinator and every client):
   ``task/<client>``    coordinator -> one client: a TASK (and, on a resend, that round's BROADCAST)

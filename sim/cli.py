@@ -14,7 +14,7 @@ from fedge.cost import format_bytes
 def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
     from tqdm import tqdm
 
-    from sim.rundir import new_run_dir
+    from common.rundir import new_run_dir
 
     run_dir = new_run_dir(args.out, config, args.name)
     bar = tqdm(

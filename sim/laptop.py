@@ -18,13 +18,13 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from common.experiment import Experiment, prepare
+from common.rundir import RunResult
 from coordinator.run import run_coordinator
 from fedge.config import RunConfig
 from fedge.types import ClientId
 from sim.brokers import embedded_broker, stop_process
-from sim.experiment import Experiment, prepare
 from sim.provision import write_client_files
-from sim.run import RunResult
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def client_processes(
     logs: list[IO[bytes]] = []
     try:
         for cid, path in sorted(files.items()):
-            cmd = [sys.executable, "-m", "fedge.cli", "client", "--broker", broker, "--run", run]
+            cmd = [sys.executable, "-m", "cli.main", "client", "--broker", broker, "--run", run]
             cmd += ["--client-id", cid, "--data", str(path), "--device", device, "--threads", str(threads)]
             if faults and cid in faults:
                 cmd += ["--fail-at-round", str(faults[cid])]

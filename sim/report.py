@@ -27,11 +27,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import Formatter, FuncFormatter, MaxNLocator, NullLocator, PercentFormatter
 
+from common.rundir import COMU_THRESHOLDS, read_run
 from fedge.config import RunConfig
 from fedge.cost import format_bytes
 from fedge.errors import ConfigError, FedgeError
 from fedge.ledger import ACCOUNTING_MODELS, LedgerEntry, read_ledger_csv
-from sim.rundir import COMU_THRESHOLDS, read_run
 
 ALGORITHM_NAMES = {
     "fedavg": "FedAvg",

@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.experiment import Experiment, prepare
+from common.rundir import RunResult, RunWriter
 from coordinator.engine import RoundEngine
 from edge_client.client import EdgeClient
 from fedge.backend import Backend, TorchBackend
 from fedge.config import RunConfig
 from fedge.types import ClientId
-from sim.experiment import Experiment, prepare
 from sim.inprocess import InProcessTransport
-from sim.rundir import RunWriter
-
-
-@dataclass
-class RunResult:
-    """Where a run was written and what it measured."""
-
-    path: Path
-    config: RunConfig
-    rounds: list[dict[str, Any]]
-    summary: dict[str, Any]
 
 
 def run_inprocess(

@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from common.mqtt import Inbound, MqttLink, Will
 from fedge.errors import TransportError
 from fedge.messages import decode
-from fedge.mqtt import Inbound, MqttLink, Will
 from fedge.protocol import BrokerAddress, ClientStatus, Topics, encode_status
 from sim.brokers import embedded_broker, find_mosquitto, mosquitto_broker
 

@@ -5,12 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.experiment import prepare
 from coordinator.engine import RoundEngine, sample_clients
 from edge_client.client import EdgeClient
 from fedge.config import AlgorithmConfig, RunConfig, TrainConfig
 from fedge.errors import CodecError
 from fedge.messages import Message
-from sim.experiment import prepare
 from sim.inprocess import InProcessTransport
 from sim.run import run_inprocess
 

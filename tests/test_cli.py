@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fedge.cli import build_parser, config_from_args, main
+from cli.main import build_parser, config_from_args, main
 
 
 def test_sim_writes_a_run_directory_with_report(tmp_path: Path, capsys):

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from export_support import pte_export
 
+from cli.main import main
 from export.onnx import replace_weights
-from fedge.cli import main
 
 
 def test_export_writes_checked_files_and_check_accepts_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,12 +9,12 @@ import pytest
 from export_support import program_cache
 from safetensors.torch import load_file
 
+from common.experiment import prepare
 from edge_client.backends import make_backend
 from edge_client.backends.cache import CACHE_ENV
 from fedge.backend import Backend
 from fedge.config import AlgorithmConfig, RunConfig, TrainConfig
 from fedge.types import ClientId
-from sim.experiment import prepare
 from sim.laptop import run_over_mqtt
 from sim.run import run_inprocess
 

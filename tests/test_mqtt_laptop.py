@@ -10,12 +10,12 @@ import torch
 from mqtt_support import embedded_url, mosquitto_url  # noqa: F401 - pytest fixtures
 from safetensors.torch import load_file
 
+from cli.main import main
+from common.experiment import prepare
 from edge_client.client import EdgeClient
 from fedge.backend import TorchBackend
-from fedge.cli import main
 from fedge.config import AlgorithmConfig, RunConfig, TrainConfig
 from fedge.ledger import read_ledger_csv
-from sim.experiment import prepare
 from sim.laptop import client_processes, run_over_mqtt
 from sim.run import run_inprocess
 

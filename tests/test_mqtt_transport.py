@@ -19,13 +19,13 @@ from mqtt_support import (  # noqa: F401 - pytest fixtures
     require_mosquitto,
 )
 
+from common.mqtt import MqttLink
 from coordinator.mqtt import MqttTransport
 from coordinator.transport import Exchange
 from fedge.algorithms.base import Evaluation, RoundPlan, Strategy
 from fedge.config import RunConfig
 from fedge.errors import TransportError
 from fedge.messages import BROADCAST, TASK, UPDATE, Message, encode
-from fedge.mqtt import MqttLink
 from fedge.protocol import BrokerAddress, ClientStatus, delivery_wire_bytes, encode_status
 from fedge.types import ClientId
 from sim.brokers import free_port, mosquitto_broker

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
+from common.rundir import summarize
 from fedge.config import AlgorithmConfig, RunConfig
 from fedge.errors import ConfigError, FedgeError
 from fedge.ledger import ByteLedger, LedgerEntry
 from sim.report import run_label, write_report
-from sim.rundir import summarize
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HEADER = 40  # payload bytes a message adds on top of its tensors
@@ -33,7 +33,7 @@ def make_run(
     rejected: dict[int, list[str]] | None = None,
     wire: int = 0,
 ) -> Path:
-    """A run directory as sim.rundir writes it: each sampled client uploads ``up`` tensor bytes, the server broadcasts
+    """A run directory as common.rundir writes: each sampled client uploads ``up`` tensor bytes, the server broadcasts
     ``down``; ``None`` accuracies are rounds without evaluation; ``wire`` > 0 adds that many MQTT bytes per message
     (and per broadcast copy) on top of the payload, as an MQTT run measures."""
     path = root / name

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,16 @@ from fedge.ledger import ByteLedger
 from fedge.metrics import comu_at
 
 COMU_THRESHOLDS = (0.5, 0.8, 0.9, 0.95, 0.97)
+
+
+@dataclass
+class RunResult:
+    """Where a run was written and what it measured."""
+
+    path: Path
+    config: RunConfig
+    rounds: list[dict[str, Any]]
+    summary: dict[str, Any]
 
 
 def new_run_dir(root: str | Path, config: RunConfig, label: str = "") -> Path:

@@ -111,7 +111,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
 
 
 def _cmd_provision(args: argparse.Namespace) -> int:
-    from sim.experiment import prepare
+    from common.experiment import prepare
     from sim.provision import provision
 
     files = provision(prepare(config_from_args(args)), args.out)
