@@ -1,7 +1,8 @@
 """The ``fedge`` command: one entry point, a subcommand per role.
 
-This is the only module of the ``fedge`` package that reaches into the role packages (``sim``, ``coordinator``,
-``edge_client``, ``export``); it imports them lazily so ``fedge --help`` stays fast and the core stays pure.
+The top layer: the only package that reaches into every role (``sim``, ``coordinator``, ``edge_client``,
+``export``). It imports them lazily, so ``fedge --help`` stays fast and a coordinator-only or client-only install
+needs only its own role.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from fedge.config import ALGORITHMS, AlgorithmConfig, RunConfig, TrainConfig
-from fedge.errors import FedgeError
+from fedge.algorithms import ALGORITHMS
+from fedge.config import RunConfig, TrainConfig
+from fedge.errors import ConfigError, FedgeError
+from fedge.programs import ModelSpec
 
-_SECTIONS: dict[str, type] = {"run": RunConfig, "train": TrainConfig, "algo": AlgorithmConfig}
 _HELP = {
     "algorithm": f"one of {', '.join(ALGORITHMS)}",
     "dataset": "digits (bundled with scikit-learn, no download), synthetic, mnist, fashion_mnist, cifar10",
@@ -28,37 +30,52 @@ _HELP = {
     "partition": "iid, shards or dirichlet",
     "min_replies": "quorum: share of sampled clients that must reply for the round to be aggregated",
     "eval_samples": "evaluate on this many test samples (0 = all)",
-    "weighting": "FedAvg/FedNTD aggregation: weighted (by data size) or uniform",
-    "aggregation": "DS-FL aggregation: era or sa",
     "open_size": "DS-FL unlabeled open set size I^o",
-    "private_size": "DS-FL labeled private set size I^p (0 = the rest)",
-    "open_per_round": "DS-FL |o_r|, open samples labeled per round",
+    "private_size": "labeled private set size I^p (0 = the rest; also for FL runs to compare with DS-FL)",
 }
 
 
+def _algo_fields() -> dict[str, tuple[dataclasses.Field[Any], Any, list[str]]]:
+    """Every algorithm setting by name: (field, type hint, the algorithms that have it)."""
+    out: dict[str, tuple[dataclasses.Field[Any], Any, list[str]]] = {}
+    for spec in ALGORITHMS.values():
+        hints = get_type_hints(spec.settings)
+        for f in dataclasses.fields(spec.settings):
+            if f.name in out:
+                out[f.name][2].append(spec.name)
+            else:
+                out[f.name] = (f, hints[f.name], [spec.name])
+    return out
+
+
+def _add_flag(group: argparse._ArgumentGroup, dest: str, f: dataclasses.Field[Any], hint: Any, extra: str = "") -> None:
+    typ = _scalar_type(hint)
+    default = f.default if f.default is not dataclasses.MISSING else None
+    flag = "--" + f.name.replace("_", "-")
+    described = _HELP.get(f.name) or f.metadata.get("help", "")
+    # "%(default).0s" prints nothing: it stops ArgumentDefaultsHelpFormatter from adding the flag's own default
+    # (None, meaning "keep the config's value") after the setting's real default.
+    help_text = " ".join(x for x in (described, extra, f"(default: {default})") if x) + "%(default).0s"
+    if typ is bool:
+        group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+    else:
+        group.add_argument(flag, dest=dest, type=typ, default=None, metavar=f.name.upper(), help=help_text)
+
+
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per config field, typed from its default; unset flags keep the config's value."""
+    """One ``--flag`` per config field and per algorithm setting, typed from its default; unset flags keep the
+    config's value."""
     parser.add_argument("--config", type=Path, help="JSON config to start from (e.g. a run's config.json)")
-    for section, kind in _SECTIONS.items():
+    for section, kind in (("run", RunConfig), ("train", TrainConfig)):
         group = parser.add_argument_group(f"{section} settings")
         hints = get_type_hints(kind)
         for f in dataclasses.fields(kind):
-            if f.name in _SECTIONS:
+            if f.name in ("train", "algo"):
                 continue
-            typ = _scalar_type(hints[f.name])
-            default = f.default if f.default is not dataclasses.MISSING else None
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f"{_HELP.get(f.name, '')} (default: {default})".strip()
-            if typ is bool:
-                group.add_argument(
-                    flag,
-                    dest=f"{section}.{f.name}",
-                    action=argparse.BooleanOptionalAction,
-                    default=None,
-                    help=help_text,
-                )
-            else:
-                group.add_argument(flag, dest=f"{section}.{f.name}", type=typ, default=None, help=help_text)
+            _add_flag(group, f"{section}.{f.name}", f, hints[f.name])
+    group = parser.add_argument_group("algorithm settings (each applies to the algorithms named)")
+    for name, (f, hint, owners) in _algo_fields().items():
+        _add_flag(group, f"algo.{name}", f, hint, f"[{', '.join(owners)}]")
 
 
 def _scalar_type(hint: Any) -> type:
@@ -68,15 +85,30 @@ def _scalar_type(hint: Any) -> type:
 
 
 def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
-    """``base`` (or ``--config``, or the defaults) with every flag the user gave applied on top."""
+    """``base`` (or ``--config``, or the defaults) with every flag the user gave applied on top.
+
+    Algorithm settings apply to the run's algorithm; one that belongs only to other algorithms is an error that
+    names them.
+    """
     config = base or (RunConfig.from_json_file(args.config) if getattr(args, "config", None) else RunConfig())
-    changes: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    changes: dict[str, dict[str, Any]] = {"run": {}, "train": {}, "algo": {}}
     for key, value in vars(args).items():
         if "." in key and value is not None:
             section, name = key.split(".", 1)
             changes[section][name] = value
+    algorithm = changes["run"].get("algorithm", config.algorithm)
+    spec = ALGORITHMS.get(algorithm)
+    if spec is None:
+        raise ConfigError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    owners = _algo_fields()
+    own = {f.name for f in dataclasses.fields(spec.settings)}
+    for name in changes["algo"]:
+        if name not in own:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} is a setting of {', '.join(owners[name][2])}, not of {algorithm}")
+    base_algo = config.algo if algorithm == config.algorithm else spec.settings()
+    algo = dataclasses.replace(base_algo, **changes["algo"])
     train = dataclasses.replace(config.train, **changes["train"])
-    algo = dataclasses.replace(config.algo, **changes["algo"])
     return dataclasses.replace(config, **changes["run"], train=train, algo=algo)
 
 
@@ -101,13 +133,31 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.cli import run_coordinator_cli
 
-    return run_coordinator_cli(args, config_from_args(args))
+    def report(path: Path) -> None:
+        if args.no_report:
+            return
+        try:
+            from sim.report import write_report
+        except ImportError as exc:  # a coordinator-only install without matplotlib still writes its run directory
+            print(f"no report ({exc}); run `fedge report {path}` where matplotlib is installed")
+            return
+        print(f"report: {write_report([path], path)}")
+
+    return run_coordinator_cli(args, config_from_args(args), on_finish=report)
 
 
 def _cmd_client(args: argparse.Namespace) -> int:
     from edge_client.cli import run_client
 
-    return run_client(args)
+    if args.runtime == "torch":
+        return run_client(args)
+    # On a workstation the exporters are installed: a missing program is exported (and parity-checked) first.
+    from export.cache import ExportingSource, onnx_model
+
+    def model(spec: ModelSpec) -> tuple[bytes, str]:
+        return onnx_model(spec, args.model_file, args.program_cache), str(args.model_file or "exported ONNX model")
+
+    return run_client(args, programs=ExportingSource(args.program_cache), onnx_model=model)
 
 
 def _cmd_provision(args: argparse.Namespace) -> int:
@@ -128,7 +178,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedge",
-        description="Federated learning for edge devices: FedAvg, FedNTD, FedLSD/FedCAD, FD and DS-FL, "
+        description="Federated learning for edge devices: " + ", ".join(a.label for a in ALGORITHMS.values()) + ", "
         "simulated in one process or deployed over MQTT, with every byte accounted for.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -185,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_coordinator_arguments(p)
+    p.add_argument("--no-report", action="store_true", help="skip the Markdown report and plots")
     _add_config_flags(p)
     p.set_defaults(func=_cmd_coordinator)
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedge.algorithms import make_strategy
-from fedge.algorithms.base import ClientData, Strategy, derive_seed
+from fedge.algorithms import get_algorithm, make_strategy
+from fedge.algorithms.base import ClientData, ServerContext, Strategy, derive_seed
 from fedge.config import RunConfig
 from fedge.data import Dataset, load_dataset
 from fedge.errors import ConfigError
@@ -63,7 +63,7 @@ class Experiment:
             num_classes=self.num_classes,
             open_x=open_x,
         )
-        if self.config.algorithm == "fd":  # no global model: clients measure their own accuracy
+        if not get_algorithm(self.config.algorithm).has_global_model:  # FD: clients measure their own accuracy
             data.eval_x, data.eval_y = self.test_tensors()
         return data
 
@@ -76,7 +76,8 @@ class Experiment:
         )
 
     def strategy(self, run_id: str = "") -> Strategy:
-        return make_strategy(self.config, self.model_factory, self.num_classes, run_id=run_id, open_x=self.open_x())
+        context = ServerContext(self.model_factory, self.num_classes, run_id=run_id, open_x=self.open_x())
+        return make_strategy(self.config, context)
 
     def partition_summary(self) -> dict[str, object]:
         """Class counts per client, saved with every run."""
@@ -103,13 +104,13 @@ def prepare(config: RunConfig) -> Experiment:
     rng = np.random.default_rng(derive_seed(config.seed, "partition"))
     pool = np.arange(len(train))
     open_indices = None
-    if config.algorithm == "dsfl" or config.algo.private_size:
+    needs_open_set = get_algorithm(config.algorithm).needs_open_set
+    if needs_open_set or config.private_size:
         # DS-FL's open/private split (sec. 4.1). Other algorithms given a private_size train on the same private set,
         # so that FL and DS-FL runs with one seed are compared on identical client data.
         config = _fit_open_set(config, len(train))
-        a = config.algo
-        open_indices, pool = open_private_split(len(train), a.open_size, a.private_size, rng)
-        if config.algorithm != "dsfl":
+        open_indices, pool = open_private_split(len(train), config.open_size, config.private_size, rng)
+        if not needs_open_set:
             open_indices = None
     labels = train.y[pool]
     local = partition(
@@ -134,19 +135,18 @@ def prepare(config: RunConfig) -> Experiment:
 
 def _fit_open_set(config: RunConfig, num_train: int) -> RunConfig:
     """Resolve DS-FL's open/private sizes for this dataset; shrink defaults that do not fit, and say so."""
-    a = config.algo
-    open_size = a.open_size
+    open_size = config.open_size
     if open_size == 0 or open_size > num_train // 2:
         open_size = num_train // 2
         log.warning(
-            "open set of %d samples does not fit %d training samples: using %d", a.open_size, num_train, open_size
+            "open set of %d samples does not fit %d training samples: using %d", config.open_size, num_train, open_size
         )
-    private = a.private_size or num_train - open_size
+    private = config.private_size or num_train - open_size
     if open_size + private > num_train:
         raise ConfigError(f"open_size + private_size = {open_size + private} exceeds the {num_train} training samples")
-    per_round = a.open_per_round
-    if per_round > open_size:
+    algo = config.algo
+    per_round = getattr(algo, "open_per_round", None)
+    if per_round is not None and per_round > open_size:
         log.warning("open_per_round %d exceeds the open set: using %d", per_round, open_size)
-        per_round = open_size
-    algo = dataclasses.replace(a, open_size=open_size, private_size=private, open_per_round=per_round)
-    return dataclasses.replace(config, algo=algo)
+        algo = dataclasses.replace(algo, open_per_round=open_size)
+    return dataclasses.replace(config, open_size=open_size, private_size=private, algo=algo)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 from fedge.config import RunConfig
 from fedge.ledger import ByteLedger
 from fedge.metrics import comu_at
+from fedge.records import RoundRecord
 
 COMU_THRESHOLDS = (0.5, 0.8, 0.9, 0.95, 0.97)
 
@@ -34,7 +36,7 @@ class RunResult:
 
     path: Path
     config: RunConfig
-    rounds: list[dict[str, Any]]
+    rounds: list[RoundRecord]
     summary: dict[str, Any]
 
 
@@ -61,13 +63,13 @@ class RunWriter:
         (path / "partition.json").write_text(json.dumps(partition, indent=1) + "\n")
         self._metrics = open(path / "metrics.jsonl", "w")  # noqa: SIM115 - stays open for the whole run
 
-    def round(self, record: Mapping[str, Any]) -> None:
-        self._metrics.write(json.dumps(record) + "\n")
+    def round(self, record: RoundRecord) -> None:
+        self._metrics.write(json.dumps(record.to_json()) + "\n")
         self._metrics.flush()
 
     def finish(
         self,
-        rounds: Sequence[Mapping[str, Any]],
+        rounds: Sequence[RoundRecord],
         ledger: ByteLedger,
         global_weights: Mapping[str, torch.Tensor] | None,
         *,
@@ -88,27 +90,32 @@ class RunWriter:
         return summary
 
 
-def summarize(rounds: Sequence[Mapping[str, Any]], initial_bytes: Mapping[str, int]) -> dict[str, Any]:
-    """Final and best accuracy, byte totals and ComU@x of a run's per-round records."""
-    evaluated = [r for r in rounds if "accuracy" in r]
-    acc = [r["accuracy"] for r in evaluated]
+def summarize(rounds: Sequence[RoundRecord], initial_bytes: Mapping[str, int]) -> dict[str, Any]:
+    """Final and best accuracy, byte totals, ComU@x, drops and rejections of a run's per-round records."""
+    evaluated = [r for r in rounds if r.accuracy is not None]
+    acc = [float(r.accuracy) for r in evaluated if r.accuracy is not None]
     summary: dict[str, Any] = {
         "rounds": len(rounds),
         "final_accuracy": acc[-1] if acc else None,
         "best_accuracy": max(acc) if acc else None,
-        "final_forgetting": evaluated[-1].get("forgetting") if evaluated else None,
+        "final_forgetting": evaluated[-1].forgetting if evaluated else None,
         "initial_tensor_bytes": dict(initial_bytes),
-        "dropped": [{"round": r["round"], "client": c} for r in rounds for c in r.get("dropped", [])],
-        "rejected": sum(len(r.get("rejected", [])) for r in rounds),
-        "skipped_rounds": [r["round"] for r in rounds if not r.get("aggregated", True)],
+        "dropped": [{"round": r.round, "client": d.client} for r in rounds for d in r.drops],
+        "drops": [
+            {"round": r.round, "client": d.client, "reason": d.reason, "after_s": d.after_s}
+            for r in rounds
+            for d in r.drops
+        ],
+        "rejected": sum(len(r.rejections) for r in rounds),
+        "rejected_by_reason": dict(Counter(x.category for r in rounds for x in r.rejections)),
+        "skipped_rounds": [r.round for r in rounds if not r.aggregated],
     }
     if rounds:
         last = rounds[-1]
-        summary["total_bytes"] = {k[4:]: v for k, v in last.items() if k.startswith("cum_")}
+        summary["total_bytes"] = {k[4:]: v for k, v in last.bytes.flat().items() if k.startswith("cum_")}
     comu: dict[str, dict[str, int | None]] = {}
     for acc_model in ("multicast", "unicast"):
-        key = f"cum_tensor_bytes_{acc_model}"
-        cum = [r[key] for r in evaluated]
+        cum = [r.bytes.cum_tensor[acc_model] for r in evaluated]
         comu[acc_model] = {
             f"{t:g}": comu_at(acc, cum, t)
             for t in COMU_THRESHOLDS  # cum already includes ComU@I
@@ -117,12 +124,12 @@ def summarize(rounds: Sequence[Mapping[str, Any]], initial_bytes: Mapping[str, i
     return summary
 
 
-def read_run(path: str | Path) -> tuple[RunConfig, list[dict[str, Any]], dict[str, Any]]:
+def read_run(path: str | Path) -> tuple[RunConfig, list[RoundRecord], dict[str, Any]]:
     """Load (config, per-round records, summary) of a run directory."""
     p = Path(path)
     config = RunConfig.from_json_file(p / "config.json")
     with open(p / "metrics.jsonl") as fh:
-        rounds = [json.loads(line) for line in fh if line.strip()]
+        rounds = [RoundRecord.from_json(json.loads(line)) for line in fh if line.strip()]
     summary_path = p / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else summarize(rounds, {})
     return config, rounds, summary

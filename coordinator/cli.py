@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from fedge.config import RunConfig
 
@@ -42,28 +42,22 @@ def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", type=Path, default=Path("runs"), help="parent directory of the run directory")
     p.add_argument("--name", default="", help="label appended to the run directory's name")
-    p.add_argument("--no-report", action="store_true", help="skip the Markdown report and plots")
 
 
-def run_coordinator_cli(args: argparse.Namespace, config: RunConfig) -> int:
+def run_coordinator_cli(
+    args: argparse.Namespace, config: RunConfig, on_finish: Callable[[Path], None] | None = None
+) -> int:
+    from common.console import round_line
     from common.rundir import new_run_dir
     from coordinator.run import run_coordinator
     from fedge.cost import format_bytes
+    from fedge.records import RoundRecord
 
     run_dir = new_run_dir(args.out, config, args.name)
     print(f"run directory: {run_dir}", flush=True)
 
-    def on_round(r: dict[str, Any]) -> None:
-        line = f"round {r['round']:3d}  replied {len(r['replied'])}/{len(r['sampled'])}"
-        if r.get("accuracy") is not None:
-            line += f"  acc {100 * r['accuracy']:6.2f}%"
-        line += f"  tensor {format_bytes(r['tensor_bytes_multicast'])}  wire {format_bytes(r['wire_bytes'])}"
-        line += f"  {r['wall_s']:.1f} s"
-        if r.get("dropped"):
-            line += "  dropped " + ", ".join(f"{c} ({r.get('drop_reasons', {}).get(c, '?')})" for c in r["dropped"])
-        if r.get("rejected"):
-            line += f"  rejected {len(r['rejected'])}"
-        print(line, flush=True)
+    def on_round(r: RoundRecord) -> None:
+        print(f"{round_line(r)}  {r.wall_s:.1f} s", flush=True)
 
     result = run_coordinator(
         config,
@@ -86,16 +80,18 @@ def run_coordinator_cli(args: argparse.Namespace, config: RunConfig) -> int:
         f"{format_bytes(tb.get('tensor_bytes_unicast', 0))} unicast, wire {format_bytes(s.get('wire_bytes', 0))}"
     )
     bb = s.get("broker_bytes")
-    if bb:
+    if bb and bb.get("comparable"):
         print(f"broker $SYS: {format_bytes(bb['broker_total'])} ({bb['diff_pct']:+.2f}% vs our wire count)")
+    elif bb:
+        print(f"broker $SYS: {bb['note']}")
     elif args.broker_counters == "on":
         log.warning("the broker published no $SYS byte counters (mosquitto needs sys_interval > 0)")
     if s.get("drops"):
         print("dropped: " + "; ".join(f"round {d['round']} {d['client']} ({d['reason']})" for d in s["drops"]))
     if s.get("rejected"):
         print(f"rejected messages: {s['rejected']} {s.get('rejected_by_reason', {})}")
-    if not args.no_report:
-        from sim.report import write_report
-
-        print(f"report: {write_report([result.path], result.path)}")
+    if s.get("skipped_rounds"):
+        print(f"skipped rounds (below the quorum): {s['skipped_rounds']}")
+    if on_finish is not None:
+        on_finish(result.path)
     return 0

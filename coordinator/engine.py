@@ -2,7 +2,8 @@
 
 Per round: sample clients, let the strategy plan the round, let the transport deliver it and collect the replies,
 aggregate when a quorum replied (otherwise the round is skipped: the global state stays as it was and the run goes
-on), evaluate, and record metrics and bytes. Same config and seeds give the same result over any transport.
+on), evaluate, and record a :class:`fedge.records.RoundRecord`. Same config and seeds give the same result over any
+transport.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from fedge.algorithms.base import Strategy, derive_seed
 from fedge.config import RunConfig
 from fedge.ledger import ByteLedger
 from fedge.metrics import forgetting
+from fedge.records import ByteCounts, RoundRecord
 from fedge.types import ClientId
 
 log = logging.getLogger(__name__)
@@ -29,9 +30,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RunHistory:
-    """Everything recorded so far: one metrics dict per round, and the ledger."""
+    """Everything recorded so far: one record per round, and the ledger."""
 
-    rounds: list[dict[str, Any]] = field(default_factory=list)
+    rounds: list[RoundRecord] = field(default_factory=list)
     ledger: ByteLedger = field(default_factory=ByteLedger)
     per_class_history: list[np.ndarray] = field(default_factory=list)
 
@@ -66,28 +67,28 @@ class RoundEngine:
         self.initial_bytes = initial_bytes or {}
         self.history = RunHistory()
 
-    def run(self, on_round: Callable[[dict[str, Any]], None] | None = None) -> RunHistory:
+    def run(self, on_round: Callable[[RoundRecord], None] | None = None) -> RunHistory:
         for rnd in range(1, self.config.rounds + 1):
             record = self.run_round(rnd)
             if on_round is not None:
                 on_round(record)
         return self.history
 
-    def run_round(self, rnd: int) -> dict[str, Any]:
+    def run_round(self, rnd: int) -> RoundRecord:
         cfg = self.config
         started = time.perf_counter()
         available = list(self.transport.available_clients())
         sampled = sample_clients(available, cfg.clients_per_round, cfg.seed, rnd)
         plan = self.strategy.configure(rnd, sampled)
-        exchange = self.transport.exchange(plan, lambda c, m: self.strategy.validate_reply(rnd, c, m))
+        exchange = self.transport.exchange(plan, lambda c, m: self.strategy.check_reply(rnd, c, m))
         comm_done = time.perf_counter()
         self.history.ledger.extend(exchange.entries)
 
         quorum = max(1, math.ceil(cfg.min_replies * len(sampled)))
         aggregated = len(exchange.replies) >= quorum
-        round_metrics: dict[str, float] = {}
+        metrics: dict[str, float] = {}
         if aggregated:
-            round_metrics = self.strategy.aggregate(rnd, exchange.replies)
+            metrics = self.strategy.aggregate(rnd, exchange.replies)
         else:
             log.warning(
                 "round %d: %d of %d replies, below the quorum of %d: skipped",
@@ -96,42 +97,31 @@ class RoundEngine:
                 len(sampled),
                 quorum,
             )
-
-        record: dict[str, Any] = {
-            "round": rnd,
-            "sampled": sampled,
-            "replied": sorted(exchange.replies),
-            "dropped": exchange.dropped,
-            "rejected": [{"client": r.client, "reason": r.reason} for r in exchange.rejected],
-            "aggregated": aggregated,
-            **round_metrics,
-        }
+        accuracy = per_class = forgotten = None
         if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
             evaluation = self.strategy.evaluate(self.test_x, self.test_y)
             if evaluation is not None:
                 self.history.per_class_history.append(evaluation.per_class)
-                record["accuracy"] = evaluation.accuracy
-                record["per_class_accuracy"] = [None if np.isnan(v) else float(v) for v in evaluation.per_class]
-                record["forgetting"] = forgetting(self.history.per_class_history)
-        record.update(self._bytes(rnd))
-        record["wall_s"] = time.perf_counter() - started
-        record["exchange_s"] = comm_done - started
+                accuracy = evaluation.accuracy
+                per_class = tuple(None if np.isnan(v) else float(v) for v in evaluation.per_class)
+                forgotten = forgetting(self.history.per_class_history)
+        previous = self.history.rounds[-1].bytes if self.history.rounds else None
+        record = RoundRecord(
+            round=rnd,
+            sampled=tuple(sampled),
+            replied=tuple(sorted(exchange.replies)),
+            aggregated=aggregated,
+            quorum=quorum,
+            bytes=ByteCounts.of(self.history.ledger.round_bytes(rnd), previous, self.initial_bytes),
+            drops=tuple(exchange.drops),
+            rejections=tuple(exchange.rejections),
+            metrics=metrics,
+            accuracy=accuracy,
+            per_class_accuracy=per_class,
+            forgetting=forgotten,
+            timings=tuple(exchange.timings),
+            wall_s=time.perf_counter() - started,
+            exchange_s=comm_done - started,
+        )
         self.history.rounds.append(record)
         return record
-
-    def _bytes(self, rnd: int) -> dict[str, int]:
-        rb = self.history.ledger.round_bytes(rnd)
-        prev = self.history.rounds[-1] if self.history.rounds else None
-        out: dict[str, int] = {}
-        for level in ("tensor", "payload", "wire"):
-            for acc in ("multicast", "unicast"):
-                if level == "wire" and acc == "unicast":
-                    continue  # the wire has one truth: what the broker really moved
-                key = f"{level}_bytes" if level == "wire" else f"{level}_bytes_{acc}"
-                out[key] = rb.total(level, acc)
-                start = prev[f"cum_{key}"] if prev else (self.initial_bytes.get(acc, 0) if level == "tensor" else 0)
-                out[f"cum_{key}"] = start + out[key]
-        out["tensor_bytes_up"] = rb.up_tensor
-        out["tensor_bytes_down_multicast"] = rb.down_tensor_multicast
-        out["tensor_bytes_down_unicast"] = rb.down_tensor_unicast
-        return out

@@ -8,17 +8,19 @@ global model.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from common.experiment import Experiment, prepare
 from common.rundir import RunResult, RunWriter
+from coordinator.broker_counters import compare_with_broker
 from coordinator.engine import RoundEngine
-from coordinator.mqtt import BrokerCounters, MqttTransport
+from coordinator.mqtt import MqttTransport
 from fedge.config import RunConfig
 from fedge.protocol import BrokerAddress, ClientStatus
+from fedge.records import RoundRecord
+from fedge.wire import printable
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ def run_coordinator(
     join_timeout: float = 600.0,
     rejoin_grace: float = 5.0,
     broker_counters: bool = False,
-    on_round: Callable[[dict[str, Any]], None] | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
     experiment: Experiment | None = None,
     abort: Callable[[], str | None] | None = None,
 ) -> RunResult:
@@ -87,8 +89,7 @@ def run_coordinator(
         engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
         writer = RunWriter(run_dir, config, exp.partition_summary())
 
-        def record(r: dict[str, Any]) -> None:
-            r.update(transport.round_metrics.pop(r["round"], {}))  # timings and drop reasons of this round
+        def record(r: RoundRecord) -> None:
             writer.round(r)
             if on_round is not None:
                 on_round(r)
@@ -102,48 +103,28 @@ def run_coordinator(
         "transport": "mqtt",
         "broker": address.url,
         "run": run,
-        "clients": {c: _describe(s) for c, s in sorted(transport.clients.items())},
-        "drops": transport.drops,
-        "rejected_by_reason": dict(transport.rejection_counts),
+        "clients": {c: _describe(s) for c, s in sorted(transport.presence.clients.items())},
+        "refused": dict(sorted(transport.presence.refused.items())),
         "wire_bytes": wire,
     }
     if before is not None and after is not None:
-        extra["broker_bytes"] = compare_with_broker(wire, before, after)
-        log.info(
-            "wire bytes: ours %d, broker's %d (%+.2f%%)",
-            wire,
-            extra["broker_bytes"]["broker_total"],
-            extra["broker_bytes"]["diff_pct"],
-        )
+        extra["broker_bytes"] = bb = compare_with_broker(wire, before, after)
+        if bb["comparable"]:
+            log.info("wire bytes: ours %d, broker's %d (%+.2f%%)", wire, bb["broker_total"], bb["diff_pct"])
+        else:
+            log.warning("wire bytes: ours %d; %s", wire, bb["note"])
     summary = writer.finish(
         history.rounds, history.ledger, strategy.global_weights(), initial_bytes=exp.initial_bytes(), extra=extra
     )
     return RunResult(run_dir, config, history.rounds, summary)
 
 
-def compare_with_broker(ours: int, before: BrokerCounters, after: BrokerCounters) -> dict[str, Any]:
-    """How far the ledger's wire bytes are from the broker's own counters over the same rounds."""
-    received, sent = after.received - before.received, after.sent - before.sent
-    total = received + sent
-    sys_bytes = after.sys_bytes - before.sys_bytes
-    residual = total - ours
-    return {
-        "broker_received": received,
-        "broker_sent": sent,
-        "broker_total": total,
-        "ledger_wire": ours,
-        "sys_topic_bytes": sys_bytes,  # the $SYS counters' own messages to this coordinator: part of the residual
-        "residual": residual,
-        "diff_pct": 100.0 * residual / total if total else math.nan,
-    }
-
-
 def _describe(s: ClientStatus) -> dict[str, Any]:
     return {
         "state": s.state,
-        "runtime": s.runtime,
-        "device": s.device,
+        "runtime": printable(s.runtime, 40),
+        "device": printable(s.device, 40),
         "dataset_size": s.dataset_size,
-        **({"reason": s.reason} if s.reason else {}),
-        **({"host": s.extra["host"]} if "host" in s.extra else {}),
+        **({"reason": printable(s.reason)} if s.reason else {}),
+        **({"host": printable(s.extra["host"], 64)} if "host" in s.extra else {}),
     }

@@ -6,31 +6,30 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from fedge.algorithms.base import RoundPlan
+from fedge.algorithms.base import RoundPlan, UpdateReport
 from fedge.ledger import LedgerEntry
 from fedge.messages import Message
+from fedge.records import ClientTiming, Drop, Rejection
 from fedge.types import ClientId
 
-ReplyCheck = Callable[[ClientId, Message], None]
-"""Raises fedge.errors.CodecError when a reply must be rejected."""
-
-
-@dataclass(frozen=True)
-class Rejection:
-    """A message the coordinator refused, and why."""
-
-    client: str
-    reason: str
+ReplyCheck = Callable[[ClientId, Message], UpdateReport]
+"""The strategy's rules for a reply of this round; raises fedge.errors.CodecError when it must be rejected."""
 
 
 @dataclass
 class Exchange:
-    """What came back from one round's communication."""
+    """Everything one round's communication produced: the valid replies, every message counted, every client that
+    dropped out and every message refused, with reasons, and the replies' timings."""
 
     replies: dict[ClientId, Message] = field(default_factory=dict)
     entries: list[LedgerEntry] = field(default_factory=list)
-    dropped: list[ClientId] = field(default_factory=list)  # sampled, but no valid reply before the deadline
-    rejected: list[Rejection] = field(default_factory=list)
+    drops: list[Drop] = field(default_factory=list)  # sampled, but no valid reply before the deadline
+    rejections: list[Rejection] = field(default_factory=list)
+    timings: list[ClientTiming] = field(default_factory=list)
+
+    @property
+    def dropped(self) -> list[ClientId]:
+        return [d.client for d in self.drops]
 
 
 class Transport(Protocol):
@@ -41,5 +40,5 @@ class Transport(Protocol):
         ...
 
     def exchange(self, plan: RoundPlan, check: ReplyCheck) -> Exchange:
-        """Send the broadcast and tasks of ``plan``; return the valid replies, with every message counted."""
+        """Send the broadcast and tasks of ``plan``; return what came back, with every message counted."""
         ...

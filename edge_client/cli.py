@@ -6,13 +6,17 @@ import argparse
 import copy
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from fedge.programs import ModelSpec
+
 if TYPE_CHECKING:
     import torch
 
+    from edge_client.backends.executorch import ProgramSource
     from fedge.backend import TorchBackend
 
 log = logging.getLogger(__name__)
@@ -56,8 +60,17 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-at-round", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
 
 
-def run_client(args: argparse.Namespace) -> int:
-    """Load the data, build the runtime, serve until SIGTERM/SIGINT."""
+def run_client(
+    args: argparse.Namespace,
+    *,
+    programs: ProgramSource | None = None,
+    onnx_model: Callable[[ModelSpec], tuple[bytes, str]] | None = None,
+) -> int:
+    """Load the data, build the runtime, serve until SIGTERM/SIGINT.
+
+    ``programs`` (executorch) and ``onnx_model`` (onnxruntime: the model bytes and where they came from) are given by
+    the CLI, which may export what is missing; without them the client reads the program directory and --model-file.
+    """
     # Imported here so that building the `fedge` parser does not load torch.
     import torch
 
@@ -77,14 +90,26 @@ def run_client(args: argparse.Namespace) -> int:
     data, info = load_client_data(args.data)
     if info.client and info.client != args.client_id:
         log.warning("data file %s was written for client %r, serving it as %r", args.data, info.client, args.client_id)
+    spec = ModelSpec(info.model, info.input_shape, info.num_classes)
+    model_bytes, model_source = None, "ONNX model"
+    if args.runtime == "onnxruntime":
+        if onnx_model is not None:
+            model_bytes, model_source = onnx_model(spec)
+        elif args.model_file is not None:
+            model_bytes, model_source = args.model_file.read_bytes(), str(args.model_file)
+    if args.runtime == "executorch" and programs is None:
+        from edge_client.backends.executorch import ProgramDirectory
+
+        programs = ProgramDirectory(args.program_cache)
     backend = make_backend(
         args.runtime,
         info.model,
         info.input_shape,
         info.num_classes,
         device=args.device if args.runtime == "torch" else "cpu",
-        cache_dir=args.program_cache,
-        model_file=args.model_file,
+        programs=programs,
+        onnx_model=model_bytes,
+        onnx_source=model_source,
         predict_only=args.predict_only,
         threads=args.threads,
     )
@@ -128,9 +153,10 @@ def _warm_up(backend: TorchBackend, x: torch.Tensor, y: torch.Tensor) -> None:
     more for a CUDA context on a Jetson); paying it here keeps it out of round 1's deadline and timing. The real
     model and the client's state are untouched, so results do not change.
     """
-    from fedge.training import Objective, SGDSettings, predict_logits, train
+    from fedge.algorithms.fedavg import CrossEntropy
+    from fedge.training import SGDSettings, TrainRequest, predict_logits, train
 
     model = copy.deepcopy(backend.model)
     n = min(len(x), 64)
-    train(model, x[:n], y[:n], Objective("ce"), SGDSettings(lr=1e-3, momentum=0.9), epochs=1, batch_size=32, seed=0)
+    train(model, TrainRequest(x[:n], y[:n], CrossEntropy(), SGDSettings(lr=1e-3, momentum=0.9), 1, 32, 0))
     predict_logits(model, x[:n])

@@ -21,14 +21,14 @@ import torch
 from common.mqtt import MqttLink, Will
 from edge_client.client import EdgeClient
 from edge_client.data import ClientDataInfo
-from fedge.algorithms import CLIENT_STEPS
+from fedge.algorithms import ALGORITHMS
 from fedge.errors import CodecError, ConfigError
-from fedge.messages import BROADCAST, TASK, Message, decode, encode, format_float
+from fedge.messages import BROADCAST, TASK, Message, decode, encode
 from fedge.protocol import (
-    BROADCAST_ROUND_PARAM,
-    COMPUTE_CPU_S_PARAM,
-    COMPUTE_S_PARAM,
-    SESSION_PARAM,
+    BROADCAST_ROUND,
+    COMPUTE_CPU_S,
+    COMPUTE_S,
+    SESSION,
     BrokerAddress,
     ClientStatus,
     Topics,
@@ -78,7 +78,7 @@ class MqttEdgeClient:
                 input_shape=info.input_shape,
                 num_classes=info.num_classes,
                 open_size=0 if client.data.open_x is None else len(client.data.open_x),
-                capabilities=tuple(sorted(CLIENT_STEPS)),
+                capabilities=tuple(ALGORITHMS),
                 extra={"host": platform.node(), "pid": str(os.getpid()), "torch": torch.__version__},
             ),
             run,
@@ -129,7 +129,7 @@ class MqttEdgeClient:
         if msg.run != self.topics.run:
             log.warning("ignoring a broadcast of run %r (serving %r)", msg.run, self.topics.run)
             return
-        key = (msg.params.get(SESSION_PARAM, ""), msg.round)
+        key = (msg.transport.get(SESSION, ""), msg.round)
         self._broadcasts[key] = msg
         while len(self._broadcasts) > _KEEP_BROADCASTS:  # dicts keep insertion order: drop the oldest
             del self._broadcasts[next(iter(self._broadcasts))]
@@ -143,7 +143,7 @@ class MqttEdgeClient:
         if task.client != cid or task.run != self.topics.run:
             log.warning("ignoring a task for client %r of run %r", task.client, task.run)
             return
-        session = task.params.get(SESSION_PARAM, "")
+        session = task.transport.get(SESSION, "")
         if session != self._session:
             if self._session is not None:  # a new coordinator run: the old local state belongs to the old run
                 log.info("round %d of a new run (session %s): fresh local state", task.round, session)
@@ -175,10 +175,10 @@ class MqttEdgeClient:
             self._send(task, error_message(task, str(exc)))
             return
         timing = {
-            COMPUTE_S_PARAM: format_float(time.perf_counter() - started),
-            COMPUTE_CPU_S_PARAM: format_float(time.process_time() - cpu_started),
+            COMPUTE_S: repr(time.perf_counter() - started),
+            COMPUTE_CPU_S: repr(time.process_time() - cpu_started),
         }
-        self._send(task, dataclasses.replace(update, params={**update.params, **timing}))
+        self._send(task, dataclasses.replace(update, transport=timing))
         self.updates_sent += 1
 
     def _send(self, task: Message, reply: Message) -> None:
@@ -190,5 +190,7 @@ class MqttEdgeClient:
 
 def _wanted_broadcast(task: Message) -> tuple[str, int] | None:
     """(session, round) of the broadcast a task needs, or None."""
-    wanted = task.params.get(BROADCAST_ROUND_PARAM)
-    return None if wanted is None else (task.params.get(SESSION_PARAM, ""), int(wanted))
+    wanted = task.transport.get(BROADCAST_ROUND)
+    if wanted is None or not wanted.isdigit() or len(wanted) > 10:
+        return None
+    return task.transport.get(SESSION, ""), int(wanted)

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedge.errors import ConfigError, ExportError
-from fedge.training import OBJECTIVES
+from fedge.objectives import objective_kinds
 from fedge.types import StateDict
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from export.program import ModelSpec, TrainingObjective
+    from fedge.programs import ModelSpec, TrainingLoss
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,15 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--objective",
         nargs="+",
-        choices=OBJECTIVES,
+        choices=objective_kinds(),
         default=["ntd"],
-        help="losses of the training programs (--format pte-train), one program each",
+        help="losses of the training programs (--format pte-train), one program each: ce (FedAvg, FD round 1, "
+        "DS-FL), ntd (FedNTD), lsd (FedLSD and FedCAD), soft (DS-FL distillation), fd (FD distillation)",
     )
-    p.add_argument("--tau", type=float, default=1.0, help="distillation temperature baked into ntd/kd/lsd/cad programs")
-    p.add_argument("--beta", type=float, default=1.0, help="distillation weight baked into ntd/kd programs")
+    p.add_argument("--tau", type=float, default=1.0, help="distillation temperature baked into ntd/lsd programs")
+    p.add_argument("--beta", type=float, default=1.0, help="distillation weight baked into ntd programs")
     p.add_argument("--gamma", type=float, default=1.0, help="FD regularizer weight baked into fd programs")
+    p.add_argument("--prox-mu", type=float, default=0.0, help="FedProx: bake the proximal term mu into the programs")
     p.add_argument("--max-batch", type=int, default=64, help="largest batch the .pte programs accept")
     p.add_argument("--no-xnnpack", action="store_true", help="inference .pte on portable kernels only")
     p.add_argument("--out", type=Path, default=Path("exports"), help="output directory")
@@ -91,9 +94,10 @@ def _input_shape(model: str, text: str | None) -> tuple[int, ...]:
 
 def _export(args: argparse.Namespace) -> int:
     from export.parity import check_bytes, require
-    from export.program import ModelSpec, TrainingObjective
     from fedge.cost import format_bytes
     from fedge.models import exchanged_state, load_exchanged_state
+    from fedge.objectives import OBJECTIVES, make_objective
+    from fedge.programs import ModelSpec, TrainingLoss, program_file_name
 
     if not args.model:
         raise ConfigError("fedge export needs --model (or the subcommand `check FILE...`)")
@@ -106,12 +110,16 @@ def _export(args: argparse.Namespace) -> int:
     weights = exchanged_state(model)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    jobs: list[tuple[str, str, TrainingObjective | None]] = []
+    jobs: list[tuple[str, str, TrainingLoss | None]] = []
     for fmt in args.format:
         if fmt == "pte-train":
             for kind in args.objective:
-                o = TrainingObjective(kind, tau=args.tau, beta=args.beta, gamma=args.gamma)
-                jobs.append((fmt, f"{spec.name}-train-{o.tag}.pte", o))
+                given = {"tau": args.tau, "beta": args.beta, "gamma": args.gamma}
+                fields = {f.name for f in dataclasses.fields(OBJECTIVES[kind])}
+                objective = make_objective(kind, {k: repr(float(v)) for k, v in given.items() if k in fields})
+                loss = TrainingLoss(objective, float(args.prox_mu))
+                # The one naming scheme clients look programs up by (fedge.programs.program_file_name).
+                jobs.append((fmt, program_file_name(spec, loss, args.max_batch), loss))
         else:
             jobs.append((fmt, f"{spec.name}.{'onnx' if fmt == 'onnx' else 'pte'}", None))
 
@@ -119,8 +127,8 @@ def _export(args: argparse.Namespace) -> int:
 
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / WEIGHTS_FILE))
     refused = 0
-    for fmt, name, objective in jobs:
-        data = _make(fmt, model, spec, objective, args)
+    for fmt, name, job_loss in jobs:
+        data = _make(fmt, model, spec, job_loss, args)
         reports = check_bytes(data, fmt, weights, source=name)
         for r in reports:
             print(f"  {r}")
@@ -135,9 +143,7 @@ def _export(args: argparse.Namespace) -> int:
     return 1 if refused else 0
 
 
-def _make(
-    fmt: str, model: nn.Module, spec: ModelSpec, objective: TrainingObjective | None, args: argparse.Namespace
-) -> bytes:
+def _make(fmt: str, model: nn.Module, spec: ModelSpec, loss: TrainingLoss | None, args: argparse.Namespace) -> bytes:
     if fmt == "onnx":
         from export.onnx import export_onnx
 
@@ -148,8 +154,8 @@ def _make(
         return export_inference(model, spec, xnnpack=not args.no_xnnpack, max_batch=args.max_batch)
     from export.executorch import export_training
 
-    assert objective is not None  # pte-train jobs always carry one
-    return export_training(model, spec, objective, max_batch=args.max_batch)
+    assert loss is not None  # pte-train jobs always carry one
+    return export_training(model, spec, loss, max_batch=args.max_batch)
 
 
 def _check(files: list[Path], weights_path: Path | None) -> int:

@@ -2,10 +2,13 @@
 
 A **training program** is a ``.pte`` with two methods:
 
-- ``forward_backward(x, y[, aux][, class_weights | aux_mask], *bn_stats) -> (loss, logits, *new_bn_stats)``: one
-  training step's forward and backward pass. The loss is :meth:`fedge.training.Objective.loss` with the objective's
-  hyperparameters fixed at export; ExecuTorch's training ABI appends the gradients and the (mutable) parameters to the
-  outputs, and an SGD optimizer in the runtime applies the gradients to those parameters in place.
+- ``forward_backward(x, y, *objective_inputs, *anchors, *bn_stats) -> (loss, logits, *new_bn_stats)``: one
+  training step's forward and backward pass. The loss is the registered objective's
+  (:meth:`fedge.objectives.Objective.loss`, the very code eager training runs) with its hyperparameters fixed at
+  export, plus FedProx's proximal term ``mu/2 ||w - anchor||^2`` when the program has one (the anchors are inputs);
+  ExecuTorch's training ABI appends the gradients and the (mutable) parameters to the outputs, and an SGD optimizer in
+  the runtime applies the gradients to those parameters in place. (SCAFFOLD's gradient correction is added by the
+  host to those gradient outputs before the optimizer step: see :class:`edge_client.backends.runners.PteTrainer`.)
 - ``forward(x, *params, *bn_stats) -> logits``: eval-mode inference with the weights passed in, so the logits always
   come from the weights being trained.
 
@@ -31,19 +34,18 @@ from torch import nn
 from torch.export import Dim, ExportedProgram
 from torch.func import functional_call
 
-from export.program import (
+from fedge.errors import ExportError
+from fedge.programs import (
     EVAL_METHOD,
     META_METHOD,
     TRAIN_METHOD,
     ModelSpec,
     ProgramMeta,
-    TrainingObjective,
+    TrainingLoss,
     describe_weights,
     example_training_inputs,
     stat_names,
 )
-from fedge.errors import ExportError
-from fedge.training import Objective
 
 if TYPE_CHECKING:
     from executorch.exir import EdgeProgramManager
@@ -55,26 +57,32 @@ DEFAULT_MAX_BATCH = 64
 
 
 class TrainingStep(nn.Module):
-    """The loss module exported as a training method: the model (as ``self.model``) plus a fixed objective."""
+    """The loss module exported as a training method: the model (as ``self.model``) plus a fixed loss."""
 
-    def __init__(self, model: nn.Module, objective: TrainingObjective) -> None:
+    def __init__(self, model: nn.Module, loss: TrainingLoss) -> None:
         super().__init__()
         self.model = model
-        self.objective = objective
+        self.loss = loss
         self.stat_names = stat_names(model)
+        self.param_names = tuple(k for k, _ in model.named_parameters())
         self.counter_names = tuple(k for k, v in model.named_buffers() if not v.is_floating_point())
 
-    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        n = len(self.objective.inputs)
-        inputs = dict(zip(self.objective.inputs, args[:n], strict=True))
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        objective = self.loss.objective
+        n = len(objective.inputs)
+        inputs = {spec.name: t for spec, t in zip(objective.inputs, args[:n], strict=True)}
+        n_anchor = len(self.param_names) if self.loss.prox_mu else 0
+        anchors = args[n : n + n_anchor]
         # BN updates running stats in place; updating clones of the inputs makes export return the new values as
         # plain outputs. The batch counters only matter for BN with momentum=None, which no model here uses.
-        buffers = {k: s.clone() for k, s in zip(self.stat_names, args[n:], strict=True)}
+        buffers = {k: s.clone() for k, s in zip(self.stat_names, args[n + n_anchor :], strict=True)}
         buffers.update({k: torch.zeros((), dtype=torch.long) for k in self.counter_names})
-        logits = functional_call(self.model, buffers, (inputs["x"],), strict=False)
-        o = self.objective
-        objective = Objective(o.kind, o.tau, o.beta, o.gamma, class_weights=inputs.get("class_weights"))
-        loss = objective.loss(logits, inputs["y"], inputs.get("aux"), inputs.get("aux_mask"))
+        logits = functional_call(self.model, buffers, (x,), strict=False)
+        loss = objective.loss(logits, y, inputs)
+        if self.loss.prox_mu:
+            params = dict(self.model.named_parameters())
+            prox = sum((params[k] - a).pow(2).sum() for k, a in zip(self.param_names, anchors, strict=True))
+            loss = loss + 0.5 * self.loss.prox_mu * prox
         return (loss, logits.detach(), *(buffers[k] for k in self.stat_names))
 
 
@@ -101,7 +109,7 @@ def export_inference(
 
     XNNPACK's channels-last pass in ExecuTorch 1.4.1 narrows the batch range of convolution models (to 15 on
     ``fedavg_cnn``, whatever bound was asked for); such a model is exported again with the narrowed bound, which is
-    what the file records, and :class:`export.runners.PteRunner` splits larger batches.
+    what the file records, and :class:`edge_client.backends.runners.PteRunner` splits larger batches.
     """
     was_training = model.training
     model.eval()
@@ -155,12 +163,12 @@ def _decompose_for_training(ep: ExportedProgram, *, max_pool_workaround: bool) -
 def export_training(
     model: nn.Module,
     spec: ModelSpec,
-    objective: TrainingObjective,
+    loss: TrainingLoss,
     *,
     max_batch: int = DEFAULT_MAX_BATCH,
     max_pool_workaround: bool = True,
 ) -> bytes:
-    """A training ``.pte`` for ``objective`` (portable kernels) holding ``model``'s current weights.
+    """A training ``.pte`` for ``loss`` (portable kernels) holding ``model``'s current weights.
 
     ``max_pool_workaround=False`` skips the max-pool backward decomposition; it exists to show that the parity
     check catches the upstream gradient bug, never use it for a real export.
@@ -170,19 +178,23 @@ def export_training(
 
     was_training = model.training
     model.train()
-    step = TrainingStep(model, objective)
+    step = TrainingStep(model, loss)
     eval_step = EvalStep(model)
     params = tuple(k for k, _ in model.named_parameters())
     stats = step.stat_names
     state = dict(model.state_dict())
     stat_values = tuple(state[k].detach().clone() for k in stats)
     batch = _batch_dim(max_batch)
-    args = example_training_inputs(spec, objective)
-    # Every per-sample input shares the batch dimension; per-class inputs (class_weights) and BN stats are static.
-    shapes = tuple(None if k == "class_weights" else {0: batch} for k in objective.inputs)
+    anchors = tuple(p.detach().clone() for p in model.parameters()) if loss.prox_mu else ()
+    args = example_training_inputs(spec, loss, anchors)
+    # x, y and every per-sample input share the batch dimension; per-round inputs, anchors and BN stats are static.
+    per_sample = [{0: batch}, {0: batch}] + [{0: batch} if i.per_sample else None for i in loss.objective.inputs]
+    shapes = (*per_sample, *(None for _ in anchors))
     try:
         ep = torch.export.export(
-            step, (*args, *stat_values), dynamic_shapes={"args": (*shapes, *(None for _ in stats))}
+            step,
+            (*args, *stat_values),
+            dynamic_shapes={"x": shapes[0], "y": shapes[1], "args": (*shapes[2:], *(None for _ in stats))},
         )
         ep = _export_forward_backward(ep)
         ep = _decompose_for_training(ep, max_pool_workaround=max_pool_workaround)
@@ -196,7 +208,7 @@ def export_training(
         meta = ProgramMeta(
             "pte-train",
             spec,
-            objective=objective,
+            loss=loss,
             weights=tuple(describe_weights(model)),
             shapes=describe_weights(model),
             params=params,
@@ -210,7 +222,7 @@ def export_training(
         ).to_executorch()
     except Exception as exc:  # see export_inference
         raise ExportError(
-            f"ExecuTorch training export of {spec.name} ({objective.tag}) failed: {type(exc).__name__}: {exc}"
+            f"ExecuTorch training export of {spec.name} ({loss.tag}) failed: {type(exc).__name__}: {exc}"
         ) from exc
     finally:
         model.train(was_training)

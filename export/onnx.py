@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from export.program import ModelSpec, ProgramMeta, describe_weights
 from fedge.errors import ExportError
+from fedge.programs import ModelSpec, ProgramMeta, describe_weights
 from fedge.types import StateDict
 
 if TYPE_CHECKING:

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from export.program import ModelSpec, ProgramMeta, TrainingObjective
 from fedge.errors import ExportError
 from fedge.models import exchanged_state, load_exchanged_state
-from fedge.training import Objective, SGDSettings, batch_order
+from fedge.programs import ModelSpec, ProgramMeta, TrainingLoss
+from fedge.training import SGDSettings, TrainRequest, batch_order, proximal_term
 from fedge.types import StateDict
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ def check_onnx(
 
     Without ``weights`` the model's own initializers are the reference weights (they carry state-dict names).
     """
-    from export.runners import OnnxRunner
+    from edge_client.backends.runners import OnnxRunner
 
     runner = OnnxRunner(data, source=source)
     reference = reference_model(runner.meta.model, weights if weights is not None else runner.get_weights())
@@ -164,7 +164,7 @@ def check_pte(
 
     The weights baked into a ``.pte`` cannot be read back by name, so they must be given.
     """
-    from export.runners import PteRunner
+    from edge_client.backends.runners import PteRunner
 
     runner = PteRunner(data, source=source)
     reference = reference_model(runner.meta.model, weights)
@@ -177,21 +177,39 @@ def check_pte(
     ]
 
 
-def training_data(
-    spec: ModelSpec, objective: TrainingObjective, *, samples: int = TRAIN_SAMPLES, seed: int = 0
-) -> dict[str, torch.Tensor | None]:
-    """Deterministic data for a training check: inputs, labels and the objective's auxiliary inputs."""
+def training_request(
+    spec: ModelSpec, loss: TrainingLoss, *, samples: int = TRAIN_SAMPLES, seed: int = 0
+) -> TrainRequest:
+    """A deterministic request for a training check: inputs, labels, the objective's inputs and FedProx anchors."""
     gen = torch.Generator().manual_seed(seed)
     c = spec.num_classes
-    teacher = 2.0 * torch.randn(samples, c, generator=gen)  # logits of a confident teacher
-    kind = objective.kind
-    return {
-        "x": spec.example(samples, seed=seed + 1),
-        "y": torch.randint(0, c, (samples,), generator=gen),
-        "aux": None if kind == "ce" else (torch.softmax(teacher, dim=1) if kind in ("soft", "fd") else teacher),
-        "aux_mask": (torch.arange(samples) % 3 != 0) if kind == "fd" else None,  # some rows without a target
-        "class_weights": torch.rand(c, generator=gen) if kind in ("lsd", "cad") else None,
-    }
+    inputs: dict[str, torch.Tensor] = {}
+    for i in loss.objective.inputs:
+        shape = i.concrete_shape(c, samples)
+        if i.dtype == torch.bool:
+            inputs[i.name] = torch.arange(samples) % 3 != 0  # some rows without a target
+        elif not i.per_sample:
+            inputs[i.name] = torch.rand(shape, generator=gen)
+        elif i.name == "teacher":
+            inputs[i.name] = 2.0 * torch.randn(shape, generator=gen)  # logits of a confident teacher
+        else:
+            inputs[i.name] = torch.softmax(2.0 * torch.randn(shape, generator=gen), dim=-1)  # soft targets
+    anchor = None
+    if loss.prox_mu:
+        model = spec.build(seed=seed + 2)
+        anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return TrainRequest(
+        spec.example(samples, seed=seed + 1),
+        torch.randint(0, c, (samples,), generator=gen),
+        loss.objective,
+        TRAIN_SGD,
+        epochs=1,
+        batch_size=TRAIN_BATCH,
+        seed=0,
+        inputs=inputs,
+        prox_mu=loss.prox_mu,
+        anchor=anchor,
+    )
 
 
 def check_training(
@@ -210,33 +228,31 @@ def check_training(
 
     Without ``weights`` the program's own parameters (and fresh BN statistics) are the starting point.
     """
-    from export.runners import PteTrainer
+    from edge_client.backends.runners import PteTrainer
 
     trainer = PteTrainer(data, source=source)
-    spec, o = trainer.meta.model, trainer.objective
+    spec = trainer.meta.model
     start: StateDict = dict(weights) if weights is not None else trainer.get_weights()
     trainer.set_weights(start)
     reference = reference_model(spec, start)
     reports = [logits_parity(trainer.logits, reference, spec, source=source, runtime=trainer.runtime)]
 
-    d = training_data(spec, o)
-    x, y = d["x"], d["y"]
-    assert x is not None and y is not None
-    objective = Objective(o.kind, o.tau, o.beta, o.gamma, class_weights=d["class_weights"])
-    sgd = TRAIN_SGD
+    r = training_request(spec, trainer.loss)
+    sgd = r.sgd
     eager_opt = torch.optim.SGD(reference.parameters(), lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay)
     program_opt = trainer.optimizer(sgd)
     steps: list[ParityReport] = []
     reference.train()
-    for i, idx in enumerate(batch_order(len(x), 1, TRAIN_BATCH, seed=0)):
+    for i, idx in enumerate(batch_order(len(r.x), r.epochs, r.batch_size, r.seed)):
         load_exchanged_state(reference, trainer.get_weights())  # in place: the optimizer keeps its momentum
-        aux = d["aux"][idx] if d["aux"] is not None else None
-        mask = d["aux_mask"][idx] if d["aux_mask"] is not None else None
-        loss = objective.loss(reference(x[idx]), y[idx], aux, mask)
+        loss = r.objective.loss(reference(r.x[idx]), r.y[idx], r.batch_inputs(idx))
+        if r.prox_mu:
+            assert r.anchor is not None
+            loss = loss + proximal_term(reference, r.anchor, r.prox_mu)
         eager_opt.zero_grad(set_to_none=True)
         loss.backward()
         eager_opt.step()
-        trainer.step(program_opt, trainer.step_inputs(idx, x, y, d["aux"], d["aux_mask"], d["class_weights"]))
+        trainer.step(program_opt, trainer.step_inputs(r, idx))
         got, expected = trainer.get_weights(), exchanged_state(reference)
         pairs = {f"{k} after step {i + 1}": (got[k], expected[k]) for k in expected}
         steps.append(_compare(source, "training", trainer.runtime, pairs, WEIGHT_TOLERANCE))
@@ -270,7 +286,7 @@ def sniff(path: Path) -> ProgramMeta:
 
         return read_meta(data, source=str(path))
     if path.suffix == ".pte":
-        from export.runners import read_pte_meta
+        from edge_client.backends.runners import read_pte_meta
 
         return read_pte_meta(data, source=str(path))
     raise ExportError(f"{path}: not an export (expected a .onnx or .pte file)")

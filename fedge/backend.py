@@ -11,12 +11,14 @@ from typing import Protocol
 import torch
 
 from fedge.models import build_model, exchanged_state, load_exchanged_state
-from fedge.training import Objective, SGDSettings, TrainStats, predict_logits, train
+from fedge.training import TrainRequest, TrainStats, predict_logits, train
 from fedge.types import StateDict
 
 
 class Backend(Protocol):
     """A model held by a runtime: weights in and out, inference, and local training."""
+
+    runtime: str
 
     def set_weights(self, state: StateDict) -> None: ...
 
@@ -28,19 +30,9 @@ class Backend(Protocol):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def train(
-        self,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        objective: Objective,
-        sgd: SGDSettings,
-        *,
-        epochs: int,
-        batch_size: int,
-        seed: int,
-        aux: torch.Tensor | None = None,
-        aux_mask: torch.Tensor | None = None,
-    ) -> TrainStats: ...
+    def train(self, request: TrainRequest) -> TrainStats:
+        """Run the request on the current weights, in place; ConfigError if this runtime cannot."""
+        ...
 
 
 def resolve_device(device: str) -> torch.device:
@@ -75,36 +67,5 @@ class TorchBackend:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return predict_logits(self.model, x)
 
-    def train(
-        self,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        objective: Objective,
-        sgd: SGDSettings,
-        *,
-        epochs: int,
-        batch_size: int,
-        seed: int,
-        aux: torch.Tensor | None = None,
-        aux_mask: torch.Tensor | None = None,
-    ) -> TrainStats:
-        if objective.class_weights is not None:
-            objective = Objective(
-                objective.kind,
-                objective.tau,
-                objective.beta,
-                objective.gamma,
-                objective.class_weights.to(self.device),
-            )
-        return train(
-            self.model,
-            x,
-            y,
-            objective,
-            sgd,
-            epochs=epochs,
-            batch_size=batch_size,
-            seed=seed,
-            aux=aux,
-            aux_mask=aux_mask,
-        )
+    def train(self, request: TrainRequest) -> TrainStats:
+        return train(self.model, request)

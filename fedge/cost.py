@@ -30,7 +30,7 @@ from typing import Literal, TypeAlias, get_args
 import torch
 
 from fedge.errors import ConfigError
-from fedge.models import build_model, num_exchanged_values
+from fedge.models import build_model, num_exchanged_values, num_trainable_parameters
 
 Method: TypeAlias = Literal["fl", "fd", "dsfl"]
 """Exchange pattern: model parameters (FL: FedAvg, FedNTD, FedCAD, ...), per-class outputs (FD), open-set outputs
@@ -74,7 +74,7 @@ class CostRow:
     """One table row: a task, a method and its per-round bytes (``total`` = ``bytes_up`` + ``bytes_down``)."""
 
     task: str
-    method: Method
+    method: str  # "fl", "fd", "dsfl" (the paper's methods) or a registered algorithm's name
     bytes_up: int
     bytes_down: int
     protocol_extra_down: int = 0
@@ -159,6 +159,41 @@ def round_cost(
     raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(get_args(Method))}")
 
 
+def algorithm_round_cost(
+    algorithm: str,
+    *,
+    model: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    num_clients: int,
+    open_per_round: int = 1000,
+    accounting: str = "multicast",
+) -> RoundCost:
+    """Tensor bytes of one round of a registered algorithm, from its own traffic model (e.g. SCAFFOLD sends a control
+    variate both ways, twice FedAvg's parameters)."""
+    from fedge.algorithms import get_algorithm
+    from fedge.algorithms.base import CostInputs
+
+    _positive("num_clients", num_clients)
+    _positive("num_classes", num_classes)
+    copies = _copies(accounting, num_clients)
+    with torch.device("meta"):  # count values without allocating them
+        net = build_model(model, input_shape=input_shape, num_classes=num_classes)
+    inputs = CostInputs(
+        model_values=num_exchanged_values(net),
+        trainable_values=num_trainable_parameters(net),
+        num_classes=num_classes,
+        num_clients=num_clients,
+        open_per_round=open_per_round,
+    )
+    t = get_algorithm(algorithm).traffic(inputs)
+    return RoundCost(
+        bytes_up=num_clients * t.up_per_client,
+        bytes_down=copies * t.down_broadcast,
+        protocol_extra_down=copies * t.protocol_extra_down,
+    )
+
+
 def open_dataset_cost(
     num_open: int,
     sample_numel: int,
@@ -207,6 +242,15 @@ def paper_tables(accounting: str = "multicast") -> list[CostRow]:
     return [row for task in DSFL_PAPER_TASKS for row in task_costs(task, accounting)]
 
 
+def method_label(method: str) -> str:
+    """ "FL", "FD", "DS-FL" for the paper's methods; a registered algorithm's display name otherwise."""
+    if method in METHOD_LABELS:
+        return METHOD_LABELS[method]
+    from fedge.algorithms import get_algorithm
+
+    return get_algorithm(method).label
+
+
 _UNITS = ("kB", "MB", "GB", "TB")
 
 
@@ -248,7 +292,7 @@ def cost_table_markdown(rows: Sequence[CostRow], *, layout: Literal["long", "pap
         cells = {(r.task, r.method): format_bytes(r.total) for r in rows}
         lines = ["| Method | " + " | ".join(tasks) + " |", "|---|" + "---:|" * len(tasks)]
         for m in methods:
-            lines.append(f"| {METHOD_LABELS[m]} | " + " | ".join(cells.get((t, m), "-") for t in tasks) + " |")
+            lines.append(f"| {method_label(m)} | " + " | ".join(cells.get((t, m), "-") for t in tasks) + " |")
         return "\n".join(lines) + "\n"
     if layout != "long":
         raise ConfigError(f"unknown table layout {layout!r}; choose 'long' or 'paper'")
@@ -256,7 +300,7 @@ def cost_table_markdown(rows: Sequence[CostRow], *, layout: Literal["long", "pap
     header = ["Task", "Method", "Upload", "Download", "Total"] + (["Total (fedge)"] if protocol else [])
     lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
     for r in rows:
-        cols = [r.task, METHOD_LABELS[r.method], *map(format_bytes, (r.bytes_up, r.bytes_down, r.total))]
+        cols = [r.task, method_label(r.method), *map(format_bytes, (r.bytes_up, r.bytes_down, r.total))]
         if protocol:
             cols.append(format_bytes(r.protocol_total))
         lines.append("| " + " | ".join(cols) + " |")

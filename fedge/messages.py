@@ -1,14 +1,15 @@
 """The one message type every role exchanges, and its wire codec.
 
 A message is a safetensors blob: named tensors plus a ``__metadata__`` table of strings that carries the schema
-version, the message kind, run id, round, client id and the algorithm's hyperparameters (``param.<name>``). Decoding
-never unpickles anything: the header is JSON and the tensor bytes are read by safetensors, which checks the offsets.
+version, the message kind, run id, round, client id, the algorithm's typed fields (``param.<name>``, see
+:mod:`fedge.wire`) and, kept apart, the transport's own metadata (``transport.<name>``: session, timings), which
+algorithms never see. Decoding never unpickles anything: the header is JSON and the tensor bytes are read by
+safetensors, which checks the offsets.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from fedge.errors import CodecError
 SCHEMA_VERSION = "1"
 MAX_PAYLOAD_BYTES = 1 << 30  # 1 GiB: larger than any model here; guards against absurd headers
 _PARAM_PREFIX = "param."
+_TRANSPORT_PREFIX = "transport."
 _RESERVED = ("schema", "kind", "run", "round", "client")
 
 # Message kinds. Down = coordinator -> clients, up = clients -> coordinator.
@@ -38,17 +40,19 @@ class Message:
     round: int
     run: str = ""
     client: str = ""  # recipient of a task, sender of an update, "" for a broadcast
-    params: Mapping[str, str] = field(default_factory=dict)
+    params: Mapping[str, str] = field(default_factory=dict)  # the algorithm's fields
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    transport: Mapping[str, str] = field(default_factory=dict)  # the transport's metadata, apart from params
 
     def __post_init__(self) -> None:
         if not self.kind:
             raise CodecError("a message needs a kind")
         if self.round < 0:
             raise CodecError(f"round must be >= 0, got {self.round}")
-        for key, value in self.params.items():
-            if not isinstance(key, str) or not isinstance(value, str):
-                raise CodecError(f"params must map str to str, got {key!r}: {type(value).__name__}")
+        for table in (self.params, self.transport):
+            for key, value in table.items():
+                if not isinstance(key, str) or not isinstance(value, str):
+                    raise CodecError(f"metadata must map str to str, got {key!r}: {type(value).__name__}")
 
     @property
     def tensor_bytes(self) -> int:
@@ -62,20 +66,6 @@ class Message:
         if default is not None:
             return default
         raise CodecError(f"{self.kind} message for round {self.round} lacks the parameter {name!r}")
-
-    def float_param(self, name: str, default: float | None = None) -> float:
-        raw = self.param(name, None if default is None else repr(default))
-        try:
-            return float(raw)
-        except ValueError as exc:
-            raise CodecError(f"parameter {name!r} is not a number: {raw!r}") from exc
-
-    def int_param(self, name: str, default: int | None = None) -> int:
-        raw = self.param(name, None if default is None else str(default))
-        try:
-            return int(raw)
-        except ValueError as exc:
-            raise CodecError(f"parameter {name!r} is not an integer: {raw!r}") from exc
 
     def tensor(self, name: str) -> torch.Tensor:
         """A tensor by name; a missing one is a CodecError naming what is there."""
@@ -102,6 +92,7 @@ def encode(message: Message) -> bytes:
         "client": message.client,
     }
     metadata.update({_PARAM_PREFIX + k: v for k, v in message.params.items()})
+    metadata.update({_TRANSPORT_PREFIX + k: v for k, v in message.transport.items()})
     # safetensors wants contiguous tensors that share no storage; clone only when needed.
     tensors = {k: (t if t.is_contiguous() else t.contiguous()).detach().cpu() for k, t in message.tensors.items()}
     return st_save(tensors, metadata=metadata)
@@ -149,11 +140,13 @@ def decode(data: bytes, *, check_finite: bool = True) -> Message:
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise CodecError(f"tensor {name!r} holds non-finite values")
     params = {k[len(_PARAM_PREFIX) :]: v for k, v in meta.items() if k.startswith(_PARAM_PREFIX)}
-    return Message(kind=meta["kind"], round=rnd, run=meta["run"], client=meta["client"], params=params, tensors=tensors)
-
-
-def format_float(value: float) -> str:
-    """A float as a metadata string that parses back to exactly the same value."""
-    if not math.isfinite(value):
-        raise CodecError(f"cannot send non-finite hyperparameter {value}")
-    return repr(float(value))
+    transport = {k[len(_TRANSPORT_PREFIX) :]: v for k, v in meta.items() if k.startswith(_TRANSPORT_PREFIX)}
+    return Message(
+        kind=meta["kind"],
+        round=rnd,
+        run=meta["run"],
+        client=meta["client"],
+        params=params,
+        tensors=tensors,
+        transport=transport,
+    )

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
+from fedge import wire
 from fedge.errors import CodecError, ConfigError
 from fedge.messages import Message, decode, encode
 
@@ -35,10 +36,11 @@ CHANNELS: tuple[Channel, ...] = ("task", "broadcast", "update", "status")
 ClientState = Literal["online", "offline"]
 
 # Transport-level parameters the MQTT roles add to messages; algorithms never read them.
-BROADCAST_ROUND_PARAM = "mqtt.broadcast_round"  # in a task: wait for this round's broadcast before computing
-SESSION_PARAM = "mqtt.session"  # in tasks and broadcasts: one coordinator run; a new one resets a client's state
-COMPUTE_S_PARAM = "mqtt.compute_s"  # in an update: wall seconds of the client step
-COMPUTE_CPU_S_PARAM = "mqtt.compute_cpu_s"  # in an update: CPU seconds of the client step (this process)
+# Transport metadata (``Message.transport``), apart from the algorithm's fields.
+BROADCAST_ROUND = "broadcast_round"  # in a task: wait for this round's broadcast before computing
+SESSION = "session"  # in tasks and broadcasts: one coordinator run; a new one resets a client's state
+COMPUTE_S = "compute_s"  # in an update: wall seconds of the client step
+COMPUTE_CPU_S = "compute_cpu_s"  # in an update: CPU seconds of the client step (this process)
 
 
 # --- names and topics -------------------------------------------------------------------------------------------
@@ -198,35 +200,43 @@ def encode_status(status: ClientStatus, run: str) -> bytes:
 
 
 def decode_status(payload: bytes) -> ClientStatus:
-    """Parse a status message; CodecError for anything that is not one."""
+    """Parse a status message with bounded fields; CodecError for anything that is not one."""
     msg = decode(payload)
     if msg.kind != STATUS:
-        raise CodecError(f"expected a {STATUS!r} message, got {msg.kind!r}")
-    shape = msg.param("input_shape", "")
-    caps = msg.param("capabilities", "")
-    try:
-        input_shape = tuple(int(d) for d in shape.split(",")) if shape else ()
-    except ValueError:
-        raise CodecError(f"input_shape {shape!r} is not a comma-separated list of integers") from None
+        raise CodecError(f"expected a {STATUS!r} message, got {msg.kind[:40]!r}")
+    p = msg.params
+
+    def text(name: str) -> str:
+        return str(wire.parse_value(name, p.get(name, ""), str))
+
+    def count(name: str, hi: int) -> int:
+        return int(wire.parse_value(name, p.get(name, "0"), int, wire.bounded(0, hi)))
+
+    shape = wire.parse_value("input_shape", p.get("input_shape", ""), tuple[int, ...], wire.bounded(0, 2**31))
+    if len(shape) > 8:
+        raise CodecError(f"input_shape has {len(shape)} dimensions, at most 8 allowed")
+    extra = {k[6:]: v for k, v in p.items() if k.startswith("extra.")}
+    if len(extra) > 16 or any(len(k) > 64 or len(v) > wire.MAX_STRING for k, v in extra.items()):
+        raise CodecError("too many or too long extra fields in a status")
     return ClientStatus(
         client=msg.client,
-        state=msg.param("state"),  # type: ignore[arg-type]  # checked in __post_init__
-        runtime=msg.param("runtime", ""),
-        device=msg.param("device", ""),
-        dataset_size=msg.int_param("dataset_size", 0),
-        model=msg.param("model", ""),
-        input_shape=input_shape,
-        num_classes=msg.int_param("num_classes", 0),
-        open_size=msg.int_param("open_size", 0),
-        capabilities=tuple(c for c in caps.split(",") if c),
-        reason=msg.param("reason", ""),
-        extra={k[6:]: v for k, v in msg.params.items() if k.startswith("extra.")},
+        state=text("state"),  # type: ignore[arg-type]  # checked in __post_init__
+        runtime=text("runtime"),
+        device=text("device"),
+        dataset_size=count("dataset_size", 2**40),
+        model=text("model"),
+        input_shape=shape,
+        num_classes=count("num_classes", 1_000_000),
+        open_size=count("open_size", 2**40),
+        capabilities=tuple(c for c in text("capabilities").split(",") if c),
+        reason=text("reason"),
+        extra=extra,
     )
 
 
 def error_message(task: Message, reason: str) -> Message:
     """What a client sends instead of an update when it cannot do ``task``."""
-    return Message(ERROR, task.round, run=task.run, client=task.client, params={"error": reason[:2000]})
+    return Message(ERROR, task.round, run=task.run, client=task.client, params={"error": reason[: wire.MAX_STRING]})
 
 
 # --- wire bytes (MQTT 3.1.1) -------------------------------------------------------------------------------------

@@ -1,73 +1,28 @@
-"""Local optimization shared by clients and the DS-FL server: objectives, batch order and the SGD loop.
+"""Local optimization shared by every runtime: the training request, the batch order and the eager SGD loop.
 
-Every backend (PyTorch here; ExecuTorch and ONNX Runtime in ``edge_client``) follows the same batch order, given by
-:func:`batch_order`, so the same task gives the same weights whichever runtime executes it.
+One contract for local training: a frozen :class:`TrainRequest` (data, objective, optimizer settings, epochs, batch
+size, shuffle seed, the objective's inputs, and the hooks FedProx and SCAFFOLD need), answered with
+:class:`TrainStats`. Every runtime (PyTorch here; ExecuTorch and ONNX Runtime in ``edge_client``) implements it and
+follows the same batch order, :func:`batch_order`, so the same task gives the same weights whichever runtime runs it.
+
+The two hooks act on the trainable parameters only (never on batch-norm statistics):
+- ``prox_mu`` and ``anchor`` add FedProx's proximal term ``mu/2 * ||w - w_anchor||^2`` to the loss (FedProx eq. 2);
+- ``correction`` is added to each parameter's gradient before the optimizer step, SCAFFOLD's corrected update
+  ``y <- y - lr * (g(y) + c - c_i)`` (SCAFFOLD Algorithm 1, line 10) with ``correction = c - c_i``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from fedge import losses
 from fedge.errors import ConfigError
-
-OBJECTIVES = ("ce", "ntd", "kd", "lsd", "cad", "soft", "fd")
-
-
-@dataclass(frozen=True)
-class Objective:
-    """A local loss and its hyperparameters.
-
-    ``kind`` is one of:
-    - ``ce``: cross-entropy (FedAvg; DS-FL eq. 1-2);
-    - ``ntd``: CE + beta * tau^2 * not-true KL to the teacher (FedNTD eq. 10-11); aux = teacher logits;
-    - ``kd``: Hinton KD, (1 - beta) CE + beta * tau^2 KL (FedNTD sec. 1); aux = teacher logits;
-    - ``lsd``/``cad``: (1 - a_y) CE + a_y soft-CE to the teacher at tau (FedCAD eq. 1-2), a_y = ``class_weights[y]``
-      (constant for FedLSD, eq. 3 for FedCAD); aux = teacher logits;
-    - ``soft``: soft-label cross-entropy to probabilities (DS-FL eq. 10-11); aux = target probabilities;
-    - ``fd``: CE + gamma * soft-CE to the leave-one-out targets (DS-FL eq. 7); aux = target probabilities, and rows
-      whose ``aux_mask`` is False get CE only (no other client holds that class).
-    """
-
-    kind: str = "ce"
-    tau: float = 1.0
-    beta: float = 1.0
-    gamma: float = 1.0
-    class_weights: torch.Tensor | None = None  # (C,) for lsd/cad
-
-    def __post_init__(self) -> None:
-        if self.kind not in OBJECTIVES:
-            raise ConfigError(f"unknown objective {self.kind!r}; choose one of {OBJECTIVES}")
-        if self.kind in ("lsd", "cad") and self.class_weights is None:
-            raise ConfigError(f"objective {self.kind!r} needs class_weights")
-
-    @property
-    def needs_teacher(self) -> bool:
-        return self.kind in ("ntd", "kd", "lsd", "cad")
-
-    def loss(
-        self, logits: torch.Tensor, targets: torch.Tensor, aux: torch.Tensor | None, aux_mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Batch-mean loss of ``logits`` (B, C) against labels (B,) and the per-sample auxiliary targets (B, C)."""
-        if self.kind == "ce":
-            return F.cross_entropy(logits, targets)
-        if aux is None:
-            raise ConfigError(f"objective {self.kind!r} needs auxiliary targets (teacher logits or soft labels)")
-        if self.kind == "ntd":
-            return losses.ntd_loss(logits, aux, targets, tau=self.tau, beta=self.beta)
-        if self.kind == "kd":
-            return losses.kd_loss(logits, aux, targets, tau=self.tau, beta=self.beta)
-        if self.kind in ("lsd", "cad"):
-            assert self.class_weights is not None
-            return losses.class_weighted_distillation_loss(logits, aux, targets, self.class_weights, tau=self.tau)
-        if self.kind == "soft":
-            return losses.soft_cross_entropy(logits, aux)
-        # fd: distill only the samples whose class has a leave-one-out target (DS-FL eq. 6-7).
-        return losses.fd_distillation_loss(logits, targets, aux, gamma=self.gamma, mask=aux_mask)
+from fedge.objectives import Objective
+from fedge.types import StateDict
 
 
 @dataclass(frozen=True)
@@ -77,6 +32,58 @@ class SGDSettings:
     lr: float
     momentum: float = 0.0
     weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"lr must be a finite number > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """What one local training call must do; every runtime's ``train`` takes exactly this."""
+
+    x: torch.Tensor  # (N, *input_shape)
+    y: torch.Tensor  # (N,) int64 labels
+    objective: Objective
+    sgd: SGDSettings
+    epochs: int
+    batch_size: int
+    seed: int  # shuffle seed of :func:`batch_order`
+    inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)  # the objective's inputs by name
+    prox_mu: float = 0.0  # FedProx: weight of the proximal term
+    anchor: StateDict | None = None  # FedProx: the weights the proximal term pulls towards
+    correction: StateDict | None = None  # SCAFFOLD: added to each trainable parameter's gradient
+
+    def __post_init__(self) -> None:
+        if len(self.x) != len(self.y):
+            raise ConfigError(f"x has {len(self.x)} samples but y has {len(self.y)}")
+        if self.epochs < 0 or self.batch_size < 1:
+            raise ConfigError(f"need epochs >= 0 and batch_size >= 1, got {self.epochs} and {self.batch_size}")
+        if not (math.isfinite(self.prox_mu) and self.prox_mu >= 0):
+            raise ConfigError(f"prox_mu must be >= 0, got {self.prox_mu}")
+        if self.prox_mu > 0 and self.anchor is None:
+            raise ConfigError("a proximal term (prox_mu > 0) needs anchor weights")
+        names = {i.name for i in self.objective.inputs}
+        if set(self.inputs) != names:
+            raise ConfigError(
+                f"objective {self.objective.kind!r} takes inputs {sorted(names)}, got {sorted(self.inputs)}"
+            )
+        for spec in self.objective.inputs:
+            if spec.per_sample and len(self.inputs[spec.name]) != len(self.x):
+                raise ConfigError(
+                    f"input {spec.name!r} has {len(self.inputs[spec.name])} rows for {len(self.x)} samples"
+                )
+
+    def batch_inputs(self, idx: torch.Tensor, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The objective's inputs for the samples ``idx``: per-sample rows, per-round constants whole."""
+        return {
+            spec.name: (self.inputs[spec.name][idx] if spec.per_sample else self.inputs[spec.name]).to(device)
+            for spec in self.objective.inputs
+        }
 
 
 @dataclass(frozen=True)
@@ -104,34 +111,35 @@ def batch_order(num_samples: int, epochs: int, batch_size: int, seed: int) -> li
     return batches
 
 
-def train(
-    model: nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    objective: Objective,
-    sgd: SGDSettings,
-    *,
-    epochs: int,
-    batch_size: int,
-    seed: int,
-    aux: torch.Tensor | None = None,
-    aux_mask: torch.Tensor | None = None,
-) -> TrainStats:
-    """Run ``epochs`` of mini-batch SGD on (x, y) in place.
+def proximal_term(model: nn.Module, anchor: StateDict, mu: float) -> torch.Tensor:
+    """``mu/2 * sum ||w - w_anchor||^2`` over the trainable parameters (FedProx eq. 2)."""
+    total = torch.zeros((), device=next(model.parameters()).device)
+    for name, p in model.named_parameters():
+        total = total + (p - anchor[name].to(p.device)).pow(2).sum()
+    return 0.5 * mu * total
 
-    ``aux`` (N, C) holds per-sample teacher logits or soft targets, ``aux_mask`` (N,) which rows of it to use.
-    """
+
+def train(model: nn.Module, request: TrainRequest) -> TrainStats:
+    """Run the request's epochs of mini-batch SGD on ``model`` in place (eager PyTorch, CPU or CUDA)."""
+    r = request
     device = next(model.parameters()).device
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay)
+    opt = torch.optim.SGD(model.parameters(), lr=r.sgd.lr, momentum=r.sgd.momentum, weight_decay=r.sgd.weight_decay)
+    params = dict(model.named_parameters())
+    correction = {k: r.correction[k].to(device) for k in params} if r.correction is not None else None
     total, steps, samples = 0.0, 0, 0
-    for idx in batch_order(len(x), epochs, batch_size, seed):
-        xb, yb = x[idx].to(device), y[idx].to(device)
-        ab = aux[idx].to(device) if aux is not None else None
-        mb = aux_mask[idx].to(device) if aux_mask is not None else None
-        loss = objective.loss(model(xb), yb, ab, mb)
+    for idx in batch_order(len(r.x), r.epochs, r.batch_size, r.seed):
+        xb, yb = r.x[idx].to(device), r.y[idx].to(device)
+        loss = r.objective.loss(model(xb), yb, r.batch_inputs(idx, device))
+        if r.prox_mu > 0:
+            assert r.anchor is not None
+            loss = loss + proximal_term(model, r.anchor, r.prox_mu)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if correction is not None:
+            for k, p in params.items():
+                if p.grad is not None:
+                    p.grad.add_(correction[k])
         opt.step()
         total += float(loss.detach())
         steps += 1

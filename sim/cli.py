@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
+from common.console import round_line
 from fedge.config import RunConfig
 from fedge.cost import format_bytes
+from fedge.records import RoundRecord
 
 
 def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
@@ -26,27 +27,17 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
         dynamic_ncols=True,
     )
 
-    def on_round(r: dict[str, Any]) -> None:
-        acc = r.get("accuracy")
+    def on_round(r: RoundRecord) -> None:
+        acc = r.accuracy
+        b = r.bytes
         bar.set_postfix_str(
             (f"acc {100 * acc:5.2f}% " if acc is not None else "")
-            + f"round {format_bytes(r['tensor_bytes_multicast'])} cum {format_bytes(r['cum_tensor_bytes_multicast'])}"
+            + f"round {format_bytes(b.tensor['multicast'])} cum {format_bytes(b.cum_tensor['multicast'])}"
         )
         bar.update(1)
         if args.quiet:
             return
-        line = f"round {r['round']:3d}"
-        if acc is not None:
-            line += f"  acc {100 * acc:6.2f}%  F {r['forgetting']:.3f}"
-        if "global_logit_entropy" in r:
-            line += f"  H {r['global_logit_entropy']:.3f}"
-        line += (
-            f"  up {format_bytes(r['tensor_bytes_up'])}  down {format_bytes(r['tensor_bytes_down_multicast'])}"
-            f"  cum {format_bytes(r['cum_tensor_bytes_multicast'])}"
-        )
-        if r.get("dropped"):
-            line += f"  dropped {','.join(r['dropped'])}"
-        bar.write(line)
+        bar.write(round_line(r))
 
     if args.transport == "mqtt":
         from sim.laptop import run_over_mqtt
@@ -79,7 +70,8 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
 
 
 def run_cost(args: argparse.Namespace) -> int:
-    from fedge.cost import CostRow, cost_table_markdown, paper_tables, round_cost
+    from fedge.algorithms import ALGORITHMS
+    from fedge.cost import CostRow, algorithm_round_cost, cost_table_markdown, paper_tables
     from fedge.models import build_model, num_exchanged_values
 
     accountings = ["multicast", "unicast"] if args.accounting == "both" else [args.accounting]
@@ -92,16 +84,17 @@ def run_cost(args: argparse.Namespace) -> int:
             model = build_model(args.model, input_shape=shape, num_classes=args.num_classes)
             values = num_exchanged_values(model)
             rows = []
-            for method in ("fl", "fd", "dsfl"):
-                c = round_cost(
-                    method,
-                    num_clients=args.num_clients,
+            for name in ALGORITHMS:  # every registered algorithm, from its own traffic model
+                c = algorithm_round_cost(
+                    name,
+                    model=args.model,
+                    input_shape=shape,
                     num_classes=args.num_classes,
-                    model_values=values,
+                    num_clients=args.num_clients,
                     open_per_round=args.open_per_round,
                     accounting=acc,
                 )
-                rows.append(CostRow(args.model, method, c.bytes_up, c.bytes_down, c.protocol_extra_down))
+                rows.append(CostRow(args.model, name, c.bytes_up, c.bytes_down, c.protocol_extra_down))
             title = (
                 f"Per-round communication, {args.model} ({values:,} values), {args.num_clients} clients, "
                 f"{args.num_classes} classes, |o_r| = {args.open_per_round} ({acc})"

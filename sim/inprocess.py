@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
-from coordinator.transport import Exchange, Rejection, ReplyCheck
+from coordinator.replies import RoundContext, judge_reply
+from coordinator.transport import Exchange, ReplyCheck
 from edge_client.client import EdgeClient
 from fedge.algorithms.base import RoundPlan
 from fedge.errors import CodecError, ConfigError
 from fedge.ledger import BROADCAST_CLIENT, LedgerEntry
 from fedge.messages import Message, decode, encode
+from fedge.protocol import error_message
+from fedge.records import ClientTiming, Drop
 from fedge.types import ClientId
+from fedge.wire import printable
 
 
 class InProcessTransport:
@@ -24,6 +29,10 @@ class InProcessTransport:
 
     def exchange(self, plan: RoundPlan, check: ReplyCheck) -> Exchange:
         out = Exchange()
+        if not plan.tasks:
+            return out
+        rnd = next(iter(plan.tasks.values())).round
+        ctx = RoundContext(rnd, frozenset(plan.tasks), check, known=lambda c: c in self.clients)
         broadcast: Message | None = None
         if plan.broadcast is not None:
             blob = encode(plan.broadcast)
@@ -32,20 +41,23 @@ class InProcessTransport:
         for client_id, task in sorted(plan.tasks.items()):
             task_blob = encode(task)
             out.entries.append(LedgerEntry.of(task, "down", client_id, len(task_blob), 1))
+            started = time.perf_counter()
+            received = decode(task_blob)
             try:
-                reply = self.clients[client_id].handle(decode(task_blob), broadcast)
-            except (CodecError, ConfigError) as exc:  # a client that cannot do its task drops out of the round
-                out.rejected.append(Rejection(client_id, f"client failed: {exc}"))
-                out.dropped.append(client_id)
-                continue
+                reply = self.clients[client_id].handle(received, broadcast)
+            except (CodecError, ConfigError, ValueError) as exc:  # a client that cannot do its task says why
+                reply = error_message(received, printable(str(exc)))
+            compute = time.perf_counter() - started
             reply_blob = encode(reply)
-            out.entries.append(LedgerEntry.of(reply, "up", client_id, len(reply_blob), 1))
-            try:
-                received = decode(reply_blob)
-                check(client_id, received)
-            except CodecError as exc:
-                out.rejected.append(Rejection(client_id, str(exc)))
-                out.dropped.append(client_id)
-                continue
-            out.replies[client_id] = received
+            judged = judge_reply(reply_blob, client_id, ctx)
+            kind = judged.message.kind if judged.message is not None else "invalid"
+            tensor_bytes = judged.message.tensor_bytes if judged.message is not None else 0
+            out.entries.append(LedgerEntry(rnd, "up", client_id, kind, 1, tensor_bytes, len(reply_blob)))
+            if judged.accepted and judged.message is not None:
+                out.replies[client_id] = judged.message
+                out.timings.append(ClientTiming(client_id, time.perf_counter() - started, compute, compute))
+            else:
+                assert judged.rejection is not None
+                out.rejections.append(judged.rejection)
+                out.drops.append(Drop(client_id, judged.rejection.reason))
         return out

@@ -16,12 +16,13 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from common.experiment import Experiment, prepare
 from common.rundir import RunResult
 from coordinator.run import run_coordinator
 from fedge.config import RunConfig
+from fedge.records import RoundRecord
 from fedge.types import ClientId
 from sim.brokers import embedded_broker, stop_process
 from sim.provision import write_client_files
@@ -35,7 +36,7 @@ def run_over_mqtt(
     *,
     broker: str | None = None,
     device: str = "cpu",
-    on_round: Callable[[dict[str, Any]], None] | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
     client_faults: Mapping[ClientId, int] | None = None,
     client_runtimes: Mapping[ClientId, str] | None = None,
     round_timeout: float = 300.0,

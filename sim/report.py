@@ -28,20 +28,12 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import Formatter, FuncFormatter, MaxNLocator, NullLocator, PercentFormatter
 
 from common.rundir import COMU_THRESHOLDS, read_run
+from fedge.algorithms import get_algorithm
 from fedge.config import RunConfig
 from fedge.cost import format_bytes
 from fedge.errors import ConfigError, FedgeError
 from fedge.ledger import ACCOUNTING_MODELS, LedgerEntry, read_ledger_csv
-
-ALGORITHM_NAMES = {
-    "fedavg": "FedAvg",
-    "fedntd": "FedNTD",
-    "fedlsd": "FedLSD",
-    "fedcad": "FedCAD",
-    "fd": "FD",
-    "dsfl": "DS-FL",
-}
-"""Display names, as the papers write them."""
+from fedge.records import RoundRecord
 
 _DPI = 120
 _FIGSIZE = (8.0, 5.0)  # inches: 960 x 600 px at 120 dpi
@@ -59,23 +51,25 @@ class Run:
     path: Path
     label: str
     config: RunConfig
-    rounds: list[dict[str, Any]]
+    rounds: list[RoundRecord]
     summary: dict[str, Any]
     ledger: list[LedgerEntry] | None  # None when the run has no ledger.csv
 
     def series(self, key: str, x_key: str = "round") -> tuple[list[float], list[float]]:
-        """(x, y) over the rounds that recorded ``key``."""
-        points = [(r[x_key], r[key]) for r in self.rounds if r.get(key) is not None and r.get(x_key) is not None]
-        return [float(x) for x, _ in points], [float(y) for _, y in points]
+        """(x, y) over the rounds that recorded the metric ``key`` (a metrics.jsonl name)."""
+        points = [(r.value(x_key), r.value(key)) for r in self.rounds]
+        kept = [(x, y) for x, y in points if x is not None and y is not None]
+        return [x for x, _ in kept], [y for _, y in kept]
 
     def has(self, key: str) -> bool:
-        return any(r.get(key) is not None for r in self.rounds)
+        return any(r.value(key) is not None for r in self.rounds)
 
 
 def algorithm_name(config: RunConfig) -> str:
     """``"FedNTD"``, ``"DS-FL ERA"``, ... (DS-FL names its aggregation: ERA, eq. 13, or SA, eq. 16)."""
-    name = ALGORITHM_NAMES.get(config.algorithm, config.algorithm)
-    return f"{name} {config.algo.aggregation.upper()}" if config.algorithm == "dsfl" else name
+    name = get_algorithm(config.algorithm).label
+    aggregation = getattr(config.algo, "aggregation", None)  # DS-FL's ERA or SA
+    return f"{name} {aggregation.upper()}" if aggregation else name
 
 
 def partition_name(config: RunConfig) -> str:
@@ -200,8 +194,8 @@ def _summary_table(runs: Sequence[Run], accounting: str) -> str:
         header.append("ComU@I")
     rows = []
     for r in runs:
-        per_round = [int(x.get(f"tensor_bytes_{accounting}", 0)) for x in r.rounds]
-        cum = r.rounds[-1].get(f"cum_tensor_bytes_{accounting}", 0) if r.rounds else initial[r.label]
+        per_round = [x.bytes.tensor[accounting] for x in r.rounds]
+        cum = r.rounds[-1].bytes.cum_tensor[accounting] if r.rounds else initial[r.label]
         done = f"{len(r.rounds)}" if len(r.rounds) == r.config.rounds else f"{len(r.rounds)}/{r.config.rounds}"
         row = [
             r.label,
@@ -226,14 +220,7 @@ def _summary_table(runs: Sequence[Run], accounting: str) -> str:
 
 def _algorithm_details(config: RunConfig) -> str:
     """The algorithm with the hyperparameters that set it apart (papers' symbols)."""
-    a = config.algo
-    details = {
-        "fedntd": f"β={a.ntd_beta:g}, τ={a.ntd_tau:g}",
-        "fedlsd": f"weight={a.lsd_weight:g}",
-        "fedcad": f"β={a.cad_beta:g}, γ={a.cad_gamma:g}",
-        "fd": f"γ={a.fd_gamma:g}",
-        "dsfl": (f"T={a.era_temperature:g}, " if a.aggregation == "era" else "") + f"|o_r|={a.open_per_round}",
-    }.get(config.algorithm)
+    details = get_algorithm(config.algorithm).describe(config.algo)
     return f"{algorithm_name(config)} ({details})" if details else algorithm_name(config)
 
 
@@ -245,32 +232,32 @@ def _round_table(run: Run, accounting: str) -> str:
         ("wall_s", "Time (s)", lambda v: f"{v:.2f}"),
     ]
     shown = [(key, title, fmt) for key, title, fmt in optional if run.has(key)]
-    notes = {r["round"]: _round_notes(r) for r in run.rounds}
+    notes = {r.round: _round_notes(r) for r in run.rounds}
     header = ["Round", "Accuracy", *(title for _, title, _ in shown), "Up", f"Down ({accounting})", "Round total",
               "Cumulative"]  # fmt: skip
     if any(notes.values()):
         header.append("Notes")
     rows = []
     for r in run.rounds:
-        row = [str(r["round"]), _pct(r.get("accuracy"))]
-        row += [fmt(r[key]) if r.get(key) is not None else _NONE for key, _, fmt in shown]
-        byte_keys = ("tensor_bytes_up", f"tensor_bytes_down_{accounting}", f"tensor_bytes_{accounting}",
-                     f"cum_tensor_bytes_{accounting}")  # fmt: skip
-        row += [format_bytes(int(r.get(k, 0))) for k in byte_keys]
+        row = [str(r.round), _pct(r.accuracy)]
+        row += [fmt(value) if (value := r.value(key)) is not None else _NONE for key, _, fmt in shown]
+        b = r.bytes
+        byte_values = (b.tensor_up, b.tensor_down[accounting], b.tensor[accounting], b.cum_tensor[accounting])
+        row += [format_bytes(v) for v in byte_values]
         if len(header) > len(row):
-            row.append(notes[r["round"]])
+            row.append(notes[r.round])
         rows.append(row)
     return _table(header, rows)
 
 
-def _round_notes(record: dict[str, Any]) -> str:
+def _round_notes(record: RoundRecord) -> str:
     notes = []
-    if not record.get("aggregated", True):
-        notes.append("skipped (below quorum)")
-    if record.get("dropped"):
-        notes.append("dropped " + ", ".join(record["dropped"]))
-    if record.get("rejected"):
-        notes.append("rejected " + ", ".join(x["client"] for x in record["rejected"]))
+    if not record.aggregated:
+        notes.append(f"skipped: {len(record.replied)} of {len(record.sampled)} replied, quorum {record.quorum}")
+    if record.drops:
+        notes.append("dropped " + ", ".join(record.dropped))
+    if record.rejections:
+        notes.append("rejected " + ", ".join(x.client for x in record.rejections))
     return "; ".join(notes)
 
 
@@ -298,14 +285,13 @@ def _level_bytes(run: Run) -> dict[str, _LevelBytes]:
         out["wire"] = _LevelBytes(wire_up, None, wire_down, None, wire_up + wire_down)
         return out
 
-    def total(key: str) -> int:
-        return sum(int(r.get(key, 0)) for r in run.rounds)
-
-    up = total("tensor_bytes_up")
-    down_m, down_u = total("tensor_bytes_down_multicast"), total("tensor_bytes_down_unicast")
+    rb = [r.bytes for r in run.rounds]
+    up = sum(b.tensor_up for b in rb)
+    down_m, down_u = (sum(b.tensor_down[acc] for b in rb) for acc in ACCOUNTING_MODELS)
     out["tensor"] = _LevelBytes(up, down_m, down_u, up + down_m, up + down_u)
-    out["payload"] = _LevelBytes(None, None, None, total("payload_bytes_multicast"), total("payload_bytes_unicast"))
-    out["wire"] = _LevelBytes(None, None, None, None, total("wire_bytes"))
+    payload_m, payload_u = (sum(b.payload[acc] for b in rb) for acc in ACCOUNTING_MODELS)
+    out["payload"] = _LevelBytes(None, None, None, payload_m, payload_u)
+    out["wire"] = _LevelBytes(None, None, None, None, sum(b.wire for b in rb))
     return out
 
 
@@ -338,12 +324,11 @@ def _events_table(runs: Sequence[Run]) -> str:
     rows = []
     for run in runs:
         for r in run.rounds:
-            if not r.get("aggregated", True):
-                rows.append([run.label, str(r["round"]), _NONE, "round skipped: too few replies for the quorum"])
-            rows += [[run.label, str(r["round"]), c, "dropped: no reply in time"] for c in r.get("dropped", [])]
-            rows += [
-                [run.label, str(r["round"]), x["client"], f"rejected: {x['reason']}"] for x in r.get("rejected", [])
-            ]
+            if not r.aggregated:
+                why = f"round skipped: {len(r.replied)} of {len(r.sampled)} replied, below the quorum of {r.quorum}"
+                rows.append([run.label, str(r.round), _NONE, why])
+            rows += [[run.label, str(r.round), d.client, f"dropped: {d.reason or 'no reply in time'}"] for d in r.drops]
+            rows += [[run.label, str(r.round), x.client, f"rejected: {x.reason}"] for x in r.rejections]
     return _table(["Run", "Round", "Client", "Event"], rows) if rows else ""
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from common.experiment import Experiment, prepare
 from common.rundir import RunResult, RunWriter
@@ -12,6 +11,7 @@ from coordinator.engine import RoundEngine
 from edge_client.client import EdgeClient
 from fedge.backend import Backend, TorchBackend
 from fedge.config import RunConfig
+from fedge.records import RoundRecord
 from fedge.types import ClientId
 from sim.inprocess import InProcessTransport
 
@@ -21,7 +21,7 @@ def run_inprocess(
     run_dir: Path,
     *,
     device: str = "cpu",
-    on_round: Callable[[dict[str, Any]], None] | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
     experiment: Experiment | None = None,
     backend_for: Callable[[ClientId], Backend] | None = None,
 ) -> RunResult:
@@ -45,7 +45,7 @@ def run_inprocess(
     )
     writer = RunWriter(run_dir, config, exp.partition_summary())
 
-    def record(r: dict[str, Any]) -> None:
+    def record(r: RoundRecord) -> None:
         writer.round(r)
         if on_round is not None:
             on_round(r)

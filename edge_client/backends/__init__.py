@@ -13,10 +13,13 @@ onnxruntime   no; FD/DS-FL predict-only with ``skip``     yes (weights replaced 
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedge.backend import Backend, TorchBackend
 from fedge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from edge_client.backends.executorch import ProgramSource
 
 RUNTIMES = ("torch", "executorch", "onnxruntime")
 
@@ -28,16 +31,17 @@ def make_backend(
     num_classes: int,
     *,
     device: str = "cpu",
-    cache_dir: Path | None = None,
-    model_file: Path | None = None,
+    programs: ProgramSource | None = None,
+    onnx_model: bytes | None = None,
+    onnx_source: str = "ONNX model",
     predict_only: bool = False,
     threads: int = 0,
 ) -> Backend:
     """The backend for ``runtime`` holding ``model``.
 
-    ``cache_dir``: where exported programs are kept and looked up (executorch, onnxruntime; put programs exported
-    elsewhere there under their cache names). ``model_file``: a deployed ``.onnx`` (onnxruntime). ``predict_only``:
-    an onnxruntime client that skips training (FD/DS-FL uploads from its deployed model).
+    ``programs``: where an executorch client finds its training programs (default: the program directory,
+    ``$FEDGE_PROGRAM_CACHE`` or ``~/.cache/fedge/programs``). ``onnx_model``: the ``.onnx`` an onnxruntime client
+    serves. ``predict_only``: an onnxruntime client that skips training (FD/DS-FL uploads from its deployed model).
     """
     if runtime not in RUNTIMES:
         raise ConfigError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
@@ -45,7 +49,7 @@ def make_backend(
         raise ConfigError("predict-only is for onnxruntime clients (the other runtimes train)")
     if runtime != "torch" and device not in ("cpu", "auto"):
         raise ConfigError(f"the {runtime} runtime runs on the CPU here, not on {device!r}")
-    if model_file is not None and runtime != "onnxruntime":
+    if onnx_model is not None and runtime != "onnxruntime":
         raise ConfigError(
             f"a model file is for onnxruntime clients; {runtime} clients get weights from the coordinator"
         )
@@ -55,15 +59,17 @@ def make_backend(
         if runtime == "executorch":
             from edge_client.backends.executorch import ExecuTorchBackend
 
-            return ExecuTorchBackend(model, input_shape, num_classes, cache_dir=cache_dir)
+            return ExecuTorchBackend(model, input_shape, num_classes, programs=programs)
         from edge_client.backends.onnxruntime import OnnxRuntimeBackend
 
+        if onnx_model is None:
+            raise ConfigError("an onnxruntime client needs its .onnx model (--model-file, or export it first)")
         return OnnxRuntimeBackend(
             model,
             input_shape,
             num_classes,
-            model_file=model_file,
-            cache_dir=cache_dir,
+            onnx_model=onnx_model,
+            source=onnx_source,
             train_policy="skip" if predict_only else "refuse",
             threads=threads,
         )

@@ -1,37 +1,36 @@
 """A client runtime that trains inside ExecuTorch training programs: a full client for every algorithm.
 
-One training program per loss (objective kind and its fixed hyperparameters), exported on first use into a shared
-cache directory (or given as files), parity-checked before first use. The backend holds the weights on the host;
-before a program trains, the weights are copied into the program's parameter tensors, and after it trained, read
-back. Teacher logits and predictions come from the programs' eval-mode ``forward`` method.
+One training program per loss (objective and its fixed hyperparameters, plus FedProx's mu), found through a
+:class:`ProgramSource`: on a device, the programs exported beforehand (``fedge export --format pte-train``) in a
+directory under one naming scheme (:func:`fedge.programs.program_file_name`); on a workstation the CLI passes a
+source that exports a missing program and checks its parity first (:class:`export.cache.ExportingSource`). The
+backend holds the weights on the host; before a program trains, the weights are copied into the program's parameter
+tensors, and after it trained, read back. Teacher logits and predictions come from the programs' eval-mode
+``forward`` method.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from edge_client.backends.cache import cached_program, checked_once, default_cache_dir, toolchain_tag
-from export.program import FORMAT_VERSION, ModelSpec, TrainingObjective
-from export.runners import PteTrainer
+from edge_client.backends.cache_dir import default_cache_dir
+from edge_client.backends.runners import PteTrainer
+from fedge.algorithms.fedavg import CrossEntropy
 from fedge.errors import ConfigError
 from fedge.models import exchanged_state, load_exchanged_state
-from fedge.training import Objective, SGDSettings, TrainStats
+from fedge.programs import ModelSpec, TrainingLoss, program_file_name
+from fedge.training import TrainRequest, TrainStats
 from fedge.types import StateDict
 
 log = logging.getLogger(__name__)
 
 MIN_BATCH_BOUND = 64
-"""Smallest batch bound of the programs this backend exports; larger task batch sizes round up to a power of two."""
-
-
-def program_objective(objective: Objective) -> TrainingObjective:
-    """The program computing ``objective``: FedLSD runs in the FedCAD program (same loss; class weights are inputs)."""
-    kind = "cad" if objective.kind == "lsd" else objective.kind
-    return TrainingObjective(kind, tau=objective.tau, beta=objective.beta, gamma=objective.gamma)
+"""Smallest batch bound of the training programs; larger task batch sizes round up to a power of two."""
 
 
 def batch_bound(batch_size: int) -> int:
@@ -42,33 +41,45 @@ def batch_bound(batch_size: int) -> int:
     return bound
 
 
+class ProgramSource(Protocol):
+    """Where a backend gets the bytes of a training program."""
+
+    def program(self, spec: ModelSpec, loss: TrainingLoss, max_batch: int) -> bytes:
+        """The training program of ``spec`` for ``loss`` with batch bound ``max_batch``; ConfigError if none."""
+        ...
+
+
+class ProgramDirectory:
+    """Training programs exported beforehand into ``directory`` under :func:`fedge.programs.program_file_name`."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.directory = directory if directory is not None else default_cache_dir()
+
+    def program(self, spec: ModelSpec, loss: TrainingLoss, max_batch: int) -> bytes:
+        path = self.directory / program_file_name(spec, loss, max_batch)
+        if not path.is_file():
+            raise ConfigError(
+                f"no training program {path.name} in {self.directory}; export it with `fedge export --model "
+                f"{spec.name} --format pte-train --objective {loss.objective.kind} --max-batch {max_batch} --out "
+                f"{self.directory}`"
+            )
+        return path.read_bytes()
+
+
 class ExecuTorchBackend:
     """The :class:`fedge.backend.Backend` protocol on ExecuTorch training programs (portable kernels, CPU)."""
 
     runtime = "executorch"
 
     def __init__(
-        self,
-        model: str,
-        input_shape: tuple[int, ...],
-        num_classes: int,
-        *,
-        cache_dir: Path | None = None,
-        programs: Mapping[TrainingObjective, Path] | None = None,
-        verify: bool = True,
+        self, model: str, input_shape: tuple[int, ...], num_classes: int, *, programs: ProgramSource | None = None
     ) -> None:
-        """``programs``: training programs to use instead of exporting (checked all the same unless ``verify`` is off).
-
-        ``cache_dir``: where exported programs are kept (default :func:`default_cache_dir`).
-        """
         self.spec = ModelSpec(model, tuple(input_shape), num_classes)
-        self.cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
-        self.verify = verify
-        self._given = dict(programs or {})
-        self._scratch = self.spec.build(seed=0)  # validates the spec; the eager twin used only to export
+        self.programs: ProgramSource = programs if programs is not None else ProgramDirectory()
+        self._scratch = self.spec.build(seed=0)  # validates the spec and weights; never trained
         self._state: StateDict = exchanged_state(self._scratch)  # the same start as TorchBackend
-        self._trainers: dict[tuple[TrainingObjective, int], PteTrainer] = {}
-        self._loaded: dict[tuple[TrainingObjective, int], int] = {}  # which version of the weights each holds
+        self._trainers: dict[tuple[TrainingLoss, int], PteTrainer] = {}
+        self._loaded: dict[tuple[TrainingLoss, int], int] = {}  # which version of the weights each holds
         self._version = 0
 
     # --- weights ---------------------------------------------------------------------------------------------------
@@ -86,84 +97,32 @@ class ExecuTorchBackend:
     # --- compute ---------------------------------------------------------------------------------------------------
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Eval-mode logits from the current weights (any loaded program's ``forward``; the CE program if none)."""
-        key = next(iter(self._trainers), (TrainingObjective("ce"), MIN_BATCH_BOUND))
+        key = next(iter(self._trainers), (TrainingLoss(CrossEntropy()), MIN_BATCH_BOUND))
         return self._synced(key).logits(x)
 
-    def train(
-        self,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        objective: Objective,
-        sgd: SGDSettings,
-        *,
-        epochs: int,
-        batch_size: int,
-        seed: int,
-        aux: torch.Tensor | None = None,
-        aux_mask: torch.Tensor | None = None,
-    ) -> TrainStats:
-        key = (program_objective(objective), batch_bound(batch_size))
+    def train(self, request: TrainRequest) -> TrainStats:
+        key = (TrainingLoss(request.objective, request.prox_mu), batch_bound(request.batch_size))
         trainer = self._synced(key)
-        stats = trainer.train(
-            x,
-            y,
-            sgd,
-            epochs=epochs,
-            batch_size=batch_size,
-            seed=seed,
-            aux=aux,
-            aux_mask=aux_mask,
-            class_weights=objective.class_weights,
-        )
+        stats = trainer.train(request)
         self._state = trainer.get_weights()
         self._version += 1
         self._loaded[key] = self._version
         return stats
 
     # --- programs --------------------------------------------------------------------------------------------------
-    def prepare(self, objectives: Iterable[Objective], batch_size: int) -> None:
-        """Load (on first use: export and check) the programs for ``objectives`` now rather than in a round."""
-        for objective in objectives:
-            self._synced((program_objective(objective), batch_bound(batch_size)))
+    def prepare(self, losses: Iterable[TrainingLoss], batch_size: int) -> None:
+        """Load the programs for ``losses`` now (before the client says hello) rather than in a round."""
+        for loss in losses:
+            self._synced((loss, batch_bound(batch_size)))
 
-    def program_path(self, objective: TrainingObjective, max_batch: int) -> Path:
-        """Where the training program for ``objective`` with batch bound ``max_batch`` is cached."""
-        s = self.spec
-        shape = "x".join(str(d) for d in s.input_shape)
-        name = f"{s.name}-{shape}-c{s.num_classes}-{objective.tag}-b{max_batch}-v{FORMAT_VERSION}"
-        return self.cache_dir / f"{name}-{toolchain_tag('executorch')}.pte"
-
-    def _synced(self, key: tuple[TrainingObjective, int]) -> PteTrainer:
+    def _synced(self, key: tuple[TrainingLoss, int]) -> PteTrainer:
         """The trainer for ``key``, holding the current weights."""
         trainer = self._trainers.get(key)
         if trainer is None:
-            trainer = self._trainers[key] = PteTrainer(self._program(*key), source=f"{key[0].tag} program")
+            loss, bound = key
+            trainer = self._trainers[key] = PteTrainer(self.programs.program(self.spec, loss, bound), source=loss.tag)
             self._loaded[key] = -1
         if self._loaded[key] != self._version:
             trainer.set_weights(self._state)
             self._loaded[key] = self._version
         return trainer
-
-    def _program(self, objective: TrainingObjective, max_batch: int) -> bytes:
-        from export.parity import check_training, require
-
-        def verify(data: bytes, source: str) -> None:
-            for report in require(check_training(data, source=source)):
-                log.info("%s", report)
-
-        check = verify if self.verify else None
-        given = self._given.get(objective)
-        if given is not None:
-            data = given.read_bytes()
-            checked_once(data, str(given), check)
-            return data
-
-        def make() -> bytes:
-            from export.executorch import export_training
-
-            return export_training(self.spec.build(seed=0), self.spec, objective, max_batch=max_batch)
-
-        try:
-            return cached_program(self.program_path(objective, max_batch), make, check)
-        except OSError as exc:
-            raise ConfigError(f"cannot use the program cache {self.cache_dir}: {exc}") from exc

@@ -24,17 +24,15 @@ docs/on_device.md).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Literal
 
 import torch
 
-from edge_client.backends.cache import cached_program, checked_once, default_cache_dir, toolchain_tag
-from export.program import FORMAT_VERSION, ModelSpec
-from export.runners import OnnxRunner
+from edge_client.backends.runners import OnnxRunner
 from fedge.errors import ConfigError
 from fedge.models import exchanged_state
-from fedge.training import Objective, SGDSettings, TrainStats
+from fedge.programs import ModelSpec
+from fedge.training import TrainRequest, TrainStats
 from fedge.types import StateDict
 
 log = logging.getLogger(__name__)
@@ -53,51 +51,20 @@ class OnnxRuntimeBackend:
         input_shape: tuple[int, ...],
         num_classes: int,
         *,
-        model_file: Path | None = None,
-        cache_dir: Path | None = None,
+        onnx_model: bytes,
+        source: str = "ONNX model",
         train_policy: TrainPolicy = "refuse",
         threads: int = 0,
-        verify: bool = True,
     ) -> None:
-        """``model_file``: a deployed ``.onnx`` (checked unless ``verify`` is off); else exported into ``cache_dir``."""
+        """``onnx_model``: the deployed ``.onnx`` file's bytes (checked by whoever loaded it)."""
         if train_policy not in ("refuse", "skip"):
             raise ConfigError(f"train_policy must be 'refuse' or 'skip', got {train_policy!r}")
         self.spec = ModelSpec(model, tuple(input_shape), num_classes)
         self.train_policy = train_policy
-        self.cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
-        data = self._model_bytes(model_file, verify)
-        self._runner = OnnxRunner(data, source=str(model_file or "ONNX model"), threads=threads)
+        self._runner = OnnxRunner(onnx_model, source=source, threads=threads)
         if self._runner.meta.model != self.spec:
-            raise ConfigError(
-                f"{model_file} holds {self._runner.meta.model}, but this client's data is for {self.spec}"
-            )
+            raise ConfigError(f"{source} holds {self._runner.meta.model}, but this client's data is for {self.spec}")
         self._deployed = self._runner.get_weights()
-
-    def _model_bytes(self, model_file: Path | None, verify: bool) -> bytes:
-        from export.parity import check_onnx, require
-
-        def run_check(data: bytes, source: str) -> None:
-            for report in require(check_onnx(data, source=source)):
-                log.info("%s", report)
-
-        check = run_check if verify else None
-        if model_file is not None:
-            data = Path(model_file).read_bytes()
-            checked_once(data, str(model_file), check)
-            return data
-        s = self.spec
-        shape = "x".join(str(d) for d in s.input_shape)
-        path = self.cache_dir / f"{s.name}-{shape}-c{s.num_classes}-v{FORMAT_VERSION}-{toolchain_tag('onnx')}.onnx"
-
-        def make() -> bytes:
-            from export.onnx import export_onnx
-
-            return export_onnx(s.build(seed=0), s)
-
-        try:
-            return cached_program(path, make, check)
-        except OSError as exc:
-            raise ConfigError(f"cannot use the program cache {self.cache_dir}: {exc}") from exc
 
     def set_weights(self, state: StateDict) -> None:
         self._runner.set_weights(state)
@@ -114,24 +81,13 @@ class OnnxRuntimeBackend:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self._runner.logits(x)
 
-    def train(
-        self,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        objective: Objective,
-        sgd: SGDSettings,
-        *,
-        epochs: int,
-        batch_size: int,
-        seed: int,
-        aux: torch.Tensor | None = None,
-        aux_mask: torch.Tensor | None = None,
-    ) -> TrainStats:
+    def train(self, request: TrainRequest) -> TrainStats:
+        kind = request.objective.kind
         if self.train_policy == "skip":
-            log.info("onnxruntime client: skipping %d epochs of %s training (predict-only)", epochs, objective.kind)
+            log.info("onnxruntime client: skipping %d epochs of %s training (predict-only)", request.epochs, kind)
             return TrainStats(steps=0, samples=0, mean_loss=0.0)
         raise ConfigError(
-            f"an onnxruntime client cannot train (task asks for {epochs} epochs of {objective.kind!r}): ONNX Runtime "
+            f"an onnxruntime client cannot train (task asks for {request.epochs} epochs of {kind!r}): ONNX Runtime "
             "has no backward pass. Use --runtime executorch or torch for training clients; an onnxruntime client can "
             "serve FD and DS-FL as a predict-only client (--predict-only)"
         )

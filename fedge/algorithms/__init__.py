@@ -1,47 +1,48 @@
-"""Algorithms as (server half, client half) pairs; see :mod:`fedge.algorithms.base` for the round protocol."""
+"""The algorithm registry: one module per algorithm, listed once here; config, CLI, reports and cost tables read it.
+
+Adding an algorithm is one new module under ``fedge/algorithms/`` that defines ``ALGORITHM``
+(:class:`fedge.algorithms.base.Algorithm`) and one entry in ``_MODULES``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from importlib import import_module
 
-import torch
-from torch import nn
-
-from fedge.algorithms import dsfl, fd, fedavg
-from fedge.algorithms.base import ClientData, ClientStep, ClientStore, Evaluation, RoundPlan, Strategy
+from fedge.algorithms.base import (
+    Algorithm,
+    ClientData,
+    ClientStore,
+    Evaluation,
+    RoundPlan,
+    ServerContext,
+    Strategy,
+)
 from fedge.backend import Backend
-from fedge.config import RunConfig
 from fedge.errors import CodecError, ConfigError
 from fedge.messages import Message
 
-CLIENT_STEPS: dict[str, ClientStep] = {
-    "fedavg": fedavg.client_step,
-    "fedntd": fedavg.client_step,
-    "fedlsd": fedavg.client_step,
-    "fedcad": fedavg.client_step,
-    "fd": fd.client_step,
-    "dsfl": dsfl.client_step,
+_MODULES = ("fedavg", "fedntd", "fedlsd", "fedcad", "fd", "dsfl")
+
+ALGORITHMS: dict[str, Algorithm] = {
+    spec.name: spec for spec in (import_module(f"fedge.algorithms.{m}").ALGORITHM for m in _MODULES)
 }
+"""Every algorithm by its config name, in the order above."""
 
 
-def make_strategy(
-    config: RunConfig,
-    model_factory: Callable[[], nn.Module],
-    num_classes: int,
-    *,
-    run_id: str = "",
-    open_x: torch.Tensor | None = None,
-) -> Strategy:
-    """The server half for ``config.algorithm``."""
-    if config.algorithm in fedavg.OBJECTIVE_OF:
-        return fedavg.WeightAveraging(config, model_factory, num_classes, run_id=run_id)
-    if config.algorithm == "fd":
-        return fd.FederatedDistillation(config, model_factory, num_classes, run_id=run_id)
-    if config.algorithm == "dsfl":
-        if open_x is None:
-            raise ConfigError("DS-FL needs an open dataset on the server")
-        return dsfl.DistillationSemiSupervised(config, model_factory, num_classes, run_id=run_id, open_x=open_x)
-    raise ConfigError(f"unknown algorithm {config.algorithm!r}")
+def get_algorithm(name: str) -> Algorithm:
+    """The registry entry for ``name``; a ConfigError listing the known ones otherwise."""
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ConfigError(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}") from None
+
+
+def make_strategy(config: object, context: ServerContext) -> Strategy:
+    """The server half of ``config.algorithm``."""
+    from fedge.config import RunConfig
+
+    assert isinstance(config, RunConfig)
+    return get_algorithm(config.algorithm).server(config, context)
 
 
 def run_client_step(
@@ -49,20 +50,21 @@ def run_client_step(
 ) -> Message:
     """Dispatch a task to the client half of the algorithm it names."""
     name = task.param("algorithm")
-    try:
-        step = CLIENT_STEPS[name]
-    except KeyError:
-        raise CodecError(f"task names unknown algorithm {name!r}; this client knows {sorted(CLIENT_STEPS)}") from None
-    return step(task, broadcast, data, backend, store)
+    if name not in ALGORITHMS:
+        raise CodecError(f"task names unknown algorithm {name[:40]!r}; this client knows {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[name].client.step(task, broadcast, data, backend, store)
 
 
 __all__ = [
-    "CLIENT_STEPS",
+    "ALGORITHMS",
+    "Algorithm",
     "ClientData",
     "ClientStore",
     "Evaluation",
     "RoundPlan",
+    "ServerContext",
     "Strategy",
+    "get_algorithm",
     "make_strategy",
     "run_client_step",
 ]

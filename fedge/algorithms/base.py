@@ -1,10 +1,13 @@
-"""The round protocol every algorithm implements, written once.
+"""The round protocol every algorithm implements, written once, and what an algorithm module provides.
 
 A round is: the server half plans it (:meth:`Strategy.configure`: one optional broadcast plus one task per sampled
 client), each client half turns (task, broadcast, its data, its runtime, its own stored state) into one update
-(:data:`ClientStep`), and the server half folds the updates in (:meth:`Strategy.aggregate`). Hyperparameters, the
-learning rate of the round and the shuffle seeds travel in the task, so a client needs nothing else and the result
-does not depend on which transport carried the messages.
+(:meth:`ClientHalf.step`), and the server half folds the updates in (:meth:`Strategy.aggregate`). Hyperparameters, the
+learning rate of the round and the shuffle seeds travel in the task as typed fields (:mod:`fedge.wire`), so a client
+needs nothing else and the result does not depend on which transport carried the messages.
+
+An algorithm is one module under :mod:`fedge.algorithms` that defines its settings (a frozen dataclass), its server
+half, its client half and its local objective, and exposes them as one :class:`Algorithm` named ``ALGORITHM``.
 """
 
 from __future__ import annotations
@@ -12,25 +15,63 @@ from __future__ import annotations
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import torch
 from torch import nn
 
+from fedge import wire
 from fedge.backend import Backend
-from fedge.config import RunConfig
 from fedge.errors import CodecError
-from fedge.messages import BROADCAST, TASK, UPDATE, Message, format_float
+from fedge.messages import BROADCAST, TASK, UPDATE, Message
 from fedge.metrics import per_class_accuracy
 from fedge.training import SGDSettings, predict_logits
-from fedge.types import ClientId
+from fedge.types import ClientId, StateDict
+from fedge.wire import bounded
+
+if TYPE_CHECKING:
+    from fedge.config import RunConfig
 
 
 def derive_seed(base: int, *words: int | str) -> int:
     """A 31-bit seed from a base seed and a path of words (round numbers, client ids, purposes)."""
     keys = [base & 0xFFFFFFFF] + [w if isinstance(w, int) else zlib.crc32(w.encode()) for w in words]
     return int(np.random.SeedSequence(keys).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+# --- what travels ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AlgorithmSettings:
+    """Base of every algorithm's settings. Fields marked :func:`fedge.wire.server_only` never leave the coordinator;
+    the others travel in each task, converted by :mod:`fedge.wire`."""
+
+
+@dataclass(frozen=True)
+class LocalTraining:
+    """The local-training settings of one round, carried by every task."""
+
+    lr: float = field(metadata=bounded(0.0, 1e3))
+    momentum: float = field(default=0.0, metadata=bounded(0.0, 0.999999))
+    weight_decay: float = field(default=0.0, metadata=bounded(0.0, 1.0))
+    epochs: int = field(default=1, metadata=bounded(0, 10_000))
+    batch_size: int = field(default=32, metadata=bounded(1, 1_000_000))
+    seed: int = field(default=0, metadata=bounded(0, 2**31 - 1))
+
+    @property
+    def sgd(self) -> SGDSettings:
+        return SGDSettings(lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True)
+class UpdateReport:
+    """The numbers every update reports besides its tensors."""
+
+    num_examples: int = field(metadata=bounded(0, 2**40))
+    loss: float | None = None
 
 
 @dataclass(frozen=True)
@@ -65,24 +106,37 @@ class ClientData:
 
 
 ClientStore = MutableMapping[str, torch.Tensor]
-"""A client's own state kept across rounds (FD and DS-FL clients keep their models)."""
+"""A client's own state kept across rounds (FD and DS-FL clients keep their models, SCAFFOLD its control variate)."""
 
-ClientStep = Callable[[Message, "Message | None", ClientData, Backend, ClientStore], Message]
-"""(task, broadcast, data, backend, store) -> update."""
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
+"""(shape, dtype) of a tensor a message must carry."""
+
+
+# --- the server half ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """What a server half is built from besides the config."""
+
+    model_factory: Callable[[], nn.Module]
+    num_classes: int
+    run_id: str = ""
+    open_x: torch.Tensor | None = None  # DS-FL's unlabeled open set
 
 
 class Strategy(ABC):
     """The server half of an algorithm. Subclasses hold the global state and change it only in ``aggregate``."""
 
-    name: str
+    report_type: ClassVar[type[UpdateReport]] = UpdateReport
 
-    def __init__(
-        self, config: RunConfig, model_factory: Callable[[], nn.Module], num_classes: int, run_id: str = ""
-    ) -> None:
+    def __init__(self, config: RunConfig, context: ServerContext) -> None:
         self.config = config
-        self.model_factory = model_factory
-        self.num_classes = num_classes
-        self.run_id = run_id
+        self.settings: Any = config.algo
+        self.name = config.algorithm
+        self.model_factory = context.model_factory
+        self.num_classes = context.num_classes
+        self.run_id = context.run_id
 
     @abstractmethod
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
@@ -90,18 +144,26 @@ class Strategy(ABC):
 
     @abstractmethod
     def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
-        """Fold the replies of round ``rnd`` into the global state; return round metrics (e.g. logit entropy)."""
+        """Fold the (validated) replies of round ``rnd`` into the global state; return round metrics."""
 
     @abstractmethod
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
         """Accuracy after the latest aggregation, or None when there is nothing to evaluate yet."""
 
-    def global_weights(self) -> dict[str, torch.Tensor] | None:
+    @abstractmethod
+    def reply_tensors(self) -> dict[str, TensorSpec]:
+        """Name -> (shape, dtype) of the tensors a valid update carries."""
+
+    def global_weights(self) -> StateDict | None:
         """The global model's weights, for algorithms that have one."""
         return None
 
-    def validate_reply(self, rnd: int, client: ClientId, reply: Message) -> None:
-        """Raise CodecError when ``reply`` cannot be a valid answer to this round's task for ``client``."""
+    def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
+        """The reply's report when ``reply`` is a valid answer to this round's task for ``client``; else CodecError.
+
+        Checks the envelope (kind, round, sender, run), every tensor's name, shape, dtype and finiteness, and parses
+        the reported numbers with their bounds. Subclasses add their own rules (e.g. probability rows).
+        """
         if reply.kind != UPDATE:
             raise CodecError(f"expected an {UPDATE!r} message, got {reply.kind!r}")
         if reply.round != rnd:
@@ -110,55 +172,48 @@ class Strategy(ABC):
             raise CodecError(f"reply names client {reply.client!r}, expected {client!r}")
         if reply.run != self.run_id:
             raise CodecError(f"reply belongs to run {reply.run!r}, not {self.run_id!r}")
-        for name, (shape, dtype) in self.expected_reply_tensors().items():
+        expected = self.reply_tensors()
+        extra = set(reply.tensors) - set(expected)
+        if extra:
+            raise CodecError(f"unexpected tensors {sorted(extra)[:5]}")
+        for name, (shape, dtype) in expected.items():
             t = reply.tensor(name)
             if tuple(t.shape) != shape or t.dtype != dtype:
                 raise CodecError(f"tensor {name!r} is {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}")
-        extra = set(reply.tensors) - set(self.expected_reply_tensors())
-        if extra:
-            raise CodecError(f"unexpected tensors {sorted(extra)}")
-        if reply.int_param("num_examples") < 0:
-            raise CodecError("num_examples must be >= 0")
-        # Optional numbers that aggregation parses later: a malformed one must be rejected here, not crash there.
-        if "loss" in reply.params:
-            reply.float_param("loss")
-        for key in ("eval_correct", "eval_total"):
-            counts = reply.params.get(key)
-            if counts is not None and not (
-                len(counts.split(",")) == self.num_classes and all(v.isdigit() for v in counts.split(","))
-            ):
-                raise CodecError(f"{key} must be {self.num_classes} comma-separated counts, got {counts[:80]!r}")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise CodecError(f"tensor {name!r} holds NaN or infinite values")
+        return self.report_of(reply)
 
-    @abstractmethod
-    def expected_reply_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Name -> (shape, dtype) of the tensors a valid update carries."""
+    def report_of(self, reply: Message) -> UpdateReport:
+        """The numbers ``reply`` reports, parsed with their bounds (CodecError when malformed)."""
+        report: UpdateReport = wire.from_params(self.report_type, reply.params)
+        return report
 
     # Helpers for subclasses.
-    def task(self, rnd: int, client: ClientId, **params: str) -> Message:
-        """A task with the local-training settings of round ``rnd`` and a shuffle seed unique to (round, client)."""
+    def local_training(self, rnd: int, client: ClientId) -> LocalTraining:
+        """The round's local-training settings, with a shuffle seed unique to (round, client)."""
         t = self.config.train
-        common = {
-            "algorithm": self.name,
-            "lr": format_float(t.lr_at(rnd)),
-            "momentum": format_float(t.momentum),
-            "weight_decay": format_float(t.weight_decay),
-            "epochs": str(t.local_epochs),
-            "batch_size": str(t.batch_size),
-            "seed": str(derive_seed(self.config.seed, "train", rnd, client)),
-        }
-        return Message(TASK, rnd, run=self.run_id, client=client, params={**common, **params})
+        return LocalTraining(
+            lr=t.lr_at(rnd),
+            momentum=t.momentum,
+            weight_decay=t.weight_decay,
+            epochs=t.local_epochs,
+            batch_size=t.batch_size,
+            seed=derive_seed(self.config.seed, "train", rnd, client),
+        )
 
-    def broadcast(self, rnd: int, tensors: Mapping[str, torch.Tensor], **params: str) -> Message:
-        return Message(BROADCAST, rnd, run=self.run_id, params={"algorithm": self.name, **params}, tensors=tensors)
+    def task(self, rnd: int, client: ClientId, *fields: Any) -> Message:
+        """A task carrying the round's local training, the algorithm's wire settings and ``fields`` (dataclasses)."""
+        params = {"algorithm": self.name}
+        for obj in (self.local_training(rnd, client), self.settings, *fields):
+            params.update(wire.to_params(obj))
+        return Message(TASK, rnd, run=self.run_id, client=client, params=params)
 
-
-def sgd_from_task(task: Message, *, lr_key: str = "lr") -> SGDSettings:
-    """The optimizer settings a task asks for."""
-    return SGDSettings(
-        lr=task.float_param(lr_key),
-        momentum=task.float_param("momentum", 0.0),
-        weight_decay=task.float_param("weight_decay", 0.0),
-    )
+    def broadcast(self, rnd: int, tensors: Mapping[str, torch.Tensor], *fields: Any) -> Message:
+        params = {"algorithm": self.name}
+        for obj in fields:
+            params.update(wire.to_params(obj))
+        return Message(BROADCAST, rnd, run=self.run_id, params=params, tensors=tensors)
 
 
 def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int) -> Evaluation:
@@ -170,43 +225,33 @@ def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_class
     )
 
 
-def update_message(task: Message, tensors: Mapping[str, torch.Tensor], **params: str) -> Message:
+# --- the client half ------------------------------------------------------------------------------------------------
+
+
+class ClientHalf(ABC):
+    """The client half of an algorithm: one task (plus the round's broadcast) in, one update out.
+
+    Stateless: whatever a client keeps across rounds lives in its ``store``.
+    """
+
+    settings_type: ClassVar[type[AlgorithmSettings]] = AlgorithmSettings
+
+    @abstractmethod
+    def step(
+        self, task: Message, broadcast: Message | None, data: ClientData, backend: Backend, store: ClientStore
+    ) -> Message:
+        """The update answering ``task``."""
+
+    def parse(self, task: Message) -> tuple[LocalTraining, Any]:
+        """The task's local-training settings and this algorithm's settings, typed (CodecError when malformed)."""
+        return wire.from_params(LocalTraining, task.params, defaults=False), wire.from_params(
+            self.settings_type, task.params
+        )
+
+
+def update_message(task: Message, tensors: Mapping[str, torch.Tensor], report: UpdateReport) -> Message:
     """The reply to ``task``."""
-    return Message(UPDATE, task.round, run=task.run, client=task.client, params=params, tensors=dict(tensors))
-
-
-def local_eval_params(backend: Backend, data: ClientData) -> dict[str, str]:
-    """A client's accuracy on its own test data, as per-class counts in strings (sent without tensor bytes)."""
-    if data.eval_x is None or data.eval_y is None:
-        return {}
-    preds = backend.logits(data.eval_x).argmax(dim=1)
-    correct = torch.bincount(data.eval_y[preds == data.eval_y], minlength=data.num_classes)
-    total = torch.bincount(data.eval_y, minlength=data.num_classes)
-    return {
-        "eval_correct": ",".join(str(int(v)) for v in correct),
-        "eval_total": ",".join(str(int(v)) for v in total),
-    }
-
-
-def pooled_local_eval(replies: Mapping[ClientId, Message], num_classes: int) -> Evaluation | None:
-    """Mean over clients of the accuracies their updates report (FD has no global model to test)."""
-    accs, per_class = [], []
-    for reply in replies.values():
-        if "eval_correct" not in reply.params:
-            continue
-        correct = np.array([int(v) for v in reply.params["eval_correct"].split(",")], dtype=float)
-        total = np.array([int(v) for v in reply.param("eval_total").split(",")], dtype=float)
-        if correct.shape != (num_classes,) or total.shape != (num_classes,) or total.sum() == 0:
-            continue
-        accs.append(correct.sum() / total.sum())
-        with np.errstate(invalid="ignore", divide="ignore"):
-            per_class.append(np.where(total > 0, correct / np.maximum(total, 1), np.nan))
-    if not accs:
-        return None
-    stacked = np.stack(per_class)  # (clients, C), NaN where a client's test data lacks the class
-    seen = (~np.isnan(stacked)).sum(axis=0)
-    mean = np.where(seen > 0, np.nansum(stacked, axis=0) / np.maximum(seen, 1), np.nan)
-    return Evaluation(accuracy=float(np.mean(accs)), per_class=mean)
+    return Message(UPDATE, task.round, run=task.run, client=task.client, params=wire.to_params(report), tensors=tensors)
 
 
 _OWN_WEIGHTS = "weights."
@@ -222,3 +267,50 @@ def keep_own_model(store: ClientStore, backend: Backend) -> None:
     """Save the backend's current weights as the client's own model."""
     for k, v in backend.get_weights().items():
         store[_OWN_WEIGHTS + k] = v
+
+
+# --- the registry entry ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """What the per-round cost of an algorithm depends on (tensor level, float32 values)."""
+
+    model_values: int  # exchanged state: parameters plus batch-norm statistics
+    trainable_values: int  # parameters only
+    num_classes: int
+    num_clients: int  # participating clients per round
+    open_per_round: int = 1000  # DS-FL |o_r|
+
+
+@dataclass(frozen=True)
+class RoundTraffic:
+    """Tensor bytes one round moves: per-client upload, one broadcast copy, and protocol extras beyond the paper's
+    cost model (FD's per-class client counts)."""
+
+    up_per_client: int
+    down_broadcast: int
+    protocol_extra_down: int = 0
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """An algorithm as the rest of fedge sees it: everything config, CLI, reports, cost tables and roles need."""
+
+    name: str  # the config/CLI value, e.g. "fedntd"
+    label: str  # the display name, e.g. "FedNTD"
+    paper: str  # where its equations come from
+    settings: type[AlgorithmSettings]
+    server: type[Strategy]
+    client: ClientHalf
+    traffic: Callable[[CostInputs], RoundTraffic]
+    exchange: Literal["weights", "outputs"] = "weights"
+    needs_open_set: bool = False  # DS-FL: clients and server hold the unlabeled open set
+    has_global_model: bool = True  # FD has none: clients report their own accuracy
+    describe: Callable[[Any], str] = field(default=lambda settings: "")  # hyperparameters for report legends
+
+
+def weights_traffic(inputs: CostInputs) -> RoundTraffic:
+    """FL: every client uploads its model, the server broadcasts the global model (DS-FL eq. 1-3, Tables I-II)."""
+    size = inputs.model_values * 4
+    return RoundTraffic(up_per_client=size, down_broadcast=size)

@@ -14,35 +14,99 @@ which keeps the paper's order of steps (U, P, D, U, P, D, ...).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch import nn
 
+from fedge import wire
 from fedge.aggregation import aggregate_era, aggregate_sa
 from fedge.algorithms.base import (
+    Algorithm,
+    AlgorithmSettings,
     ClientData,
+    ClientHalf,
     ClientStore,
+    CostInputs,
     Evaluation,
     RoundPlan,
-    SGDSettings,
+    RoundTraffic,
+    ServerContext,
     Strategy,
+    TensorSpec,
+    UpdateReport,
     derive_seed,
     evaluate_model,
     keep_own_model,
     restore_own_model,
-    sgd_from_task,
     update_message,
 )
+from fedge.algorithms.fedavg import CrossEntropy
 from fedge.backend import Backend
 from fedge.config import RunConfig
-from fedge.errors import ConfigError
-from fedge.messages import Message, format_float
+from fedge.errors import CodecError, ConfigError
+from fedge.losses import soft_cross_entropy
+from fedge.messages import Message
 from fedge.metrics import mean_entropy
-from fedge.models import exchanged_state, load_exchanged_state
-from fedge.training import Objective, train
+from fedge.models import exchanged_state
+from fedge.objectives import Objective, ObjectiveInput, register_objective
+from fedge.training import SGDSettings, TrainRequest, train
 from fedge.types import ClientId
+from fedge.wire import bounded, server_only
+
+_SEED = bounded(0, 2**31 - 1)
+
+
+@dataclass(frozen=True)
+class DSFLSettings(AlgorithmSettings):
+    aggregation: str = field(default="era", metadata=server_only("era (eq. 13) or sa (eq. 16)"))
+    era_temperature: float = field(default=0.1, metadata=server_only("ERA temperature T, eq. 13"))
+    open_per_round: int = field(default=1_000, metadata=bounded(1, 10_000_000, help="|o_r|, open samples per round"))
+    distill_epochs: int = field(default=2, metadata=bounded(0, 10_000, help="epochs of distillation, eq. 10-11"))
+    distill_lr: float = field(default=0.1, metadata=bounded(0.0, 1e3, help="learning rate of the distillation"))
+    distill_batch_size: int = field(default=100, metadata=bounded(1, 1_000_000))
+    server_distill: bool = field(default=True, metadata=server_only("the server's global model distills too, eq. 11"))
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in ("era", "sa"):
+            raise ConfigError(f"aggregation must be era|sa, not {self.aggregation!r}")
+        if not self.era_temperature > 0:
+            raise ConfigError("era_temperature must be > 0")
+        if self.open_per_round < 1:
+            raise ConfigError("open_per_round must be >= 1")
+        if not (self.distill_epochs >= 0 and self.distill_lr > 0):
+            raise ConfigError("distill_epochs >= 0 and distill_lr > 0 required")
+        if self.distill_batch_size < 1:
+            raise ConfigError("distill_batch_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class DSFLTask:
+    model_seed: int = field(metadata=_SEED)  # common initialization of every client's own model
+    index_seed: int = field(metadata=_SEED)  # expands to o_r of this round
+    open_size: int = field(metadata=bounded(1, 100_000_000))  # the open set the seed indexes into
+    distill_seed: int = field(metadata=_SEED)  # batch order of the distillation on the previous round's labels
+
+
+@dataclass(frozen=True)
+class DSFLBroadcast:
+    source_round: int = field(metadata=_SEED)  # the round whose uploads these soft labels aggregate
+    index_seed: int = field(metadata=_SEED)  # o_r of that round
+    open_size: int = field(metadata=bounded(1, 100_000_000))
+    open_per_round: int = field(metadata=bounded(1, 10_000_000))
+
+
+@register_objective
+@dataclass(frozen=True)
+class SoftTargets(Objective):
+    """Cross-entropy to soft labels (DS-FL eq. 10-11)."""
+
+    kind = "soft"
+    inputs = (ObjectiveInput("targets", per_sample=True, shape=("C",)),)
+
+    def loss(self, logits: torch.Tensor, y: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return soft_cross_entropy(logits, inputs["targets"])
 
 
 def open_index_set(open_size: int, per_round: int, seed: int) -> np.ndarray:
@@ -55,130 +119,145 @@ def open_index_set(open_size: int, per_round: int, seed: int) -> np.ndarray:
 class DistillationSemiSupervised(Strategy):
     """Server half of DS-FL: aggregate soft labels, distill the global model, broadcast."""
 
-    name = "dsfl"
-
-    def __init__(
-        self,
-        config: RunConfig,
-        model_factory: Callable[[], nn.Module],
-        num_classes: int,
-        run_id: str = "",
-        *,
-        open_x: torch.Tensor,
-    ) -> None:
-        super().__init__(config, model_factory, num_classes, run_id)
-        self.open_x = open_x
+    def __init__(self, config: RunConfig, context: ServerContext) -> None:
+        super().__init__(config, context)
+        if context.open_x is None:
+            raise ConfigError("DS-FL needs an open dataset on the server")
+        self.open_x = context.open_x
         self._model = self.model_factory()  # the global model w_g (eq. 11)
         self._soft_labels: torch.Tensor | None = None  # global soft labels of the latest round
         self._soft_round = 0
-        a = self.config.algo
-        if a.open_per_round > len(open_x):
-            raise ConfigError(f"open_per_round ({a.open_per_round}) exceeds the open set ({len(open_x)} samples)")
+        if self.settings.open_per_round > len(self.open_x):
+            raise ConfigError(
+                f"open_per_round ({self.settings.open_per_round}) exceeds the open set ({len(self.open_x)} samples)"
+            )
 
     def index_seed(self, rnd: int) -> int:
         return derive_seed(self.config.seed, "open-index", rnd)
 
-    def expected_reply_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {"soft_labels": ((self.config.algo.open_per_round, self.num_classes), torch.float32)}
+    def reply_tensors(self) -> dict[str, TensorSpec]:
+        return {"soft_labels": ((self.settings.open_per_round, self.num_classes), torch.float32)}
+
+    def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
+        report = super().check_reply(rnd, client, reply)
+        probs = reply.tensors["soft_labels"]  # (|o_r|, C): softmax outputs, eq. 9
+        if bool((probs < 0).any()) or not bool(((probs.sum(dim=1) - 1).abs() < 1e-3).all()):
+            raise CodecError("soft_labels rows must be probability vectors (non-negative, summing to 1)")
+        return report
 
     def global_weights(self) -> dict[str, torch.Tensor]:
         return exchanged_state(self._model)
 
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
-        a = self.config.algo
+        s = self.settings
         broadcast = None
         if self._soft_labels is not None:
-            broadcast = self.broadcast(
-                rnd,
-                {"soft_labels": self._soft_labels},
-                source_round=str(self._soft_round),
-                index_seed=str(self.index_seed(self._soft_round)),
-                open_size=str(len(self.open_x)),
-                open_per_round=str(a.open_per_round),
+            source = DSFLBroadcast(
+                source_round=self._soft_round,
+                index_seed=self.index_seed(self._soft_round),
+                open_size=len(self.open_x),
+                open_per_round=s.open_per_round,
             )
-        params = {
-            "model_seed": str(derive_seed(self.config.seed, "model")),
-            "index_seed": str(self.index_seed(rnd)),
-            "open_size": str(len(self.open_x)),
-            "open_per_round": str(a.open_per_round),
-            "distill_lr": format_float(a.distill_lr),
-            "distill_epochs": str(a.distill_epochs),
-            "distill_batch_size": str(a.distill_batch_size),
-            "distill_seed": str(derive_seed(self.config.seed, "distill", rnd)),
-        }
-        return RoundPlan(broadcast=broadcast, tasks={c: self.task(rnd, c, **params) for c in clients})
+            broadcast = self.broadcast(rnd, {"soft_labels": self._soft_labels}, source)
+        task = DSFLTask(
+            model_seed=derive_seed(self.config.seed, "model"),
+            index_seed=self.index_seed(rnd),
+            open_size=len(self.open_x),
+            distill_seed=derive_seed(self.config.seed, "distill", rnd),
+        )
+        return RoundPlan(broadcast=broadcast, tasks={c: self.task(rnd, c, task) for c in clients})
 
     def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
-        a = self.config.algo
+        s = self.settings
         uploads = [replies[c].tensor("soft_labels") for c in sorted(replies)]
-        if a.aggregation == "era":
-            soft = aggregate_era(uploads, temperature=a.era_temperature)
-        else:
-            soft = aggregate_sa(uploads)
+        soft = (
+            aggregate_era(uploads, temperature=s.era_temperature) if s.aggregation == "era" else aggregate_sa(uploads)
+        )
         self._soft_labels, self._soft_round = soft.to(torch.float32).contiguous(), rnd
-        if a.server_distill and a.distill_epochs > 0:
-            idx = torch.from_numpy(open_index_set(len(self.open_x), a.open_per_round, self.index_seed(rnd)))
+        if s.server_distill and s.distill_epochs > 0:
+            idx = torch.from_numpy(open_index_set(len(self.open_x), s.open_per_round, self.index_seed(rnd)))
             x = self.open_x[idx]
-            train(
-                self._model,
+            sgd = SGDSettings(s.distill_lr, self.config.train.momentum, self.config.train.weight_decay)
+            request = TrainRequest(
                 x,
-                torch.zeros(len(x), dtype=torch.long),
-                Objective("soft"),
-                SGDSettings(
-                    lr=a.distill_lr, momentum=self.config.train.momentum, weight_decay=self.config.train.weight_decay
-                ),
-                epochs=a.distill_epochs,
-                batch_size=a.distill_batch_size,
-                seed=derive_seed(self.config.seed, "server-distill", rnd),
-                aux=self._soft_labels,
+                torch.zeros(len(x), dtype=torch.long),  # unused by the soft-label loss
+                SoftTargets(),
+                sgd,
+                s.distill_epochs,
+                s.distill_batch_size,
+                derive_seed(self.config.seed, "server-distill", rnd),
+                inputs={"targets": self._soft_labels},
             )
+            train(self._model, request)
         return {"global_logit_entropy": float(mean_entropy(self._soft_labels.numpy()))}
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
         return evaluate_model(self._model, x, y, self.num_classes)
 
-    def load_global_weights(self, state: dict[str, torch.Tensor]) -> None:
-        load_exchanged_state(self._model, state)
 
-
-def client_step(
-    task: Message, broadcast: Message | None, data: ClientData, backend: Backend, store: ClientStore
-) -> Message:
+class DSFLClient(ClientHalf):
     """Client half: distill on the previous round's global soft labels, update on private data, predict on o_r."""
-    if data.open_x is None:
-        raise ConfigError("DS-FL needs the open dataset on the client (provision it with the client's data)")
-    open_size = task.int_param("open_size")
-    if open_size != len(data.open_x):
-        raise ConfigError(f"the coordinator's open set has {open_size} samples, this client's has {len(data.open_x)}")
-    restore_own_model(store, backend, task.int_param("model_seed"))
-    distill_sgd = SGDSettings(
-        lr=task.float_param("distill_lr"),
-        momentum=task.float_param("momentum", 0.0),
-        weight_decay=task.float_param("weight_decay", 0.0),
-    )
-    if broadcast is not None:  # eq. 10 for the previous round
-        idx = open_index_set(open_size, broadcast.int_param("open_per_round"), broadcast.int_param("index_seed"))
-        x = data.open_x[torch.from_numpy(idx)]
-        backend.train(
-            x,
-            torch.zeros(len(x), dtype=torch.long),
-            Objective("soft"),
-            distill_sgd,
-            epochs=task.int_param("distill_epochs"),
-            batch_size=task.int_param("distill_batch_size"),
-            seed=task.int_param("distill_seed"),
-            aux=broadcast.tensor("soft_labels"),
-        )
-    backend.train(  # eq. 1
-        data.x,
-        data.y,
-        Objective("ce"),
-        sgd_from_task(task),
-        epochs=task.int_param("epochs"),
-        batch_size=task.int_param("batch_size"),
-        seed=task.int_param("seed"),
-    )
-    idx = open_index_set(open_size, task.int_param("open_per_round"), task.int_param("index_seed"))
-    probs = torch.softmax(backend.logits(data.open_x[torch.from_numpy(idx)]), dim=1)  # eq. 9
-    keep_own_model(store, backend)
-    return update_message(task, {"soft_labels": probs.to(torch.float32).contiguous()}, num_examples=str(len(data)))
+
+    settings_type = DSFLSettings
+
+    def step(
+        self, task: Message, broadcast: Message | None, data: ClientData, backend: Backend, store: ClientStore
+    ) -> Message:
+        training, settings = self.parse(task)
+        extra = wire.from_params(DSFLTask, task.params, defaults=False)
+        if data.open_x is None:
+            raise ConfigError("DS-FL needs the open dataset on the client (provision it with the client's data)")
+        if extra.open_size != len(data.open_x):
+            raise ConfigError(
+                f"the coordinator's open set has {extra.open_size} samples, this client's has {len(data.open_x)}"
+            )
+        restore_own_model(store, backend, extra.model_seed)
+        if broadcast is not None:  # eq. 10 for the previous round
+            source = wire.from_params(DSFLBroadcast, broadcast.params, defaults=False)
+            if source.open_size != len(data.open_x):
+                raise CodecError(
+                    f"broadcast indexes an open set of {source.open_size}, this client's has {len(data.open_x)}"
+                )
+            idx = open_index_set(source.open_size, source.open_per_round, source.index_seed)
+            x = data.open_x[torch.from_numpy(idx)]
+            sgd = SGDSettings(settings.distill_lr, training.momentum, training.weight_decay)
+            targets = broadcast.tensor("soft_labels")
+            backend.train(
+                TrainRequest(
+                    x,
+                    torch.zeros(len(x), dtype=torch.long),  # unused by the soft-label loss
+                    SoftTargets(),
+                    sgd,
+                    settings.distill_epochs,
+                    settings.distill_batch_size,
+                    extra.distill_seed,
+                    inputs={"targets": targets},
+                )
+            )
+        t = training
+        stats = backend.train(TrainRequest(data.x, data.y, CrossEntropy(), t.sgd, t.epochs, t.batch_size, t.seed))
+        idx = open_index_set(extra.open_size, settings.open_per_round, extra.index_seed)
+        probs = torch.softmax(backend.logits(data.open_x[torch.from_numpy(idx)]), dim=1)  # eq. 9, (|o_r|, C)
+        keep_own_model(store, backend)
+        report = UpdateReport(num_examples=len(data), loss=stats.mean_loss)
+        return update_message(task, {"soft_labels": probs.to(torch.float32).contiguous()}, report)
+
+
+def dsfl_traffic(inputs: CostInputs) -> RoundTraffic:
+    """|o_r| x C outputs each way (eq. 9, 13); the index set travels as a seed and adds no tensor bytes."""
+    size = inputs.open_per_round * inputs.num_classes * 4
+    return RoundTraffic(up_per_client=size, down_broadcast=size)
+
+
+ALGORITHM = Algorithm(
+    name="dsfl",
+    label="DS-FL",
+    paper="Itahara et al., IEEE TMC, sec. 2.3 and 3, Algorithm 1",
+    settings=DSFLSettings,
+    server=DistillationSemiSupervised,
+    client=DSFLClient(),
+    traffic=dsfl_traffic,
+    exchange="outputs",
+    needs_open_set=True,
+    describe=lambda s: (f"T={s.era_temperature:g}, " if s.aggregation == "era" else "") + f"|o_r|={s.open_per_round}",
+)

@@ -7,65 +7,130 @@ average of the *other* clients (eq. 6) with CE + gamma * soft-CE (eq. 7).
 
 Rounds are pipelined so each round is one exchange: round 1 is the plain update (eq. 1); in round r > 1 the client
 first distills on round r-1's broadcast, then uploads. The order of steps is the paper's: U, P, D, P, D, ...
+FD has no global model: a round's accuracy is the mean over its clients of what they measure on their test data.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
-from torch import nn
+import torch.nn.functional as F
 
+from fedge import wire
 from fedge.aggregation import fd_global_logits, fd_leave_one_out
 from fedge.algorithms.base import (
+    Algorithm,
+    AlgorithmSettings,
     ClientData,
+    ClientHalf,
     ClientStore,
+    CostInputs,
     Evaluation,
     RoundPlan,
+    RoundTraffic,
+    ServerContext,
     Strategy,
+    TensorSpec,
+    UpdateReport,
     derive_seed,
     keep_own_model,
-    local_eval_params,
-    pooled_local_eval,
     restore_own_model,
-    sgd_from_task,
     update_message,
 )
+from fedge.algorithms.fedavg import CrossEntropy
 from fedge.backend import Backend
 from fedge.config import RunConfig
-from fedge.messages import Message, format_float
-from fedge.training import Objective
+from fedge.errors import CodecError, ConfigError
+from fedge.losses import fd_distillation_loss
+from fedge.messages import Message
+from fedge.objectives import Objective, ObjectiveInput, register_objective
+from fedge.training import TrainRequest
 from fedge.types import ClientId
+from fedge.wire import bounded
+
+
+@dataclass(frozen=True)
+class FDSettings(AlgorithmSettings):
+    fd_gamma: float = field(
+        default=1.0, metadata=bounded(0.0, 1e3, help="weight gamma of the distillation term, eq. 7")
+    )
+
+    def __post_init__(self) -> None:
+        if not self.fd_gamma >= 0:
+            raise ConfigError(f"fd_gamma must be >= 0, got {self.fd_gamma}")
+
+
+@dataclass(frozen=True)
+class FDTask:
+    model_seed: int = field(metadata=bounded(0, 2**31 - 1))  # common initialization of every client's own model
+
+
+@dataclass(frozen=True)
+class FDBroadcast:
+    source_round: int = field(metadata=bounded(0, 2**31 - 1))  # the round whose uploads were averaged
+
+
+@dataclass(frozen=True)
+class FDReport(UpdateReport):
+    """The update's numbers plus the client's per-class test counts (FD has no global model to test)."""
+
+    eval_correct: tuple[int, ...] = ()
+    eval_total: tuple[int, ...] = ()
+
+
+@register_objective
+@dataclass(frozen=True)
+class FDDistillation(Objective):
+    """DS-FL eq. 7: CE + gamma * soft-CE to each sample's leave-one-out target; masked rows get CE only."""
+
+    kind = "fd"
+    inputs = (
+        ObjectiveInput("targets", per_sample=True, shape=("C",)),
+        ObjectiveInput("mask", per_sample=True, shape=(), dtype=torch.bool),
+    )
+    gamma: float = 1.0
+
+    def loss(self, logits: torch.Tensor, y: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return fd_distillation_loss(logits, y, inputs["targets"], gamma=self.gamma, mask=inputs["mask"])
 
 
 class FederatedDistillation(Strategy):
     """Server half of FD: per-class averaging of the uploaded per-class outputs."""
 
-    name = "fd"
+    report_type = FDReport
 
-    def __init__(
-        self, config: RunConfig, model_factory: Callable[[], nn.Module], num_classes: int, run_id: str = ""
-    ) -> None:
-        super().__init__(config, model_factory, num_classes, run_id)
+    def __init__(self, config: RunConfig, context: ServerContext) -> None:
+        super().__init__(config, context)
         self._global: torch.Tensor | None = None  # (C, C) from the latest round
         self._contributors: torch.Tensor | None = None  # (C,) int32
         self._last_eval: Evaluation | None = None
 
-    def expected_reply_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def reply_tensors(self) -> dict[str, TensorSpec]:
         c = self.num_classes
         return {"class_probs": ((c, c), torch.float32)}
+
+    def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
+        report = super().check_reply(rnd, client, reply)
+        probs = reply.tensors["class_probs"]  # (C, C): probability rows, or zero rows for absent classes
+        sums = probs.sum(dim=1)
+        if bool((probs < 0).any()) or not bool(((sums - 1).abs() < 1e-3).logical_or(sums == 0).all()):
+            raise CodecError("class_probs rows must be probability vectors (or zero rows for absent classes)")
+        assert isinstance(report, FDReport)
+        for counts in (report.eval_correct, report.eval_total):
+            if counts and len(counts) != self.num_classes:
+                raise CodecError(f"evaluation counts must have {self.num_classes} entries, got {len(counts)}")
+        return report
 
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
         broadcast = None
         if self._global is not None and self._contributors is not None:
-            broadcast = self.broadcast(
-                rnd, {"global_probs": self._global, "contributors": self._contributors}, source_round=str(rnd - 1)
-            )
-        params = {
-            "fd_gamma": format_float(self.config.algo.fd_gamma),
-            "model_seed": str(derive_seed(self.config.seed, "model")),
-        }
-        return RoundPlan(broadcast=broadcast, tasks={c: self.task(rnd, c, **params) for c in clients})
+            tensors = {"global_probs": self._global, "contributors": self._contributors}
+            broadcast = self.broadcast(rnd, tensors, FDBroadcast(source_round=rnd - 1))
+        task = FDTask(model_seed=derive_seed(self.config.seed, "model"))
+        return RoundPlan(broadcast=broadcast, tasks={c: self.task(rnd, c, task) for c in clients})
 
     def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
         ordered = [replies[c] for c in sorted(replies)]
@@ -75,7 +140,7 @@ class FederatedDistillation(Strategy):
         g, k = fd_global_logits(probs, counts)
         self._global = g.to(torch.float32)
         self._contributors = k.to(torch.int32)
-        self._last_eval = pooled_local_eval(replies, self.num_classes)
+        self._last_eval = pooled_local_eval([self.report_of(r) for r in ordered], self.num_classes)
         return {}
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
@@ -83,39 +148,93 @@ class FederatedDistillation(Strategy):
         return self._last_eval
 
 
-def client_step(
-    task: Message, broadcast: Message | None, data: ClientData, backend: Backend, store: ClientStore
-) -> Message:
+def pooled_local_eval(reports: Sequence[UpdateReport], num_classes: int) -> Evaluation | None:
+    """Mean over clients of the accuracies their updates report."""
+    accs, per_class = [], []
+    for report in reports:
+        if not isinstance(report, FDReport) or not report.eval_total:
+            continue
+        correct = np.array(report.eval_correct, dtype=float)
+        total = np.array(report.eval_total, dtype=float)
+        if correct.shape != (num_classes,) or total.shape != (num_classes,) or total.sum() == 0:
+            continue
+        accs.append(correct.sum() / total.sum())
+        per_class.append(np.where(total > 0, correct / np.maximum(total, 1), np.nan))
+    if not accs:
+        return None
+    stacked = np.stack(per_class)  # (clients, C), NaN where a client's test data lacks the class
+    seen = (~np.isnan(stacked)).sum(axis=0)
+    mean = np.where(seen > 0, np.nansum(stacked, axis=0) / np.maximum(seen, 1), np.nan)
+    return Evaluation(accuracy=float(np.mean(accs)), per_class=mean)
+
+
+class FDClient(ClientHalf):
     """Client half: (distill toward the others' per-class outputs,) then upload this client's per-class outputs."""
-    restore_own_model(store, backend, task.int_param("model_seed"))
-    sgd = sgd_from_task(task)
-    epochs, batch, seed = task.int_param("epochs"), task.int_param("batch_size"), task.int_param("seed")
-    if broadcast is None:
-        backend.train(data.x, data.y, Objective("ce"), sgd, epochs=epochs, batch_size=batch, seed=seed)
-    else:
-        g, k = broadcast.tensor("global_probs"), broadcast.tensor("contributors").to(torch.int64)
-        own_round = int(store["uploaded_round"]) if "uploaded_round" in store else -1
-        targets, mask = fd_leave_one_out(  # a client absent from that round has nothing of its own to leave out
-            g,
-            k,
-            store.get("uploaded_probs", torch.zeros_like(g)),
-            store.get("uploaded_counts", torch.zeros_like(k)),
-            own_included=own_round == int(broadcast.param("source_round")),
-        )
-        aux, aux_mask = targets[data.y], mask[data.y]
-        objective = Objective("fd", gamma=task.float_param("fd_gamma"))
-        backend.train(
-            data.x, data.y, objective, sgd, epochs=epochs, batch_size=batch, seed=seed, aux=aux, aux_mask=aux_mask
-        )
-    probs = torch.softmax(backend.logits(data.x), dim=1)
-    class_probs = torch.zeros(data.num_classes, data.num_classes)
-    class_probs.index_add_(0, data.y, probs)
-    counts = torch.bincount(data.y, minlength=data.num_classes)
-    class_probs = class_probs / counts.clamp(min=1).unsqueeze(1)  # eq. 4; absent classes stay zero rows
-    keep_own_model(store, backend)
-    store["uploaded_probs"] = class_probs
-    store["uploaded_counts"] = (counts > 0).to(torch.int64)
-    store["uploaded_round"] = torch.tensor(task.round)
-    return update_message(
-        task, {"class_probs": class_probs}, num_examples=str(len(data)), **local_eval_params(backend, data)
-    )
+
+    settings_type = FDSettings
+
+    def step(
+        self, task: Message, broadcast: Message | None, data: ClientData, backend: Backend, store: ClientStore
+    ) -> Message:
+        training, settings = self.parse(task)
+        extra = wire.from_params(FDTask, task.params, defaults=False)
+        restore_own_model(store, backend, extra.model_seed)
+        t = training
+        if broadcast is None:
+            request = TrainRequest(data.x, data.y, CrossEntropy(), t.sgd, t.epochs, t.batch_size, t.seed)
+        else:
+            source = wire.from_params(FDBroadcast, broadcast.params, defaults=False)
+            g, k = broadcast.tensor("global_probs"), broadcast.tensor("contributors").to(torch.int64)
+            own_round = int(store["uploaded_round"]) if "uploaded_round" in store else -1
+            targets, mask = fd_leave_one_out(  # a client absent from that round has nothing of its own to leave out
+                g,
+                k,
+                store.get("uploaded_probs", torch.zeros_like(g)),
+                store.get("uploaded_counts", torch.zeros_like(k)),
+                own_included=own_round == source.source_round,
+            )
+            inputs = {"targets": targets[data.y], "mask": mask[data.y]}  # (N, C), (N,)
+            objective = FDDistillation(gamma=settings.fd_gamma)
+            request = TrainRequest(data.x, data.y, objective, t.sgd, t.epochs, t.batch_size, t.seed, inputs=inputs)
+        stats = backend.train(request)
+        probs = F.softmax(backend.logits(data.x), dim=1)  # (N, C)
+        class_probs = torch.zeros(data.num_classes, data.num_classes)
+        class_probs.index_add_(0, data.y, probs)
+        counts = torch.bincount(data.y, minlength=data.num_classes)
+        class_probs = class_probs / counts.clamp(min=1).unsqueeze(1)  # eq. 4; absent classes stay zero rows
+        keep_own_model(store, backend)
+        store["uploaded_probs"] = class_probs
+        store["uploaded_counts"] = (counts > 0).to(torch.int64)
+        store["uploaded_round"] = torch.tensor(task.round)
+        report = FDReport(num_examples=len(data), loss=stats.mean_loss, **local_eval_counts(backend, data))
+        return update_message(task, {"class_probs": class_probs}, report)
+
+
+def local_eval_counts(backend: Backend, data: ClientData) -> dict[str, tuple[int, ...]]:
+    """A client's per-class correct and total counts on its own test data (sent without tensor bytes)."""
+    if data.eval_x is None or data.eval_y is None:
+        return {}
+    preds = backend.logits(data.eval_x).argmax(dim=1)
+    correct = torch.bincount(data.eval_y[preds == data.eval_y], minlength=data.num_classes)
+    total = torch.bincount(data.eval_y, minlength=data.num_classes)
+    return {"eval_correct": tuple(int(v) for v in correct), "eval_total": tuple(int(v) for v in total)}
+
+
+def fd_traffic(inputs: CostInputs) -> RoundTraffic:
+    """C x C per-class outputs each way (eq. 4-5), plus the C per-class client counts eq. 6 needs on the client."""
+    c = inputs.num_classes
+    return RoundTraffic(up_per_client=c * c * 4, down_broadcast=c * c * 4, protocol_extra_down=c * 4)
+
+
+ALGORITHM = Algorithm(
+    name="fd",
+    label="FD",
+    paper="Jeong et al. 2018; DS-FL sec. 2.2, eq. 4-7",
+    settings=FDSettings,
+    server=FederatedDistillation,
+    client=FDClient(),
+    traffic=fd_traffic,
+    exchange="outputs",
+    has_global_model=False,
+    describe=lambda s: f"γ={s.fd_gamma:g}",
+)

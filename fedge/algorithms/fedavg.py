@@ -1,127 +1,165 @@
-"""Weight-exchange algorithms: FedAvg, FedNTD, FedLSD and FedCAD.
+"""FedAvg (McMahan et al. 2017; FedNTD eq. 2; DS-FL eq. 1-3): broadcast the global weights, train locally with
+cross-entropy, average the returned weights by data size.
 
-They share the round flow (broadcast the global weights, train locally, average the weights) and differ only in the
-local objective:
-- FedAvg: cross-entropy; aggregation weighted by data size (McMahan et al.; FedNTD eq. 2; DS-FL eq. 1-3).
-- FedNTD: CE + beta * tau^2 * not-true KL to the received global model, frozen (FedNTD eq. 10-11, Algorithm 1).
-- FedLSD: (1 - w) CE + w * soft-CE to the global model, constant w (FedCAD eq. 1-2 with alpha_y = w).
-- FedCAD: the same with class-wise weights alpha_y from the global model's reliability on the local data (FedCAD eq. 3).
+This module also holds the weight-exchange flow that FedNTD, FedLSD, FedCAD, FedProx and SCAFFOLD reuse: their
+modules subclass :class:`FedAvgClient` and override one hook (:meth:`FedAvgClient.objective` for a different loss,
+:meth:`FedAvgClient.request` for a different training request), as Flower's FedProx overrides one method.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
-from torch import nn
+import torch.nn.functional as F
 
 from fedge.aggregation import weighted_average
 from fedge.algorithms.base import (
+    Algorithm,
+    AlgorithmSettings,
     ClientData,
+    ClientHalf,
     ClientStore,
     Evaluation,
+    LocalTraining,
     RoundPlan,
+    ServerContext,
     Strategy,
+    TensorSpec,
+    UpdateReport,
     evaluate_model,
-    sgd_from_task,
     update_message,
+    weights_traffic,
 )
 from fedge.backend import Backend
 from fedge.config import RunConfig
-from fedge.losses import fedcad_class_weights
-from fedge.messages import Message, format_float
+from fedge.errors import CodecError, ConfigError
+from fedge.messages import Message
 from fedge.models import exchanged_state, load_exchanged_state
-from fedge.training import Objective
+from fedge.objectives import Objective, register_objective
+from fedge.training import TrainRequest, TrainStats
 from fedge.types import ClientId, StateDict
+from fedge.wire import server_only
 
-OBJECTIVE_OF = {"fedavg": "ce", "fedntd": "ntd", "fedlsd": "lsd", "fedcad": "cad"}
+
+@dataclass(frozen=True)
+class FedAvgSettings(AlgorithmSettings):
+    """How the server averages: by data size (FedNTD eq. 2) or uniformly (FedNTD Algorithm 1)."""
+
+    weighting: str = field(
+        default="weighted", metadata=server_only("aggregation: weighted (by data size, eq. 2) or uniform")
+    )
+
+    def __post_init__(self) -> None:
+        if self.weighting not in ("weighted", "uniform"):
+            raise ConfigError(f"weighting must be weighted|uniform, not {self.weighting!r}")
 
 
-class WeightAveraging(Strategy):
-    """Server half of FedAvg / FedNTD / FedLSD / FedCAD."""
+@register_objective
+@dataclass(frozen=True)
+class CrossEntropy(Objective):
+    """Cross-entropy on the local labels (FedAvg; DS-FL eq. 1-2)."""
 
-    def __init__(
-        self, config: RunConfig, model_factory: Callable[[], nn.Module], num_classes: int, run_id: str = ""
-    ) -> None:
-        super().__init__(config, model_factory, num_classes, run_id)
-        self.name = self.config.algorithm
+    kind = "ce"
+
+    def loss(self, logits: torch.Tensor, y: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(logits, y)
+
+
+class FedAvg(Strategy):
+    """Server half of the weight-exchange family: broadcast the global weights, average what comes back."""
+
+    def __init__(self, config: RunConfig, context: ServerContext) -> None:
+        super().__init__(config, context)
         self._model = self.model_factory()  # scratch module for evaluation
         self._weights: StateDict = exchanged_state(self._model)
 
     def global_weights(self) -> StateDict:
         return self._weights
 
-    def expected_reply_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def reply_tensors(self) -> dict[str, TensorSpec]:
         return {k: (tuple(v.shape), v.dtype) for k, v in self._weights.items()}
 
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
-        a = self.config.algo
-        params = {
-            "objective": OBJECTIVE_OF[self.name],
-            "ntd_tau": format_float(a.ntd_tau),
-            "ntd_beta": format_float(a.ntd_beta),
-            "kd_tau": format_float(a.kd_tau),
-            "lsd_weight": format_float(a.lsd_weight),
-            "cad_beta": format_float(a.cad_beta),
-            "cad_gamma": format_float(a.cad_gamma),
-        }
-        return RoundPlan(
-            broadcast=self.broadcast(rnd, self._weights),
-            tasks={c: self.task(rnd, c, **params) for c in clients},
-        )
+        return RoundPlan(broadcast=self.broadcast(rnd, self._weights), tasks={c: self.task(rnd, c) for c in clients})
+
+    def averaging_weights(self, replies: Sequence[Message]) -> list[float]:
+        """Each reply's share of the average: its data size (eq. 2), or equal shares."""
+        if self.settings.weighting == "uniform":
+            return [1.0] * len(replies)
+        return [float(self.report_of(r).num_examples) for r in replies]
 
     def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
         ordered = [replies[c] for c in sorted(replies)]  # order-independent result, whatever arrived first
-        if self.config.algo.weighting == "uniform":
-            weights = [1.0] * len(ordered)
-        else:
-            weights = [float(r.int_param("num_examples")) for r in ordered]
-        self._weights = weighted_average([dict(r.tensors) for r in ordered], weights)
-        return {"mean_local_loss": sum(float(r.param("loss", "nan")) for r in ordered) / max(len(ordered), 1)}
+        states = [{k: r.tensors[k] for k in self._weights} for r in ordered]
+        self._weights = weighted_average(states, self.averaging_weights(ordered))
+        losses = [loss for r in ordered if (loss := self.report_of(r).loss) is not None]
+        return {"mean_local_loss": sum(losses) / len(losses)} if losses else {}
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
         load_exchanged_state(self._model, self._weights)
         return evaluate_model(self._model, x, y, self.num_classes)
 
 
-def client_step(
-    task: Message, broadcast: Message | None, data: ClientData, backend: Backend, store: ClientStore
-) -> Message:
+@dataclass(frozen=True)
+class LocalRound:
+    """Everything one client's round works with, handed to the hooks of :class:`FedAvgClient`."""
+
+    training: LocalTraining
+    settings: Any  # the algorithm's settings, as the task carried them
+    data: ClientData
+    backend: Backend  # holds the received global weights until training starts
+    store: ClientStore
+    broadcast: Message
+    global_weights: StateDict
+
+
+class FedAvgClient(ClientHalf):
     """Client half: start from the broadcast weights, train on the local objective, return the new weights."""
-    if broadcast is None:
-        raise ValueError("a weight-exchange task needs the round's broadcast of global weights")
-    backend.set_weights(dict(broadcast.tensors))
-    kind = task.param("objective")
-    aux = None
-    class_weights = None
-    tau, beta = 1.0, 1.0
-    if kind == "ntd":
-        tau, beta = task.float_param("ntd_tau"), task.float_param("ntd_beta")
-    elif kind in ("lsd", "cad", "kd"):
-        tau = task.float_param("kd_tau")
-    if kind in ("ntd", "kd", "lsd", "cad"):
-        aux = backend.logits(data.x)  # teacher = the received global model, frozen: its logits are fixed all round
-    if kind == "lsd":
-        class_weights = torch.full((data.num_classes,), task.float_param("lsd_weight"))
-    elif kind == "cad":
-        assert aux is not None
-        class_weights = fedcad_class_weights(
-            aux,
-            data.y,
-            data.num_classes,
-            beta=task.float_param("cad_beta"),
-            gamma=task.float_param("cad_gamma"),
-            tau=tau,
-        )
-    objective = Objective(kind, tau=tau, beta=beta, class_weights=class_weights)
-    stats = backend.train(
-        data.x,
-        data.y,
-        objective,
-        sgd_from_task(task),
-        epochs=task.int_param("epochs"),
-        batch_size=task.int_param("batch_size"),
-        seed=task.int_param("seed"),
-        aux=aux,
-    )
-    return update_message(task, backend.get_weights(), num_examples=str(len(data)), loss=format_float(stats.mean_loss))
+
+    settings_type: ClassVar[type[AlgorithmSettings]] = FedAvgSettings
+
+    def step(
+        self, task: Message, broadcast: Message | None, data: ClientData, backend: Backend, store: ClientStore
+    ) -> Message:
+        training, settings = self.parse(task)
+        if broadcast is None:
+            raise CodecError("a weight-exchange task needs the round's broadcast of global weights")
+        global_weights = self.received_weights(broadcast)
+        backend.set_weights(global_weights)
+        r = LocalRound(training, settings, data, backend, store, broadcast, global_weights)
+        stats = backend.train(self.request(r))
+        tensors = self.upload(r, backend.get_weights(), stats)
+        return update_message(task, tensors, UpdateReport(num_examples=len(data), loss=stats.mean_loss))
+
+    # --- hooks ---------------------------------------------------------------------------------------------------
+    def objective(self, r: LocalRound) -> tuple[Objective, dict[str, torch.Tensor]]:
+        """The local loss and its inputs; ``r.backend`` holds the received global weights (the teacher, if any)."""
+        return CrossEntropy(), {}
+
+    def request(self, r: LocalRound) -> TrainRequest:
+        """The local training this client runs this round."""
+        objective, inputs = self.objective(r)
+        t = r.training
+        return TrainRequest(r.data.x, r.data.y, objective, t.sgd, t.epochs, t.batch_size, t.seed, inputs=inputs)
+
+    def received_weights(self, broadcast: Message) -> StateDict:
+        """The global weights in the round's broadcast."""
+        return dict(broadcast.tensors)
+
+    def upload(self, r: LocalRound, weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
+        """The tensors of the update, from the weights after local training."""
+        return weights
+
+
+ALGORITHM = Algorithm(
+    name="fedavg",
+    label="FedAvg",
+    paper="McMahan et al. 2017; FedNTD eq. 2; DS-FL eq. 1-3",
+    settings=FedAvgSettings,
+    server=FedAvg,
+    client=FedAvgClient(),
+    traffic=weights_traffic,
+)

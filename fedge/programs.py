@@ -1,5 +1,7 @@
 """What an exported program is: the model it was made from, its inputs, and how its names map to the state dict.
 
+Pure description shared by the exporters (:mod:`export`) and the device-side runners (:mod:`edge_client.backends`).
+
 Every export carries this description inside the file (ONNX ``metadata_props``; an ExecuTorch constant method
 ``fedge_meta``), so a file alone says which eager model it must match and how to feed it.
 
@@ -8,6 +10,11 @@ no initializer is folded or renamed). ExecuTorch training programs wrap the mode
 module, so their parameter names are the state-dict names with the prefix ``model.``; :func:`state_name` strips it.
 Batch-norm running statistics are inputs and outputs of training programs (see :mod:`export.executorch`), listed
 under ``stats`` in state-dict order.
+
+A training program's loss is a registered :class:`fedge.objectives.Objective` with its hyperparameters fixed at
+export, plus FedProx's proximal term when ``prox_mu`` > 0 (its anchor weights are inputs). Inputs of the training
+method, in order: ``x``, ``y``, the objective's inputs (:attr:`Objective.inputs`), one anchor per trainable parameter
+(FedProx only), the BN statistics.
 """
 
 from __future__ import annotations
@@ -21,9 +28,9 @@ from torch import nn
 
 from fedge.errors import ConfigError, ExportError
 from fedge.models import build_model, example_input
-from fedge.training import OBJECTIVES
+from fedge.objectives import Objective, make_objective
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 WRAPPER_PREFIX = "model."
 """Prefix of parameter names inside a training program: the wrapper holds the model as ``self.model``."""
 
@@ -64,50 +71,27 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class TrainingObjective:
-    """The loss baked into a training program: an objective kind with its hyperparameters fixed at export.
+class TrainingLoss:
+    """The loss baked into a training program: an objective with its hyperparameters, and FedProx's mu (0: none).
 
-    Hyperparameters a kind does not use are normalized away, so equal losses share one program. Per-client data of a
-    loss (FedLSD/FedCAD class weights, the FD mask) are inputs of the program, not part of the key.
+    Per-client data of a loss (teacher logits, FedCAD class weights, FD masks, FedProx anchors) are inputs of the
+    program, not part of this key, so one program serves every round.
     """
 
-    kind: str = "ce"
-    tau: float = 1.0
-    beta: float = 1.0
-    gamma: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in OBJECTIVES:
-            raise ConfigError(f"unknown objective {self.kind!r}; choose one of {OBJECTIVES}")
-        used = {"ntd": ("tau", "beta"), "kd": ("tau", "beta"), "lsd": ("tau",), "cad": ("tau",), "fd": ("gamma",)}
-        defaults = {"tau": 1.0, "beta": 1.0, "gamma": 1.0}
-        for name, default in defaults.items():
-            value = default if name not in used.get(self.kind, ()) else float(getattr(self, name))
-            object.__setattr__(self, name, value)
-
-    @property
-    def inputs(self) -> tuple[str, ...]:
-        """Names of the per-step inputs of the training method, before the BN statistics."""
-        names = ["x", "y"]
-        if self.kind != "ce":
-            names.append("aux")  # teacher logits (ntd, kd, lsd, cad) or target probabilities (soft, fd)
-        if self.kind in ("lsd", "cad"):
-            names.append("class_weights")  # (C,) per-class distillation weight a_y
-        if self.kind == "fd":
-            names.append("aux_mask")  # (B,) bool: rows without a leave-one-out target get CE only
-        return tuple(names)
+    objective: Objective
+    prox_mu: float = 0.0
 
     @property
     def tag(self) -> str:
-        """A file-name-safe label, e.g. ``ntd-tau1-beta1``."""
-        parts = [self.kind]
-        if self.kind in ("ntd", "kd", "lsd", "cad"):
-            parts.append(f"tau{self.tau:g}")
-        if self.kind in ("ntd", "kd"):
-            parts.append(f"beta{self.beta:g}")
-        if self.kind == "fd":
-            parts.append(f"gamma{self.gamma:g}")
-        return "-".join(parts)
+        """A file-name-safe label, e.g. ``ntd-tau1-beta1`` or ``ce-prox0.1``."""
+        return self.objective.tag + (f"-prox{self.prox_mu:g}" if self.prox_mu else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.objective.kind, "params": self.objective.params, "prox_mu": self.prox_mu}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TrainingLoss:
+        return cls(make_objective(str(raw["kind"]), dict(raw.get("params", {}))), float(raw.get("prox_mu", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -116,7 +100,7 @@ class ProgramMeta:
 
     format: str  # "onnx", "pte" (inference) or "pte-train"
     model: ModelSpec
-    objective: TrainingObjective | None = None  # training programs only
+    loss: TrainingLoss | None = None  # training programs only
     weights: tuple[str, ...] = ()  # the exchanged state's names, in state-dict order
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # shape of each of ``weights``
     params: tuple[str, ...] = ()  # state-dict names of the trainable parameters, in program order
@@ -138,9 +122,8 @@ class ProgramMeta:
             "max_batch": self.max_batch,
             "extra": dict(self.extra),
         }
-        if self.objective is not None:
-            o = self.objective
-            raw["objective"] = {"kind": o.kind, "tau": o.tau, "beta": o.beta, "gamma": o.gamma}
+        if self.loss is not None:
+            raw["loss"] = self.loss.to_dict()
         return json.dumps(raw, sort_keys=True)
 
     @classmethod
@@ -152,11 +135,11 @@ class ProgramMeta:
                     f"{source} has fedge format version {raw.get('fedge_format_version')!r}, this fedge reads "
                     f"{FORMAT_VERSION}; re-export it with this version"
                 )
-            objective = TrainingObjective(**raw["objective"]) if "objective" in raw else None
+            loss = TrainingLoss.from_dict(raw["loss"]) if "loss" in raw else None
             return cls(
                 format=str(raw["format"]),
                 model=ModelSpec(str(raw["model"]), tuple(raw["input_shape"]), int(raw["num_classes"])),
-                objective=objective,
+                loss=loss,
                 weights=tuple(raw.get("weights", ())),
                 shapes={str(k): tuple(int(d) for d in v) for k, v in raw.get("shapes", {}).items()},
                 params=tuple(raw.get("params", ())),
@@ -164,7 +147,7 @@ class ProgramMeta:
                 max_batch=int(raw.get("max_batch", 0)),
                 extra={str(k): str(v) for k, v in raw.get("extra", {}).items()},
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, ConfigError) as exc:
             raise ExportError(f"{source} does not carry a valid fedge description: {exc}") from exc
 
 
@@ -186,14 +169,36 @@ def stat_names(model: nn.Module) -> tuple[str, ...]:
     return tuple(k for k in model.state_dict() if k in buffers and buffers[k].is_floating_point())
 
 
-def example_training_inputs(spec: ModelSpec, objective: TrainingObjective, batch: int = 2) -> tuple[torch.Tensor, ...]:
-    """Deterministic inputs of a training method for ``batch`` samples, in :attr:`TrainingObjective.inputs` order."""
+def training_input_names(loss: TrainingLoss, params: tuple[str, ...]) -> tuple[str, ...]:
+    """Names of the training method's inputs before the BN statistics: x, y, the objective's, the anchors."""
+    anchors = tuple(f"anchor.{p}" for p in params) if loss.prox_mu else ()
+    return ("x", "y", *(i.name for i in loss.objective.inputs), *anchors)
+
+
+def example_training_inputs(
+    spec: ModelSpec, loss: TrainingLoss, anchors: tuple[torch.Tensor, ...] = (), batch: int = 2
+) -> tuple[torch.Tensor, ...]:
+    """Deterministic inputs of a training method for ``batch`` samples, before the BN statistics."""
     c = spec.num_classes
-    values = {
-        "x": spec.example(batch),
-        "y": torch.arange(batch, dtype=torch.long) % c,
-        "aux": torch.softmax(torch.arange(batch * c, dtype=torch.float32).reshape(batch, c) / c, dim=1),
-        "class_weights": torch.full((c,), 0.5),
-        "aux_mask": torch.ones(batch, dtype=torch.bool),
-    }
-    return tuple(values[k] for k in objective.inputs)
+    out = [spec.example(batch), torch.arange(batch, dtype=torch.long) % c]
+    for i in loss.objective.inputs:
+        shape = i.concrete_shape(c, batch)
+        if i.dtype == torch.bool:
+            out.append(torch.ones(shape, dtype=torch.bool))
+        elif i.per_sample:
+            out.append(torch.softmax(torch.arange(batch * c, dtype=torch.float32).reshape(shape) / c, dim=-1))
+        else:
+            out.append(torch.full(shape, 0.5))
+    if loss.prox_mu:
+        out.extend(a.detach().clone() for a in anchors)
+    return tuple(out)
+
+
+def program_file_name(spec: ModelSpec, loss: TrainingLoss, max_batch: int) -> str:
+    """The one file name of a training program, used by ``fedge export`` and by every client's program lookup.
+
+    It names everything that changes the program's bytes: model, input shape, classes, loss, batch bound and the
+    description format version.
+    """
+    shape = "x".join(str(d) for d in spec.input_shape)
+    return f"{spec.name}-{shape}-c{spec.num_classes}-{loss.tag}-b{max_batch}-v{FORMAT_VERSION}.pte"

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from fedge.backend import TorchBackend, resolve_device
-from fedge.training import Objective, SGDSettings
+from fedge.algorithms.fedavg import CrossEntropy
+from fedge.training import SGDSettings, TrainRequest
 
 
 def test_auto_picks_cuda_when_present(monkeypatch: pytest.MonkeyPatch):
@@ -28,7 +29,7 @@ def test_training_changes_weights_and_logits_have_the_right_shape():
     b.set_weights(b.init_weights(0))
     x, y = torch.randn(20, 1, 8, 8), torch.randint(0, 10, (20,))
     before = b.get_weights()
-    stats = b.train(x, y, Objective("ce"), SGDSettings(lr=0.1), epochs=1, batch_size=8, seed=0)
+    stats = b.train(TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), epochs=1, batch_size=8, seed=0))
     assert stats.steps == 3 and stats.samples == 20
     assert any(not torch.equal(before[k], v) for k, v in b.get_weights().items())
     assert b.logits(x).shape == (20, 10)
@@ -41,6 +42,6 @@ def test_cuda_training_matches_cpu():
     for device in ("cpu", "cuda"):
         b = TorchBackend("tiny_mlp", (1, 8, 8), 10, device=device)
         b.set_weights(b.init_weights(0))
-        b.train(x, y, Objective("ce"), SGDSettings(lr=0.1, momentum=0.9), epochs=2, batch_size=8, seed=0)
+        b.train(TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1, momentum=0.9), 2, 8, 0))
         results.append(b.get_weights())
     assert all(torch.allclose(results[0][k], results[1][k], atol=1e-5) for k in results[0])

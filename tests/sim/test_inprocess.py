@@ -1,4 +1,4 @@
-"""End-to-end runs of every algorithm on small data, plus the engine's rules (quorum, validation, determinism)."""
+"""End-to-end in-process runs of every algorithm on small data, and the engine's rules (quorum, validation)."""
 
 from pathlib import Path
 
@@ -8,7 +8,9 @@ import torch
 from common.experiment import prepare
 from coordinator.engine import RoundEngine, sample_clients
 from edge_client.client import EdgeClient
-from fedge.config import AlgorithmConfig, RunConfig, TrainConfig
+from fedge.algorithms import ALGORITHMS
+from fedge.algorithms.dsfl import DSFLSettings
+from fedge.config import RunConfig, TrainConfig
 from fedge.errors import CodecError
 from fedge.messages import Message
 from sim.inprocess import InProcessTransport
@@ -26,13 +28,14 @@ def _config(algorithm: str, **overrides) -> RunConfig:
         rounds=4,
         partition="iid",
         train=FAST,
-        algo=AlgorithmConfig(open_size=600, open_per_round=200, distill_lr=0.05, distill_epochs=2),
+        open_size=600,
+        algo=DSFLSettings(open_per_round=200, distill_lr=0.05, distill_epochs=2) if algorithm == "dsfl" else None,
     )
     base.update(overrides)
     return RunConfig(**base)
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "fedntd", "fedlsd", "fedcad", "fd", "dsfl"])
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_every_algorithm_learns_well_above_chance(algorithm: str, tmp_path: Path):
     # DS-FL's global model learns only from distillation on the open set, so it needs a few more rounds.
     result = run_inprocess(_config(algorithm, rounds=7 if algorithm == "dsfl" else 4), tmp_path / algorithm)
@@ -51,27 +54,28 @@ def test_fedntd_learns_under_label_skew(tmp_path: Path):
 def test_dsfl_era_lowers_the_global_logit_entropy_below_sa(tmp_path: Path):
     entropies = {}
     for agg in ("era", "sa"):
-        cfg = _config("dsfl", rounds=2, algo=AlgorithmConfig(aggregation=agg, open_size=600, open_per_round=200))
-        entropies[agg] = run_inprocess(cfg, tmp_path / agg).rounds[-1]["global_logit_entropy"]
+        cfg = _config("dsfl", rounds=2, algo=DSFLSettings(aggregation=agg, open_per_round=200))
+        entropies[agg] = run_inprocess(cfg, tmp_path / agg).rounds[-1].metrics["global_logit_entropy"]
     assert entropies["era"] < entropies["sa"]
 
 
 def test_bytes_per_round_match_the_cost_model(tmp_path: Path):
-    rounds = {a: run_inprocess(_config(a, rounds=1), tmp_path / a).rounds[0] for a in ("fedavg", "fd", "dsfl")}
+    algorithms = ("fedavg", "fd", "dsfl")
+    rounds = {a: run_inprocess(_config(a, rounds=1), tmp_path / a).rounds[0].bytes for a in algorithms}
     c = 10  # classes
     # FD: K uploads of C x C float32; broadcast (from round 2) adds C x C + C int32 counts.
-    assert rounds["fd"]["tensor_bytes_up"] == 6 * c * c * 4
+    assert rounds["fd"].tensor_up == 6 * c * c * 4
     # DS-FL: K uploads of |o_r| x C float32; the index set travels as a seed.
-    assert rounds["dsfl"]["tensor_bytes_up"] == 6 * 200 * c * 4
-    up, down = rounds["fedavg"]["tensor_bytes_up"], rounds["fedavg"]["tensor_bytes_down_multicast"]
-    assert up == 6 * down and rounds["fedavg"]["tensor_bytes_down_unicast"] == 6 * down
+    assert rounds["dsfl"].tensor_up == 6 * 200 * c * 4
+    up, down = rounds["fedavg"].tensor_up, rounds["fedavg"].tensor_down["multicast"]
+    assert up == 6 * down and rounds["fedavg"].tensor_down["unicast"] == 6 * down
 
 
 def test_same_config_gives_the_same_model(tmp_path: Path):
     cfg = _config("fedntd", rounds=2)
     a = run_inprocess(cfg, tmp_path / "a")
     b = run_inprocess(cfg, tmp_path / "b")
-    assert a.rounds[-1]["accuracy"] == b.rounds[-1]["accuracy"]
+    assert a.rounds[-1].accuracy == b.rounds[-1].accuracy
     from safetensors.torch import load_file
 
     wa, wb = (
@@ -132,11 +136,13 @@ def test_bad_replies_are_rejected_with_reasons_and_the_run_goes_on():
     cfg = _config("fedavg", rounds=2, min_replies=0.5)
     history = _engine(cfg, {"c000": "shape", "c001": "round", "c002": "nan"}).run()
     first = history.rounds[0]
-    reasons = " | ".join(r["reason"] for r in first["rejected"])
-    assert {r["client"] for r in first["rejected"]} == {"c000", "c001", "c002"}
-    assert "expected" in reasons and "round" in reasons and "non-finite" in reasons
-    assert first["aggregated"] and first["dropped"] == ["c000", "c001", "c002"]
-    assert history.rounds[-1]["accuracy"] > 0.3
+    by_client = {r.client: r for r in first.rejections}
+    assert set(by_client) == {"c000", "c001", "c002"}
+    assert by_client["c000"].category == "invalid" and "expected" in by_client["c000"].detail
+    assert by_client["c001"].category == "wrong round"
+    assert by_client["c002"].category == "invalid" and "NaN" in by_client["c002"].detail
+    assert first.aggregated and first.dropped == ("c000", "c001", "c002")
+    assert history.rounds[-1].accuracy is not None and history.rounds[-1].accuracy > 0.3
 
 
 def test_a_round_below_quorum_is_skipped_and_the_model_kept():
@@ -144,5 +150,7 @@ def test_a_round_below_quorum_is_skipped_and_the_model_kept():
     engine = _engine(cfg, {"c003": "crash"})
     before = {k: v.clone() for k, v in engine.strategy.global_weights().items()}
     history = engine.run()
-    assert [r["aggregated"] for r in history.rounds] == [False, False]
+    assert [r.aggregated for r in history.rounds] == [False, False]
+    (failed,) = history.rounds[0].rejections
+    assert (failed.client, failed.category, failed.detail) == ("c003", "client failed", "simulated failure")
     assert all(torch.equal(before[k], v) for k, v in engine.strategy.global_weights().items())

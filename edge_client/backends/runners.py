@@ -1,8 +1,8 @@
 """Run exported programs: ONNX Runtime inference, ExecuTorch inference and ExecuTorch training programs.
 
 These are the device-side halves of :mod:`export.onnx` and :mod:`export.executorch`: they need only the runtimes
-(``onnxruntime``, ``executorch``), not the exporters. The parity checks and the edge-client backends both use them, so
-what is checked is what runs.
+(``onnxruntime``, ``executorch``), not the exporters. The edge-client backends and the parity checks both use them,
+so what is checked is what runs.
 """
 
 from __future__ import annotations
@@ -15,9 +15,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from export.program import EVAL_METHOD, META_METHOD, TRAIN_METHOD, ProgramMeta, example_training_inputs, state_name
 from fedge.errors import ConfigError, ExportError
-from fedge.training import SGDSettings, TrainStats, batch_order
+from fedge.programs import (
+    EVAL_METHOD,
+    META_METHOD,
+    TRAIN_METHOD,
+    ProgramMeta,
+    TrainingLoss,
+    example_training_inputs,
+    state_name,
+)
+from fedge.training import SGDSettings, TrainRequest, TrainStats, batch_order
 from fedge.types import StateDict
 
 log = logging.getLogger(__name__)
@@ -136,7 +144,8 @@ class PteTrainer:
 
     The parameters live inside the program; the batch-norm running statistics live here and go in and out of every
     step. ``get_sgd_optimizer`` updates the program's parameters in place; it is created per :meth:`train` call so
-    the momentum buffers start at zero for every task, as in :func:`fedge.training.train`.
+    the momentum buffers start at zero for every task, as in :func:`fedge.training.train`. SCAFFOLD's gradient
+    correction is added here to the gradients the program returns, before the optimizer step.
     """
 
     runtime = "executorch"
@@ -145,9 +154,9 @@ class PteTrainer:
         self.source = source
         self._data = data  # the loaded program may point into this buffer: keep it alive
         self._module, self.meta = _load_pte(data, source)
-        if self.meta.format != "pte-train" or self.meta.objective is None:
+        if self.meta.format != "pte-train" or self.meta.loss is None:
             raise ExportError(f"{source} is a {self.meta.format!r} program, expected a training program")
-        self.objective = self.meta.objective
+        self.loss: TrainingLoss = self.meta.loss
         m = self._module
         self._grad_start = int(m.run_method(_GRADIENTS_INDEX + TRAIN_METHOD, ())[0])
         self._param_start = int(m.run_method(_PARAMETERS_INDEX + TRAIN_METHOD, ())[0])
@@ -166,7 +175,8 @@ class PteTrainer:
 
     def _prime(self) -> dict[str, torch.Tensor]:
         """Run one forward-backward pass: ExecuTorch exposes the parameter tensors only as outputs of a step."""
-        inputs = example_training_inputs(self.meta.model, self.objective, batch=2)
+        anchors = tuple(torch.zeros(self.meta.shapes[k]) for k in self.meta.params)
+        inputs = example_training_inputs(self.meta.model, self.loss, anchors, batch=2)
         outs = self._module.run_method(TRAIN_METHOD, (*inputs, *self._stats.values()), clone_outputs=False)
         # Not cloned: these alias the program's parameter memory, so copying into them sets the weights it uses.
         return {state_name(n): t for n, t in zip(self._fqns, outs[self._param_start :], strict=True)}
@@ -191,30 +201,24 @@ class PteTrainer:
         ]
         return torch.cat(outs) if outs else torch.empty(0, self.meta.model.num_classes)
 
-    def step_inputs(
-        self,
-        idx: torch.Tensor,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        aux: torch.Tensor | None,
-        aux_mask: torch.Tensor | None,
-        class_weights: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, ...]:
-        """The training method's inputs for the samples ``idx``, in the program's input order."""
-        values: dict[str, torch.Tensor | None] = {
-            "x": x[idx].contiguous(),
-            "y": y[idx].long(),
-            "aux": aux[idx].to(torch.float32).contiguous() if aux is not None else None,
-            "aux_mask": aux_mask[idx].bool() if aux_mask is not None else torch.ones(len(idx), dtype=torch.bool),
-            "class_weights": class_weights.to(torch.float32).contiguous() if class_weights is not None else None,
-        }
-        out = []
-        for name in self.objective.inputs:
-            value = values[name]
-            if value is None:
-                raise ConfigError(f"objective {self.objective.kind!r} needs {name!r} ({self.source})")
-            out.append(value)
-        return tuple(out)
+    def check_request(self, request: TrainRequest) -> None:
+        """ConfigError unless this program computes ``request``'s loss."""
+        wanted = TrainingLoss(request.objective, request.prox_mu)
+        if wanted != self.loss:
+            raise ConfigError(f"{self.source} trains {self.loss.tag}, the task asks for {wanted.tag}")
+
+    def step_inputs(self, request: TrainRequest, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The training method's inputs for the samples ``idx``, in the program's input order (before BN stats)."""
+        r = request
+        inputs = r.batch_inputs(idx)
+        values = [r.x[idx].contiguous(), r.y[idx].long()]
+        for spec in r.objective.inputs:
+            t = inputs[spec.name]
+            values.append(t.bool() if spec.dtype == torch.bool else t.to(torch.float32).contiguous())
+        if self.loss.prox_mu:
+            assert r.anchor is not None
+            values.extend(r.anchor[k].to(torch.float32).contiguous() for k in self.meta.params)
+        return tuple(values)
 
     def optimizer(self, sgd: SGDSettings) -> Any:
         """A fresh ExecuTorch SGD optimizer over the program's parameters (momentum buffers at zero)."""
@@ -224,7 +228,9 @@ class PteTrainer:
         # dampening 0 and no Nesterov: torch.optim.SGD's defaults, as in fedge.training.train.
         return get_sgd_optimizer(params, sgd.lr, sgd.momentum, 0.0, sgd.weight_decay, False)
 
-    def step(self, optimizer: Any, inputs: tuple[torch.Tensor, ...]) -> float:
+    def step(
+        self, optimizer: Any, inputs: tuple[torch.Tensor, ...], correction: Mapping[str, torch.Tensor] | None = None
+    ) -> float:
         """One training step on inputs from :meth:`step_inputs`: forward, backward, BN statistics, SGD update."""
         if len(inputs[0]) > self.meta.max_batch:
             raise ConfigError(
@@ -237,30 +243,26 @@ class PteTrainer:
         n_stats = len(self.meta.stats)
         loss = float(outs[0])
         self._stats = {k: t.clone() for k, t in zip(self.meta.stats, outs[2 : 2 + n_stats], strict=True)}
-        optimizer.step(dict(zip(self._fqns, outs[self._grad_start : self._param_start], strict=True)))
+        grads = dict(zip(self._fqns, outs[self._grad_start : self._param_start], strict=True))
+        if correction is not None:  # SCAFFOLD: g + (c - c_i), before momentum and weight decay as in eager
+            for fqn, g in grads.items():
+                g.add_(correction[state_name(fqn)])
+        optimizer.step(grads)
         if not math.isfinite(loss):
             log.warning("%s: non-finite loss %s", self.source, loss)
         return loss
 
-    def train(
-        self,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        sgd: SGDSettings,
-        *,
-        epochs: int,
-        batch_size: int,
-        seed: int,
-        aux: torch.Tensor | None = None,
-        aux_mask: torch.Tensor | None = None,
-        class_weights: torch.Tensor | None = None,
-    ) -> TrainStats:
-        """``epochs`` of mini-batch SGD in the batch order of :func:`fedge.training.batch_order`."""
-        order = batch_order(len(x), epochs, batch_size, seed)
-        optimizer = self.optimizer(sgd)
+    def train(self, request: TrainRequest) -> TrainStats:
+        """The request's epochs of mini-batch SGD in the batch order of :func:`fedge.training.batch_order`."""
+        self.check_request(request)
+        order = batch_order(len(request.x), request.epochs, request.batch_size, request.seed)
+        optimizer = self.optimizer(request.sgd)
+        correction = (
+            {k: request.correction[k].to(torch.float32) for k in self.meta.params} if request.correction else None
+        )
         total, samples = 0.0, 0
         for idx in order:
-            total += self.step(optimizer, self.step_inputs(idx, x, y, aux, aux_mask, class_weights))
+            total += self.step(optimizer, self.step_inputs(request, idx), correction)
             samples += len(idx)
         return TrainStats(steps=len(order), samples=samples, mean_loss=total / len(order) if order else 0.0)
 
@@ -270,8 +272,8 @@ def describe(meta: ProgramMeta) -> str:
     what = {"onnx": "ONNX model", "pte": "ExecuTorch inference program", "pte-train": "ExecuTorch training program"}
     m = meta.model
     text = f"{what.get(meta.format, meta.format)} of {m.name} {list(m.input_shape)} -> {m.num_classes} classes"
-    if meta.objective is not None:
-        text += f", loss {meta.objective.tag}"
+    if meta.loss is not None:
+        text += f", loss {meta.loss.tag}"
     if meta.max_batch:
         text += f", batch <= {meta.max_batch}"
     return text

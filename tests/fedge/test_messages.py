@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fedge.errors import CodecError
-from fedge.messages import TASK, UPDATE, Message, decode, encode, format_float
+from fedge.messages import TASK, UPDATE, Message, decode, encode
 
 
 def _msg(**tensors: torch.Tensor) -> Message:
@@ -14,7 +14,8 @@ def _msg(**tensors: torch.Tensor) -> Message:
         3,
         run="r1",
         client="c001",
-        params={"num_examples": "12", "lr": format_float(0.1 * 0.99)},
+        params={"num_examples": "12", "lr": repr(0.1 * 0.99)},
+        transport={"session": "abc"},
         tensors=tensors,
     )
 
@@ -25,8 +26,8 @@ def test_round_trip_keeps_tensors_metadata_and_params():
     back = decode(encode(_msg(w=w, n=n)))
     assert (back.kind, back.round, back.run, back.client) == (UPDATE, 3, "r1", "c001")
     assert torch.equal(back.tensors["w"], w) and torch.equal(back.tensors["n"], n)
-    assert back.int_param("num_examples") == 12
-    assert back.float_param("lr") == 0.1 * 0.99  # repr round-trips floats exactly
+    assert back.params == {"num_examples": "12", "lr": repr(0.1 * 0.99)}
+    assert back.transport == {"session": "abc"}  # kept apart from the algorithm's fields
 
 
 def test_tensor_bytes_is_numel_times_itemsize():
@@ -84,8 +85,8 @@ def test_missing_param_and_tensor_name_what_is_missing():
         m.tensor("v")
 
 
-def test_params_must_be_strings_and_floats_finite():
+def test_params_must_be_strings():
     with pytest.raises(CodecError):
         Message(TASK, 1, params={"lr": 0.1})  # type: ignore[dict-item]
     with pytest.raises(CodecError):
-        format_float(math.nan)
+        Message(TASK, 1, transport={"session": math.nan})  # type: ignore[dict-item]

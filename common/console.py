@@ -1,0 +1,31 @@
+"""Console lines every role prints for a round: the same words in ``fedge sim`` and ``fedge coordinator``."""
+
+from __future__ import annotations
+
+from fedge.cost import format_bytes
+from fedge.records import RoundRecord
+
+
+def round_line(r: RoundRecord) -> str:
+    """One round on the console: accuracy, forgetting, entropy, bytes, and what went wrong."""
+    line = f"round {r.round:3d}"
+    if r.accuracy is not None:
+        line += f"  acc {100 * r.accuracy:6.2f}%"
+        if r.forgetting is not None:
+            line += f"  F {r.forgetting:.3f}"
+    if "global_logit_entropy" in r.metrics:
+        line += f"  H {r.metrics['global_logit_entropy']:.3f}"
+    b = r.bytes
+    line += (
+        f"  up {format_bytes(b.tensor_up)}  down {format_bytes(b.tensor_down['multicast'])}"
+        f"  cum {format_bytes(b.cum_tensor['multicast'])}"
+    )
+    if b.wire:
+        line += f"  wire {format_bytes(b.wire)}"
+    if not r.aggregated:
+        line += f"  SKIPPED: {len(r.replied)} of {len(r.sampled)} replied, quorum {r.quorum}"
+    if r.drops:
+        line += "  dropped " + ", ".join(f"{d.client} ({d.reason})" for d in r.drops)
+    if r.rejections:
+        line += f"  rejected {len(r.rejections)}"
+    return line

@@ -1,0 +1,93 @@
+"""Who is there: the clients that said hello on their status topics, whether they are online, and whether this run
+admits them (model, data shape, classes, open set, algorithms they can run)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fedge.errors import CodecError
+from fedge.protocol import ClientStatus, decode_status
+from fedge.types import ClientId
+from fedge.wire import printable
+
+log = logging.getLogger(__name__)
+
+Admit = Callable[[ClientStatus], "str | None"]
+"""Why a client that said hello cannot take part (wrong model, no open set, ...), or None to admit it."""
+
+
+@dataclass
+class StatusChange:
+    """What one status message changed."""
+
+    client: ClientId
+    status: ClientStatus
+    came_online: bool = False  # it was not online before
+    went_offline: bool = False
+    refused: str | None = None  # online but not admitted, and why
+
+
+@dataclass
+class Presence:
+    """The latest status of every client that ever said hello, and which of them this run refuses."""
+
+    admit: Admit | None = None
+    clients: dict[ClientId, ClientStatus] = field(default_factory=dict)
+    refused: dict[ClientId, str] = field(default_factory=dict)
+
+    def online(self) -> list[ClientId]:
+        """Clients whose latest status is their hello."""
+        return sorted(c for c, s in self.clients.items() if s.online)
+
+    def available(self) -> list[ClientId]:
+        """Online clients that were admitted."""
+        return [c for c in self.online() if c not in self.refused]
+
+    def is_online(self, client: ClientId) -> bool:
+        status = self.clients.get(client)
+        return status is not None and status.online
+
+    def knows(self, client: ClientId) -> bool:
+        return client in self.clients
+
+    def update(self, client: ClientId, payload: bytes) -> StatusChange | None:
+        """Apply a message from ``client``'s status topic; None when it is not a valid status of that client."""
+        if not payload:  # an empty retained message: the client left cleanly
+            status = ClientStatus(client=client, state="offline", reason="left")
+        else:
+            try:
+                status = decode_status(payload)
+            except CodecError as exc:
+                log.warning("ignoring a bad status message of %s: %s", printable(client, 40), exc)
+                return None
+            if status.client != client:
+                log.warning("ignoring a status for %r on %s's topic", printable(status.client, 40), client)
+                return None
+        was_online = self.is_online(client)
+        self.clients[client] = status
+        change = StatusChange(client, status)
+        if not status.online:
+            change.went_offline = was_online
+            if was_online:
+                log.warning("client %s offline (%s)", client, printable(status.reason) or "no reason")
+            return change
+        why = self.admit(status) if self.admit is not None else None
+        if why:
+            if self.refused.get(client) != why:
+                log.warning("client %s cannot take part: %s", client, why)
+            self.refused[client] = why
+            change.refused = why
+            return change
+        self.refused.pop(client, None)
+        change.came_online = not was_online
+        if change.came_online:
+            log.info(
+                "client %s online (%s on %s, %d samples)",
+                client,
+                printable(status.runtime, 40),
+                printable(status.device, 40),
+                status.dataset_size,
+            )
+        return change

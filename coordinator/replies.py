@@ -1,0 +1,114 @@
+"""The one policy that judges what a client sends in a round, for every transport.
+
+:func:`judge_reply` takes the raw bytes a client sent and decides: accept the update, or reject it with a category and
+a reason. Everything a peer controls is checked here or in the strategy's :meth:`~fedge.algorithms.base.Strategy.
+check_reply` (which it calls), and every exception that decoding or checking hostile bytes can raise is caught here
+and becomes a rejection, so no message can crash the coordinator. Reasons quote a peer's text only after
+:func:`fedge.wire.printable` made it short and free of control characters.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from coordinator.transport import ReplyCheck
+from fedge.errors import FedgeError
+from fedge.messages import Message, decode
+from fedge.protocol import ERROR
+from fedge.records import Rejection
+from fedge.types import ClientId
+from fedge.wire import printable
+
+log = logging.getLogger(__name__)
+
+CATEGORIES = (
+    "unparseable",  # not a fedge message
+    "unknown client",  # never said hello / not part of this run
+    "wrong sender",  # published on one client's topic, names another
+    "late",  # for an earlier round
+    "wrong round",  # for a later round
+    "not sampled",  # no task this round
+    "duplicate",  # already answered this round
+    "client failed",  # the client reported that it could not do its task
+    "invalid",  # the strategy's rules: kind, run, tensors, shapes, dtypes, non-finite values, bounded numbers
+)
+
+
+@dataclass
+class RoundContext:
+    """What judging a reply of round ``rnd`` needs to know."""
+
+    rnd: int
+    sampled: frozenset[ClientId]
+    check: ReplyCheck
+    known: Callable[[ClientId], bool] = lambda client: True
+    replied: set[ClientId] = field(default_factory=set)
+    failed: dict[ClientId, str] = field(default_factory=dict)  # client -> the error it reported
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """The decoded message (if it decoded) and, for a refused one, why."""
+
+    message: Message | None
+    rejection: Rejection | None
+
+    @property
+    def accepted(self) -> bool:
+        return self.rejection is None
+
+
+def judge_reply(payload: bytes, sender: ClientId, ctx: RoundContext) -> Judgement:
+    """Accept or reject ``payload``, received from ``sender`` (the topic's client, or the in-process caller).
+
+    On acceptance the sender is added to ``ctx.replied``; a reported failure is added to ``ctx.failed``.
+    """
+    try:
+        msg = decode(payload, check_finite=False)  # non-finite values are judged with the tensors' rules
+    except Exception as exc:  # any defect of hostile bytes, whatever the library raised
+        return Judgement(None, _reject(ctx, sender, "unparseable", exc))
+    try:
+        verdict = _judge(msg, sender, ctx)
+    except Exception as exc:  # the strategy's rules met something they did not expect: still a rejection
+        if not isinstance(exc, FedgeError | ValueError | KeyError | TypeError):
+            log.error("round %d: unexpected %s while checking a reply of %s", ctx.rnd, type(exc).__name__, sender)
+        verdict = (
+            "invalid",
+            printable(f"{type(exc).__name__}: {exc}" if not isinstance(exc, FedgeError) else str(exc)),
+        )
+    if verdict is None:
+        ctx.replied.add(sender)
+        return Judgement(msg, None)
+    return Judgement(msg, _reject(ctx, sender, *verdict))
+
+
+def _judge(msg: Message, sender: ClientId, ctx: RoundContext) -> tuple[str, str] | None:
+    rnd = ctx.rnd
+    if not ctx.known(sender):
+        return "unknown client", f"{printable(sender, 40)!r} is not a client of this run"
+    if msg.client != sender:
+        return "wrong sender", f"sent by {sender!r} but names client {printable(msg.client, 40)!r}"
+    if msg.round < rnd:
+        return "late", f"a reply for round {msg.round} arrived in round {rnd}"
+    if msg.round > rnd:
+        return "wrong round", f"round {msg.round}, the current round is {rnd}"
+    if sender not in ctx.sampled:
+        return "not sampled", f"{sender!r} has no task in round {rnd}"
+    if sender in ctx.replied:
+        return "duplicate", f"{sender!r} already replied in round {rnd}"
+    if sender in ctx.failed:
+        return "duplicate", f"{sender!r} already reported a failure in round {rnd}"
+    if msg.kind == ERROR:
+        error = printable(msg.params.get("error", "?"))
+        ctx.failed[sender] = f"client failed: {error}"
+        return "client failed", error
+    ctx.check(sender, msg)  # kind, run, tensors, shapes, dtypes, finiteness, bounded numbers: the strategy's rules
+    return None
+
+
+def _reject(ctx: RoundContext, sender: ClientId, category: str, detail: object) -> Rejection:
+    text = printable(str(detail))
+    log.warning("round %d: rejected a message from %s: %s: %s", ctx.rnd, printable(sender, 40), category, text)
+    return Rejection(printable(sender, 64), category, text)

@@ -1,0 +1,75 @@
+"""FedLSD (local self-distillation; the constant-weight case of FedCAD, He et al., AAAI 2022, eq. 1-2).
+
+Local objective per sample: ``(1 - a_y) * CE + a_y * L_d`` with ``L_d`` the soft cross-entropy to the received
+global model at temperature ``tau`` (eq. 2) and the same weight ``a_y = w`` for every class. FedCAD
+(:mod:`fedge.algorithms.fedcad`) reuses this flow and replaces the weights by its class-wise ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from fedge.algorithms.base import Algorithm, AlgorithmSettings, ClientData, weights_traffic
+from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
+from fedge.errors import ConfigError
+from fedge.losses import class_weighted_distillation_loss
+from fedge.objectives import Objective, ObjectiveInput, register_objective
+from fedge.wire import bounded
+
+
+@dataclass(frozen=True)
+class FedLSDSettings(FedAvgSettings):
+    lsd_weight: float = field(default=0.5, metadata=bounded(0.0, 1.0, help="distillation weight a_y of every class"))
+    kd_tau: float = field(default=1.0, metadata=bounded(1e-3, 1e3, help="distillation temperature, FedCAD eq. 2"))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.lsd_weight <= 1:
+            raise ConfigError(f"lsd_weight must be in [0, 1], got {self.lsd_weight}")
+        if not self.kd_tau > 0:
+            raise ConfigError(f"kd_tau must be > 0, got {self.kd_tau}")
+
+
+@register_objective
+@dataclass(frozen=True)
+class ClassWeightedDistillation(Objective):
+    """FedCAD eq. 1-2: per-sample ``(1 - a_y) CE + a_y * soft-CE(teacher)``; the weights a_y are an input (C,)."""
+
+    kind = "lsd"
+    inputs = (
+        ObjectiveInput("teacher", per_sample=True, shape=("C",)),
+        ObjectiveInput("class_weights", per_sample=False, shape=("C",)),
+    )
+    tau: float = 1.0
+
+    def loss(self, logits: torch.Tensor, y: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return class_weighted_distillation_loss(logits, inputs["teacher"], y, inputs["class_weights"], tau=self.tau)
+
+
+class FedLSDClient(FedAvgClient):
+    settings_type: ClassVar[type[AlgorithmSettings]] = FedLSDSettings
+
+    def objective(self, r: LocalRound) -> tuple[Objective, dict[str, torch.Tensor]]:
+        teacher = r.backend.logits(r.data.x)  # (N, C): the received global model, frozen for the whole round
+        weights = self.class_weights(r.settings, teacher, r.data)  # (C,)
+        return ClassWeightedDistillation(tau=r.settings.kd_tau), {"teacher": teacher, "class_weights": weights}
+
+    def class_weights(self, settings: Any, teacher: torch.Tensor, data: ClientData) -> torch.Tensor:
+        """a_y for every class: FedLSD's constant weight."""
+        return torch.full((data.num_classes,), float(settings.lsd_weight))
+
+
+ALGORITHM = Algorithm(
+    name="fedlsd",
+    label="FedLSD",
+    paper="He et al., AAAI 2022 (FedCAD eq. 1-2 with a constant weight)",
+    settings=FedLSDSettings,
+    server=FedAvg,
+    client=FedLSDClient(),
+    traffic=weights_traffic,
+    describe=lambda s: f"weight={s.lsd_weight:g}",
+)

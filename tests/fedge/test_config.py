@@ -1,0 +1,65 @@
+import json
+
+import pytest
+
+from fedge.algorithms.dsfl import DSFLSettings
+from fedge.algorithms.fedcad import FedCADSettings
+from fedge.algorithms.fedntd import FedNTDSettings
+from fedge.config import RunConfig, TrainConfig
+from fedge.errors import ConfigError
+
+
+def test_defaults_follow_the_papers():
+    t = TrainConfig()
+    assert (t.lr, t.momentum, t.weight_decay, t.lr_decay) == (0.01, 0.9, 1e-5, 0.99)
+    ntd, cad, dsfl = FedNTDSettings(), FedCADSettings(), DSFLSettings()
+    assert (ntd.ntd_beta, ntd.ntd_tau) == (1.0, 1.0)  # FedNTD B.4
+    assert (cad.cad_beta, cad.cad_gamma) == (0.25, 0.5)  # FedCAD
+    assert (dsfl.era_temperature, dsfl.open_per_round) == (0.1, 1000)  # DS-FL 4.1
+    assert RunConfig().algo == FedNTDSettings()  # the default algorithm's own defaults
+
+
+def test_lr_decays_per_round():
+    assert TrainConfig(lr=0.1, lr_decay=0.5).lr_at(3) == pytest.approx(0.025)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: RunConfig(algorithm="fedfoo"),
+        lambda: RunConfig(num_clients=0),
+        lambda: RunConfig(client_fraction=0),
+        lambda: TrainConfig(lr=-1),
+        lambda: FedCADSettings(cad_beta=0.6, cad_gamma=0.5),
+        lambda: DSFLSettings(aggregation="mean"),
+        lambda: RunConfig(algorithm="fedavg", algo=FedNTDSettings()),  # settings of another algorithm
+    ],
+)
+def test_invalid_settings_raise_config_error(make):
+    with pytest.raises(ConfigError):
+        make()
+
+
+def test_json_round_trip_and_unknown_keys(tmp_path):
+    cfg = RunConfig(algorithm="dsfl", rounds=7, train=TrainConfig(batch_size=10), algo=DSFLSettings(aggregation="sa"))
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json())
+    assert RunConfig.from_json_file(path) == cfg
+    with pytest.raises(ConfigError, match="unknown train setting"):
+        RunConfig.from_dict({"train": {"learning_rate": 1}})
+    with pytest.raises(ConfigError, match="unknown algo"):
+        RunConfig.from_dict({"algorithm": "fedavg", "algo": {"ntd_betta": 1}})
+    with pytest.raises(ConfigError, match="does not exist"):
+        RunConfig.from_json_file(tmp_path / "missing.json")
+
+
+def test_a_config_written_before_per_algorithm_settings_still_loads(tmp_path):
+    old = {"algorithm": "fedntd", "algo": {"ntd_beta": 2.0, "cad_beta": 0.25, "open_size": 600, "aggregation": "era"}}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    cfg = RunConfig.from_json_file(tmp_path / "config.json")
+    assert cfg.algo == FedNTDSettings(ntd_beta=2.0) and cfg.open_size == 600
+
+
+def test_clients_per_round():
+    assert RunConfig(num_clients=100, client_fraction=0.1).clients_per_round == 10
+    assert RunConfig(num_clients=3, client_fraction=0.1).clients_per_round == 1

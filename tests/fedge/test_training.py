@@ -1,0 +1,86 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedge.models import build_model
+from fedge.algorithms.fd import FDDistillation
+from fedge.algorithms.fedavg import CrossEntropy
+from fedge.errors import ConfigError
+from fedge.training import SGDSettings, TrainRequest, batch_order, predict_logits, proximal_term, train
+
+
+def test_batch_order_is_deterministic_and_covers_every_sample_each_epoch():
+    a = batch_order(10, 2, 4, seed=5)
+    assert [len(b) for b in a] == [4, 4, 2, 4, 4, 2]
+    assert all(torch.equal(x, y) for x, y in zip(a, batch_order(10, 2, 4, seed=5), strict=True))
+    assert sorted(torch.cat(a[:3]).tolist()) == list(range(10))
+    assert not all(torch.equal(x, y) for x, y in zip(a, batch_order(10, 2, 4, seed=6), strict=True))
+
+
+def test_batch_order_drops_a_trailing_single_sample():
+    assert [len(b) for b in batch_order(9, 1, 4, seed=0)] == [4, 4]
+
+
+def test_training_lowers_the_loss_and_is_reproducible():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1, 8, 8, generator=g)
+    y = (x.mean(dim=(1, 2, 3)) > 0).long()
+    results = []
+    for _ in range(2):
+        model = build_model("fedavg_cnn", input_shape=(1, 8, 8), num_classes=2, seed=1)
+        before = F.cross_entropy(predict_logits(model, x), y)
+        train(model, TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.05, momentum=0.9), 5, 16, seed=3))
+        after = F.cross_entropy(predict_logits(model, x), y)
+        assert after < before
+        results.append(predict_logits(model, x))
+    assert torch.equal(results[0], results[1])
+
+
+def test_fd_objective_ignores_masked_rows():
+    logits = torch.randn(4, 3)
+    y = torch.tensor([0, 1, 2, 0])
+    aux = torch.softmax(torch.randn(4, 3), dim=1)
+    none = torch.zeros(4, dtype=torch.bool)
+    loss = FDDistillation(gamma=2.0).loss(logits, y, {"targets": aux, "mask": none})
+    assert torch.allclose(loss, F.cross_entropy(logits, y))
+
+
+def _linear() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 2)
+
+
+def test_proximal_term_adds_mu_times_the_distance_to_the_anchor_to_the_gradient():
+    # One plain SGD step on CE + mu/2 ||w - a||^2 equals a CE step plus lr * mu * (w - a), by hand.
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    plain, prox = _linear(), _linear()
+    anchor = {k: torch.zeros_like(v) for k, v in prox.named_parameters()}
+    w0 = {k: v.detach().clone() for k, v in prox.named_parameters()}
+    sgd = SGDSettings(lr=0.1)
+    train(plain, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0))
+    train(prox, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0, prox_mu=0.5, anchor=anchor))
+    for k, p in prox.named_parameters():
+        expected = dict(plain.named_parameters())[k] - 0.1 * 0.5 * (w0[k] - anchor[k])
+        assert torch.allclose(p, expected, atol=1e-7)
+    assert proximal_term(prox, {k: v.detach() for k, v in prox.named_parameters()}, 0.5) == 0
+
+
+def test_correction_is_added_to_every_gradient():
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    plain, corrected = _linear(), _linear()
+    correction = {k: torch.full_like(v, 0.25) for k, v in corrected.named_parameters()}
+    train(plain, TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0))
+    train(corrected, TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0, correction=correction))
+    for k, p in corrected.named_parameters():
+        assert torch.allclose(p, dict(plain.named_parameters())[k] - 0.1 * 0.25, atol=1e-7)
+
+
+def test_a_request_checks_its_inputs():
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    with pytest.raises(ConfigError, match="takes inputs"):
+        TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0, inputs={"teacher": torch.zeros(4, 2)})
+    with pytest.raises(ConfigError, match="anchor"):
+        TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0, prox_mu=0.1)
+    with pytest.raises(ConfigError, match="rows"):
+        TrainRequest(x, y, FDDistillation(), SGDSettings(lr=0.1), 1, 4, 0,
+                     inputs={"targets": torch.zeros(3, 2), "mask": torch.ones(4, dtype=torch.bool)})  # fmt: skip
