@@ -5,6 +5,7 @@ import pytest
 from fedge.algorithms.dsfl import DSFLSettings
 from fedge.algorithms.fedcad import FedCADSettings
 from fedge.algorithms.fedntd import FedNTDSettings
+from fedge.algorithms.fedprox import FedProxSettings
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError
 
@@ -12,10 +13,11 @@ from fedge.errors import ConfigError
 def test_defaults_follow_the_papers():
     t = TrainConfig()
     assert (t.lr, t.momentum, t.weight_decay, t.lr_decay) == (0.01, 0.9, 1e-5, 0.99)
-    ntd, cad, dsfl = FedNTDSettings(), FedCADSettings(), DSFLSettings()
+    ntd, cad, dsfl, prox = FedNTDSettings(), FedCADSettings(), DSFLSettings(), FedProxSettings()
     assert (ntd.ntd_beta, ntd.ntd_tau) == (1.0, 1.0)  # FedNTD B.4
     assert (cad.cad_beta, cad.cad_gamma) == (0.25, 0.5)  # FedCAD
     assert (dsfl.era_temperature, dsfl.open_per_round) == (0.1, 1000)  # DS-FL 4.1
+    assert prox.prox_mu == 0.1  # FedNTD Table 5
     assert RunConfig().algo == FedNTDSettings()  # the default algorithm's own defaults
 
 
