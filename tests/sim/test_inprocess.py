@@ -60,7 +60,7 @@ def test_dsfl_era_lowers_the_global_logit_entropy_below_sa(tmp_path: Path):
 
 
 def test_bytes_per_round_match_the_cost_model(tmp_path: Path):
-    algorithms = ("fedavg", "fd", "dsfl")
+    algorithms = ("fedavg", "scaffold", "fd", "dsfl")
     rounds = {a: run_inprocess(_config(a, rounds=1), tmp_path / a).rounds[0].bytes for a in algorithms}
     c = 10  # classes
     # FD: K uploads of C x C float32; broadcast (from round 2) adds C x C + C int32 counts.
@@ -69,6 +69,8 @@ def test_bytes_per_round_match_the_cost_model(tmp_path: Path):
     assert rounds["dsfl"].tensor_up == 6 * 200 * c * 4
     up, down = rounds["fedavg"].tensor_up, rounds["fedavg"].tensor_down["multicast"]
     assert up == 6 * down and rounds["fedavg"].tensor_down["unicast"] == 6 * down
+    # SCAFFOLD: the model plus a control variate per trainable parameter, both ways (tiny_mlp has no BN buffers).
+    assert rounds["scaffold"].tensor_up == 2 * up and rounds["scaffold"].tensor_down["multicast"] == 2 * down
 
 
 def test_same_config_gives_the_same_model(tmp_path: Path):

@@ -1,0 +1,139 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020, Algorithm 1 with option II): FedAvg with control variates that correct
+each local step for the client's drift.
+
+Server state: global weights ``x`` and server control variate ``c`` (one value per trainable parameter, zeros at
+first). Each round the server broadcasts ``(x, c)``. Client i keeps its own control variate ``c_i`` (zeros at first)
+and takes K local steps ``y <- y - lr * (g_i(y) + c - c_i)`` (line 10: the correction ``c - c_i`` is added to every
+gradient, see :class:`fedge.training.TrainRequest`), then sets ``c_i+ = c_i - c + (x - y) / (K * lr)`` (line 12,
+option II) and uploads ``y`` together with ``delta_c = c_i+ - c_i``. The server moves ``x <- x + lr_g * (avg(y) - x)``
+(line 16, averaged as FedAvg does) and ``c <- c + |S|/N * mean(delta_c)`` (line 17).
+
+Local steps here are momentum SGD (FedNTD B.3). Option II's ``(x - y) / (K * lr)`` is the mean update direction for
+plain SGD; with momentum m, K steps move the weights by about ``K * lr / (1 - m)`` per unit of gradient, so the
+estimate divides by that effective step, ``(1 - m) * (x - y) / (K * lr)`` (for m = 0 it is the paper's formula).
+Without this, c_i overshoots by 1/(1 - m) (10x at m = 0.9) and the corrected steps diverge.
+
+Traffic: both directions carry the model plus one control variate, twice FedAvg's parameters. A client that restarts
+loses ``c_i`` and starts again from zeros, as a newly sampled client would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from fedge.algorithms.base import (
+    Algorithm,
+    ClientStore,
+    CostInputs,
+    RoundPlan,
+    RoundTraffic,
+    ServerContext,
+    TensorSpec,
+)
+from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
+from fedge.config import RunConfig
+from fedge.errors import ConfigError
+from fedge.messages import Message
+from fedge.training import TrainRequest, TrainStats
+from fedge.types import ClientId, StateDict
+from fedge.wire import server_only
+
+CONTROL = "control."  # broadcast: the server control variate c, per trainable parameter
+CONTROL_DELTA = "control_delta."  # update: delta_c of the client
+_OWN_CONTROL = "scaffold.c_i."  # the client's c_i in its store
+
+
+@dataclass(frozen=True)
+class ScaffoldSettings(FedAvgSettings):
+    server_lr: float = field(default=1.0, metadata=server_only("global step size lr_g, Algorithm 1 line 16"))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.server_lr > 0:
+            raise ConfigError(f"server_lr must be > 0, got {self.server_lr}")
+
+
+class Scaffold(FedAvg):
+    """Server half: FedAvg's averaging with a global step size, plus the server control variate."""
+
+    def __init__(self, config: RunConfig, context: ServerContext) -> None:
+        super().__init__(config, context)
+        self.trainable = tuple(name for name, _ in self._model.named_parameters())
+        self._control: StateDict = {k: torch.zeros_like(self._weights[k]) for k in self.trainable}
+
+    def reply_tensors(self) -> dict[str, TensorSpec]:
+        out = super().reply_tensors()
+        out.update({CONTROL_DELTA + k: (tuple(v.shape), v.dtype) for k, v in self._control.items()})
+        return out
+
+    def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
+        tensors = {**self._weights, **{CONTROL + k: v for k, v in self._control.items()}}
+        return RoundPlan(broadcast=self.broadcast(rnd, tensors), tasks={c: self.task(rnd, c) for c in clients})
+
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
+        before = self._weights
+        metrics = super().aggregate(rnd, replies)  # self._weights = avg(y), FedAvg's weighted average
+        lr_g = self.settings.server_lr
+        if lr_g != 1.0:
+            self._weights = {k: before[k] + lr_g * (self._weights[k] - before[k]) for k in before}
+        share = len(replies) / self.config.num_clients  # |S| / N
+        for k in self.trainable:
+            mean_delta = torch.stack([replies[c].tensors[CONTROL_DELTA + k] for c in sorted(replies)]).mean(dim=0)
+            self._control[k] = self._control[k] + share * mean_delta
+        return metrics
+
+
+class ScaffoldClient(FedAvgClient):
+    settings_type = ScaffoldSettings
+
+    def received_weights(self, broadcast: Message) -> StateDict:
+        return {k: v for k, v in broadcast.tensors.items() if not k.startswith(CONTROL)}
+
+    def request(self, r: LocalRound) -> TrainRequest:
+        control, own = _server_control(r.broadcast), _own_control(r.store, r.broadcast)
+        return dataclasses.replace(super().request(r), correction={k: control[k] - own[k] for k in control})  # c - c_i
+
+    def upload(self, r: LocalRound, weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
+        control, own = _server_control(r.broadcast), _own_control(r.store, r.broadcast)
+        deltas: dict[str, torch.Tensor] = {}
+        for k, c in control.items():
+            if stats.steps == 0:
+                new = own[k]  # no step taken: nothing learned about the drift
+            else:  # line 12, option II, for momentum-SGD local steps (see the module docstring)
+                effective_lr = r.training.lr / (1.0 - r.training.momentum)
+                new = own[k] - c + (r.global_weights[k] - weights[k]) / (stats.steps * effective_lr)
+            deltas[CONTROL_DELTA + k] = (new - own[k]).contiguous()
+            r.store[_OWN_CONTROL + k] = new
+        return {**weights, **deltas}
+
+
+def _server_control(broadcast: Message) -> StateDict:
+    """c, by parameter name."""
+    return {k[len(CONTROL) :]: v for k, v in broadcast.tensors.items() if k.startswith(CONTROL)}
+
+
+def _own_control(store: ClientStore, broadcast: Message) -> StateDict:
+    """c_i, by parameter name; zeros before this client's first round."""
+    return {k: store.get(_OWN_CONTROL + k, torch.zeros_like(c)) for k, c in _server_control(broadcast).items()}
+
+
+def scaffold_traffic(inputs: CostInputs) -> RoundTraffic:
+    """Model plus one control variate (per trainable parameter) in each direction."""
+    size = (inputs.model_values + inputs.trainable_values) * 4
+    return RoundTraffic(up_per_client=size, down_broadcast=size)
+
+
+ALGORITHM = Algorithm(
+    name="scaffold",
+    label="SCAFFOLD",
+    paper="Karimireddy et al., ICML 2020, Algorithm 1 (option II)",
+    settings=ScaffoldSettings,
+    server=Scaffold,
+    client=ScaffoldClient(),
+    traffic=scaffold_traffic,
+    describe=lambda s: f"lr_g={s.server_lr:g}",
+)
