@@ -152,6 +152,12 @@ def _batch_upper_bound(ep: ExportedProgram) -> int:
     return int(eval_upper_bound(x.meta["val"].shape[0]))
 
 
+def _step_shapes(shapes: tuple[object, ...], n_stats: int) -> dict[str, object]:
+    """dynamic_shapes of ``TrainingStep.forward(x, y, *args)``: torch.export wants no ``args`` key when it is empty."""
+    rest = (*shapes[2:], *(None for _ in range(n_stats)))
+    return {"x": shapes[0], "y": shapes[1], **({"args": rest} if rest else {})}
+
+
 def _decompose_for_training(ep: ExportedProgram, *, max_pool_workaround: bool) -> ExportedProgram:
     table = torch._decomp.decomposition_table
     ops = [torch.ops.aten._native_batch_norm_legit_functional.default]
@@ -194,7 +200,7 @@ def export_training(
         ep = torch.export.export(
             step,
             (*args, *stat_values),
-            dynamic_shapes={"x": shapes[0], "y": shapes[1], "args": (*shapes[2:], *(None for _ in stats))},
+            dynamic_shapes=_step_shapes(shapes, len(stats)),
         )
         ep = _export_forward_backward(ep)
         ep = _decompose_for_training(ep, max_pool_workaround=max_pool_workaround)

@@ -9,24 +9,19 @@ nothing is lost at run time (logits still match eager to ~1e-7).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import nn
 
+from edge_client.backends.onnx_file import ONNX_META_KEY
 from fedge.errors import ExportError
 from fedge.programs import ModelSpec, ProgramMeta, describe_weights
-from fedge.types import StateDict
 
 if TYPE_CHECKING:
-    import onnx
+    pass
 
 log = logging.getLogger(__name__)
-
-META_KEY = "fedge"
-"""Key of the ``metadata_props`` entry that holds the JSON :class:`ProgramMeta`."""
 
 INPUT_NAME = "x"
 OUTPUT_NAME = "logits"
@@ -64,54 +59,6 @@ def export_onnx(model: nn.Module, spec: ModelSpec, *, opset: int | None = None) 
         raise ExportError(f"ONNX export of {spec.name} lost the state-dict names of initializers {missing}")
     meta = ProgramMeta("onnx", spec, weights=names, shapes=shapes)
     entry = proto.metadata_props.add()
-    entry.key, entry.value = META_KEY, meta.to_json()
+    entry.key, entry.value = ONNX_META_KEY, meta.to_json()
     onnx.checker.check_model(proto)
     return bytes(proto.SerializeToString())
-
-
-def read_meta(data: bytes, *, source: str = "ONNX model") -> ProgramMeta:
-    """The fedge description embedded in an ONNX model."""
-    proto = _parse(data, source)
-    for entry in proto.metadata_props:
-        if entry.key == META_KEY:
-            return ProgramMeta.from_json(entry.value, source=source)
-    raise ExportError(f"{source} carries no fedge description; export it with `fedge export --format onnx`")
-
-
-def read_weights(data: bytes, *, source: str = "ONNX model") -> StateDict:
-    """The exchanged weights held by an ONNX model's initializers, in state-dict order."""
-    from onnx import numpy_helper
-
-    meta = read_meta(data, source=source)
-    inits = {i.name: i for i in _parse(data, source).graph.initializer}
-    return {k: torch.from_numpy(numpy_helper.to_array(inits[k]).copy()) for k in meta.weights}
-
-
-def replace_weights(data: bytes, state: Mapping[str, torch.Tensor], *, source: str = "ONNX model") -> bytes:
-    """``data`` with the initializers of the exchanged weights replaced by ``state`` (same names, shapes, dtypes)."""
-    from onnx import numpy_helper
-
-    meta = read_meta(data, source=source)
-    missing = [k for k in meta.weights if k not in state]
-    unexpected = [k for k in state if k not in set(meta.weights)]
-    if missing or unexpected:
-        raise ExportError(f"weights do not fit {source}: missing {missing}, unexpected {unexpected}")
-    proto = _parse(data, source)
-    for init in proto.graph.initializer:
-        if init.name in state:
-            old = numpy_helper.to_array(init)
-            new = state[init.name].detach().cpu().numpy()
-            if new.shape != old.shape:
-                raise ExportError(f"{init.name}: {source} has shape {old.shape}, the weights {new.shape}")
-            init.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(new, dtype=old.dtype), init.name))
-    return bytes(proto.SerializeToString())
-
-
-def _parse(data: bytes, source: str) -> onnx.ModelProto:
-    import onnx
-    from google.protobuf.message import DecodeError
-
-    try:
-        return onnx.load_from_string(data)
-    except DecodeError as exc:
-        raise ExportError(f"{source} is not an ONNX model: {exc}") from exc

@@ -282,7 +282,7 @@ def sniff(path: Path) -> ProgramMeta:
     """The description embedded in an export file, by its extension (``.onnx`` or ``.pte``)."""
     data = path.read_bytes()
     if path.suffix == ".onnx":
-        from export.onnx import read_meta
+        from edge_client.backends.onnx_file import read_meta
 
         return read_meta(data, source=str(path))
     if path.suffix == ".pte":

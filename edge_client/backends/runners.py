@@ -61,7 +61,7 @@ class OnnxRunner:
     def __init__(self, data: bytes, *, source: str = "ONNX model", threads: int = 0) -> None:
         import onnxruntime as ort
 
-        from export.onnx import read_meta, read_weights
+        from edge_client.backends.onnx_file import read_meta, read_weights
 
         self.source = source
         self.meta = read_meta(data, source=source)
@@ -81,7 +81,7 @@ class OnnxRunner:
 
     def set_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """Rebuild the session with the initializers replaced by ``state`` (ONNX Runtime has no in-place update)."""
-        from export.onnx import replace_weights
+        from edge_client.backends.onnx_file import replace_weights
 
         _check_state(self.meta, state, self.source)
         self._session = self._open(replace_weights(self._base, state, source=self.source))

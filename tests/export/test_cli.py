@@ -9,7 +9,7 @@ import pytest
 from export_support import pte_export
 
 from cli.main import main
-from export.onnx import replace_weights
+from edge_client.backends.onnx_file import replace_weights
 
 
 def test_export_writes_checked_files_and_check_accepts_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -18,7 +18,8 @@ def test_export_writes_checked_files_and_check_accepts_them(tmp_path: Path, caps
     assert main([*args, "--format", "onnx", "pte", "pte-train", "--objective", "ce", "--max-batch", "16"]) == 0
     printed = capsys.readouterr().out
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["tiny_mlp-train-ce.pte", "tiny_mlp.onnx", "tiny_mlp.pte", "weights.safetensors"]
+    # The training program gets the one name clients look programs up by (fedge.programs.program_file_name).
+    assert files == ["tiny_mlp-1x8x8-c10-ce-b16-v2.pte", "tiny_mlp.onnx", "tiny_mlp.pte", "weights.safetensors"]
     assert "training parity on executorch ok" in printed and "logits parity on onnxruntime ok" in printed
     assert f"{out / 'tiny_mlp.onnx'}" in printed and "bytes)" in printed  # sizes
 

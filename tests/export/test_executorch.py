@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-from export_support import SPECS, model_with, program_cache, pte_export, training_program, weights
+from export_support import SPECS, loss_of, model_with, program_cache, pte_export, training_program, weights
 
 from edge_client.backends.executorch import ExecuTorchBackend
+from edge_client.backends.runners import PteTrainer
+from export.cache import ExportingSource
 from export.parity import WEIGHT_TOLERANCE, check_pte, check_training, require
-from export.program import TrainingObjective
-from export.runners import PteTrainer
+from fedge.algorithms.fd import FDDistillation
+from fedge.algorithms.fedavg import CrossEntropy
+from fedge.algorithms.fedlsd import ClassWeightedDistillation
+from fedge.algorithms.fedntd import NotTrueDistillation
 from fedge.backend import TorchBackend
 from fedge.errors import ConfigError, ExportError
-from fedge.training import Objective, SGDSettings
+from fedge.objectives import Objective
+from fedge.programs import TrainingLoss, program_file_name
+from fedge.training import SGDSettings, TrainRequest
+
+
+def _backend(name: str = "tiny_mlp") -> ExecuTorchBackend:
+    spec = SPECS[name]
+    return ExecuTorchBackend(spec.name, spec.input_shape, spec.num_classes, programs=ExportingSource(program_cache()))
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
@@ -34,7 +45,8 @@ def test_a_training_program_follows_eager_through_bn_and_max_pooling_with_moment
     assert list(trainer.get_weights()) == list(start)
     spec = SPECS["dsfl_mnist_cnn"]
     x, y, teacher = spec.example(12, seed=5), torch.arange(12) % 10, torch.randn(12, 10)
-    trainer.train(x, y, SGDSettings(0.01), epochs=1, batch_size=6, seed=0, aux=teacher)
+    objective = trainer.loss.objective
+    trainer.train(TrainRequest(x, y, objective, SGDSettings(0.01), 1, 6, 0, inputs={"teacher": teacher}))
     after = trainer.get_weights()
     for k in ("features.1.running_mean", "features.1.running_var", "classifier.1.running_var"):
         assert not torch.allclose(after[k], start[k]), k
@@ -51,36 +63,55 @@ def test_without_the_max_pool_workaround_the_parity_check_refuses_the_program() 
     # With the decomposition, max pooling trains as in eager: see the dsfl_mnist_cnn test above.
 
 
-@pytest.mark.parametrize("kind", ["ce", "ntd", "kd", "cad", "soft", "fd"])
-def test_every_loss_runs_on_device_as_in_eager(kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "prox_mu"), [("ce", 0.0), ("ntd", 0.0), ("lsd", 0.0), ("soft", 0.0), ("fd", 0.0), ("ce", 0.3)]
+)
+def test_every_registered_loss_runs_on_device_as_in_eager(kind: str, prox_mu: float) -> None:
     """The backend's path: export into the cache, parity-gate, load (programs reused by the fleet tests)."""
     spec = SPECS["tiny_mlp"]
-    backend = ExecuTorchBackend(spec.name, spec.input_shape, spec.num_classes, cache_dir=program_cache())
-    objective = TrainingObjective(kind)
-    data = backend._program(objective, 64)  # raises ExportError if the parity check fails
-    _, training = require(check_training(data, source=kind))
+    loss = loss_of(kind, prox_mu)
+    data = ExportingSource(program_cache()).program(spec, loss, 64)  # raises ExportError if the check fails
+    _, training = require(check_training(data, source=loss.tag))
     assert training.max_abs_diff < WEIGHT_TOLERANCE
-    assert backend.program_path(objective, 64).is_file()
+    assert (program_cache() / program_file_name(spec, loss, 64)).is_file()  # the name `fedge export` writes too
 
 
-@pytest.mark.parametrize("kind", ["ntd", "lsd", "fd"])
-def test_the_executorch_backend_trains_like_the_torch_backend(kind: str) -> None:
-    """Same task, same weights out: the batch order, objective inputs and optimizer semantics all line up."""
+def _request(kind: str, pt: TorchBackend, x: torch.Tensor, y: torch.Tensor, **hooks: object) -> TrainRequest:
+    gen = torch.Generator().manual_seed(5)
+    objective: Objective = CrossEntropy()
+    inputs: dict[str, torch.Tensor] = {}
+    if kind == "ntd":
+        objective, inputs = NotTrueDistillation(tau=2.0), {"teacher": pt.logits(x)}
+    elif kind == "lsd":
+        objective, inputs = (
+            ClassWeightedDistillation(),
+            {"teacher": pt.logits(x), "class_weights": torch.full((10,), 0.3)},
+        )
+    elif kind == "fd":
+        targets = torch.softmax(torch.randn(len(x), 10, generator=gen), dim=1)
+        objective, inputs = FDDistillation(gamma=0.7), {"targets": targets, "mask": torch.arange(len(x)) % 4 != 0}
+    sgd = SGDSettings(lr=0.05, momentum=0.9, weight_decay=1e-4)
+    return TrainRequest(x, y, objective, sgd, 2, 8, 11, inputs=inputs, **hooks)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("case", ["ntd", "lsd", "fd", "fedprox", "scaffold"])
+def test_the_executorch_backend_trains_like_the_torch_backend(case: str) -> None:
+    """Same request, same weights out: batch order, objective inputs, optimizer, FedProx's proximal term in the
+    program and SCAFFOLD's gradient correction on the host all line up."""
     spec = SPECS["tiny_mlp"]
-    et = ExecuTorchBackend(spec.name, spec.input_shape, spec.num_classes, cache_dir=program_cache())
-    pt = TorchBackend(spec.name, spec.input_shape, spec.num_classes)
+    et, pt = _backend(), TorchBackend(spec.name, spec.input_shape, spec.num_classes)
     start = weights("tiny_mlp")
     for b in (et, pt):
         b.set_weights(start)
     gen = torch.Generator().manual_seed(3)
     x, y = spec.example(37, seed=4), torch.randint(0, 10, (37,), generator=gen)
-    aux = pt.logits(x)
-    mask = None
-    if kind == "fd":
-        aux, mask = torch.softmax(torch.randn(37, 10, generator=gen), dim=1), torch.arange(37) % 4 != 0
-    objective = Objective(kind, class_weights=torch.full((10,), 0.3) if kind == "lsd" else None)
-    sgd = SGDSettings(lr=0.05, momentum=0.9, weight_decay=1e-4)
-    stats = [b.train(x, y, objective, sgd, epochs=2, batch_size=8, seed=11, aux=aux, aux_mask=mask) for b in (et, pt)]
+    hooks: dict[str, object] = {}
+    if case == "fedprox":
+        hooks = {"prox_mu": 0.3, "anchor": {k: v + 0.05 for k, v in start.items()}}
+    elif case == "scaffold":
+        hooks = {"correction": {k: 0.01 * torch.randn(v.shape, generator=gen) for k, v in start.items()}}
+    request = _request(case if case in ("ntd", "lsd", "fd") else "ce", pt, x, y, **hooks)
+    stats = [b.train(request) for b in (et, pt)]
     assert stats[0].steps == stats[1].steps == 10  # 37 = 8+8+8+8+5 per epoch
     assert stats[0].mean_loss == pytest.approx(stats[1].mean_loss, abs=1e-5)
     w_et, w_pt = et.get_weights(), pt.get_weights()
@@ -90,11 +121,10 @@ def test_the_executorch_backend_trains_like_the_torch_backend(kind: str) -> None
 
 def test_batches_beyond_a_programs_bound_are_refused() -> None:
     spec = SPECS["tiny_mlp"]
-    backend = ExecuTorchBackend(spec.name, spec.input_shape, spec.num_classes, cache_dir=program_cache())
-    trainer = PteTrainer(backend._program(TrainingObjective("ce"), 64))
+    trainer = PteTrainer(ExportingSource(program_cache()).program(spec, TrainingLoss(CrossEntropy()), 64))
     x = spec.example(150)
     with pytest.raises(ConfigError, match="exceeds the batch bound 64"):
-        trainer.train(x, torch.zeros(150, dtype=torch.long), SGDSettings(0.1), epochs=1, batch_size=100, seed=0)
+        trainer.train(TrainRequest(x, torch.zeros(150, dtype=torch.long), CrossEntropy(), SGDSettings(0.1), 1, 100, 0))
     model = model_with("tiny_mlp")
     from fedge.models import load_exchanged_state
 
@@ -102,3 +132,24 @@ def test_batches_beyond_a_programs_bound_are_refused() -> None:
     with torch.no_grad():
         expected = model.eval()(x)
     assert torch.allclose(trainer.logits(x), expected, atol=1e-5, rtol=0)  # inference splits into batches of 64
+
+
+def test_a_program_refuses_a_request_for_another_loss() -> None:
+    spec = SPECS["tiny_mlp"]
+    trainer = PteTrainer(ExportingSource(program_cache()).program(spec, TrainingLoss(CrossEntropy()), 64))
+    x = spec.example(4)
+    request = TrainRequest(x, torch.zeros(4, dtype=torch.long), CrossEntropy(), SGDSettings(0.1), 1, 4, 0)
+    anchor = weights("tiny_mlp")
+    with pytest.raises(ConfigError, match=r"trains ce, the task asks for ce-prox0\.1"):
+        trainer.train(TrainRequest(x, request.y, CrossEntropy(), SGDSettings(0.1), 1, 4, 0, prox_mu=0.1, anchor=anchor))
+
+
+def test_a_device_without_exporters_reads_programs_by_their_one_name(tmp_path) -> None:
+    from edge_client.backends.executorch import ProgramDirectory
+
+    spec, loss = SPECS["tiny_mlp"], TrainingLoss(CrossEntropy())
+    with pytest.raises(ConfigError, match=r"no training program .* export it with `fedge export --model tiny_mlp"):
+        ProgramDirectory(tmp_path).program(spec, loss, 64)
+    data = ExportingSource(program_cache()).program(spec, loss, 64)
+    (tmp_path / program_file_name(spec, loss, 64)).write_bytes(data)
+    assert ProgramDirectory(tmp_path).program(spec, loss, 64) == data

@@ -9,11 +9,13 @@ import torch
 from export_support import SPECS, model_with, onnx_export, weights
 
 from edge_client.backends import make_backend
-from export.onnx import read_meta, read_weights, replace_weights
+from edge_client.backends.onnx_file import read_meta, read_weights, replace_weights
+from edge_client.backends.runners import OnnxRunner
+from export.cache import onnx_model
 from export.parity import LOGIT_TOLERANCE, check_onnx, require
-from export.runners import OnnxRunner
+from fedge.algorithms.fedavg import CrossEntropy
 from fedge.errors import ConfigError, ExportError
-from fedge.training import Objective, SGDSettings
+from fedge.training import SGDSettings, TrainRequest
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
@@ -59,11 +61,10 @@ def test_a_model_that_does_not_compute_what_eager_computes_is_refused_with_the_m
 
 def test_an_onnxruntime_client_refuses_to_train_and_says_what_it_can_do(tmp_path: Path) -> None:
     spec = SPECS["tiny_mlp"]
-    backend = make_backend("onnxruntime", spec.name, spec.input_shape, spec.num_classes, cache_dir=tmp_path)
+    data = onnx_model(spec, cache_dir=tmp_path)
+    backend = make_backend("onnxruntime", spec.name, spec.input_shape, spec.num_classes, onnx_model=data)
     x = spec.example(3)
     with pytest.raises(ConfigError, match=r"cannot train.*predict-only"):
-        backend.train(
-            x, torch.zeros(3, dtype=torch.long), Objective("ce"), SGDSettings(0.1), epochs=1, batch_size=2, seed=0
-        )
+        backend.train(TrainRequest(x, torch.zeros(3, dtype=torch.long), CrossEntropy(), SGDSettings(0.1), 1, 2, 0))
     assert backend.logits(x).shape == (3, 10)
     assert list(tmp_path.glob("tiny_mlp-1x8x8-c10-*.onnx"))  # exported once, checked, cached

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fedge.backend import TorchBackend, resolve_device
 from fedge.algorithms.fedavg import CrossEntropy
+from fedge.backend import TorchBackend, resolve_device
 from fedge.training import SGDSettings, TrainRequest
 
 

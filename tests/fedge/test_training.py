@@ -2,10 +2,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedge.models import build_model
 from fedge.algorithms.fd import FDDistillation
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.errors import ConfigError
+from fedge.models import build_model
 from fedge.training import SGDSettings, TrainRequest, batch_order, predict_logits, proximal_term, train
 
 

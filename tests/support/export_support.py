@@ -1,4 +1,4 @@
-"""Shared, cached exports for the tests of ``export/`` and the on-device backends (imported by tests/test_export_*.py).
+"""Shared, cached exports for the tests of ``export/`` and the on-device backends (imported by tests/export/).
 
 Exports take seconds each, so every export is made once per test session (process-wide caches; pytest fixtures in a
 module imported by several test files would be instantiated once per file). Shapes are small: the checks are about
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from export.program import ModelSpec, TrainingObjective
 from fedge.models import exchanged_state
+from fedge.objectives import make_objective
+from fedge.programs import ModelSpec, TrainingLoss
 from fedge.types import StateDict
 
 SPECS: dict[str, ModelSpec] = {
@@ -72,11 +73,25 @@ def pte_export(name: str) -> bytes:
     return export_inference(model_with(name), SPECS[name], max_batch=8)  # under XNNPACK's narrowed bounds
 
 
+NON_DEFAULT = {"tau": "2.0", "beta": "0.5", "gamma": "0.7"}
+"""Hyperparameters that are not the defaults: they must reach the loss baked into a program."""
+
+
+def loss_of(kind: str, prox_mu: float = 0.0) -> TrainingLoss:
+    """The objective ``kind`` with the non-default hyperparameters it has, and FedProx's mu."""
+    import dataclasses
+
+    from fedge.objectives import OBJECTIVES
+
+    names = {f.name for f in dataclasses.fields(OBJECTIVES[kind])}
+    return TrainingLoss(make_objective(kind, {k: v for k, v in NON_DEFAULT.items() if k in names}), prox_mu)
+
+
 @functools.cache
-def training_program(name: str, kind: str, max_pool_workaround: bool = True) -> bytes:
+def training_program(name: str, kind: str, max_pool_workaround: bool = True, prox_mu: float = 0.0) -> bytes:
     """A training program exported without the parity gate (the tests run the checks themselves)."""
     from export.executorch import export_training
 
     spec = SPECS[name]
-    objective = TrainingObjective(kind, tau=2.0, beta=0.5, gamma=0.7)  # not the defaults: they must reach the loss
-    return export_training(spec.build(seed=1), spec, objective, max_batch=16, max_pool_workaround=max_pool_workaround)
+    loss = loss_of(kind, prox_mu)
+    return export_training(spec.build(seed=1), spec, loss, max_batch=16, max_pool_workaround=max_pool_workaround)

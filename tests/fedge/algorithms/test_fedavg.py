@@ -1,8 +1,8 @@
 """FedAvg, one round of two clients, against the numbers of McMahan et al.'s update and FedNTD eq. 2 by hand."""
 
 import torch
-
 from algorithm_support import W0, X_A, X_B, Y_A, Y_B, TwoClients, ce_gradient, config
+
 from fedge.algorithms.fedavg import FedAvgSettings
 
 

@@ -1,8 +1,8 @@
 """FedProx, one round of two clients, against FedProx eq. 2 by hand: each local step adds mu * (w - w_global)."""
 
 import torch
-
 from algorithm_support import W0, X_A, X_B, Y_A, Y_B, TwoClients, ce_gradient, config
+
 from fedge.algorithms.fedprox import FedProxSettings
 
 

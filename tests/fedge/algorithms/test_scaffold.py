@@ -1,8 +1,8 @@
 """SCAFFOLD, two rounds of two clients, against Karimireddy et al.'s Algorithm 1 (option II) by hand."""
 
 import torch
-
 from algorithm_support import W0, X_A, X_B, Y_A, Y_B, TwoClients, ce_gradient, config
+
 from fedge.algorithms.scaffold import CONTROL, CONTROL_DELTA
 
 LR, K = 0.5, 2  # local learning rate; full-batch steps per round (2 epochs of one batch)
