@@ -26,16 +26,17 @@ from typing import Any
 from common.experiment import prepare
 from coordinator.run import run_coordinator
 from fedge.config import RunConfig, TrainConfig
+from fedge.records import RoundRecord
 from sim.brokers import mosquitto_broker
 from sim.laptop import client_processes
 from sim.provision import write_client_files
 
-KEYS = ("wall_s", "exchange_s", "last_reply_s", "client_compute_s", "client_cpu_s", "client_comm_s")
+KEYS = ("wall_s", "exchange_s", "client_compute_s", "client_cpu_s", "client_comm_s")
 
 
-def summarize(rounds: list[dict[str, Any]], skip_first: bool) -> dict[str, float]:
+def summarize(rounds: list[RoundRecord], skip_first: bool) -> dict[str, float]:
     """Median over rounds of each timing (round 1 left out when asked: it still pays one-time costs)."""
-    use = rounds[1:] if skip_first and len(rounds) > 1 else rounds
+    use = [r.to_json() for r in (rounds[1:] if skip_first and len(rounds) > 1 else rounds)]
     return {k: statistics.median(r[k] for r in use if k in r) for k in KEYS}
 
 
@@ -105,9 +106,9 @@ def main() -> None:
                     results["startup_and_train_run_s"] = time.perf_counter() - started
                 rounds = result.rounds
                 results[label] = {
-                    "per_round": [{k: r.get(k) for k in (*KEYS, "wire_bytes", "accuracy")} for r in rounds],
+                    "per_round": [{k: r.to_json().get(k) for k in (*KEYS, "wire_bytes", "accuracy")} for r in rounds],
                     "median_after_round_1": summarize(rounds, skip_first=True),
-                    "wire_bytes_per_round": rounds[-1]["wire_bytes"],
+                    "wire_bytes_per_round": rounds[-1].bytes.wire,
                     "broker_bytes": result.summary.get("broker_bytes"),
                     "samples_per_client": int(statistics.mean(len(v) for v in exp.parts.values())),
                 }

@@ -30,14 +30,17 @@ from typing import Any
 import torch
 
 from edge_client.backends.executorch import ExecuTorchBackend
+from edge_client.backends.runners import OnnxRunner, PteRunner, PteTrainer
+from export.cache import ExportingSource
 from export.executorch import export_inference, export_training
 from export.onnx import export_onnx
 from export.parity import check_onnx, check_pte, check_training, require
-from export.program import ModelSpec, TrainingObjective
-from export.runners import OnnxRunner, PteRunner, PteTrainer
+from fedge.algorithms.fedavg import CrossEntropy
+from fedge.algorithms.fedntd import NotTrueDistillation
 from fedge.config import RunConfig, TrainConfig
 from fedge.models import example_input, exchanged_state
-from fedge.training import Objective, SGDSettings
+from fedge.programs import ModelSpec, TrainingLoss
+from fedge.training import SGDSettings, TrainRequest
 from sim.run import run_inprocess
 
 
@@ -55,7 +58,7 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
 def bench_model(spec: ModelSpec, batch: int, repeats: int, threads: int) -> dict[str, Any]:
     model = spec.build(seed=0)
     weights = exchanged_state(model)
-    ntd = TrainingObjective("ntd")
+    ntd = TrainingLoss(NotTrueDistillation())
     t = time.perf_counter()
     files = {
         "onnx": export_onnx(model, spec),
@@ -94,17 +97,18 @@ def bench_model(spec: ModelSpec, batch: int, repeats: int, threads: int) -> dict
     sgd = SGDSettings(lr=0.01, momentum=0.9, weight_decay=1e-5)
     train_model = spec.build(seed=0).train()
     opt = torch.optim.SGD(train_model.parameters(), lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay)
-    objective = Objective("ntd")
+    objective = NotTrueDistillation()
 
     def eager_step() -> None:
-        loss = objective.loss(train_model(xb), y, teacher, None)
+        loss = objective.loss(train_model(xb), y, {"teacher": teacher})
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
 
     et_opt = trainer.optimizer(sgd)
     idx = torch.arange(batch)
-    inputs = trainer.step_inputs(idx, xb, y, teacher, None, None)
+    request = TrainRequest(xb, y, objective, sgd, 1, batch, 0, inputs={"teacher": teacher})
+    inputs = trainer.step_inputs(request, idx)
     training = {
         "eager PyTorch": median_ms(eager_step, repeats),
         "ExecuTorch training program": median_ms(lambda: trainer.step(et_opt, inputs), repeats),
@@ -140,16 +144,19 @@ def fl_accuracy(args: argparse.Namespace) -> dict[str, Any]:
         from common.experiment import prepare
 
         exp = prepare(config)
-        et = ExecuTorchBackend(exp.model, exp.input_shape, exp.num_classes, cache_dir=Path(tmp) / "programs")
+        et = ExecuTorchBackend(
+            exp.model, exp.input_shape, exp.num_classes, programs=ExportingSource(Path(tmp) / "programs")
+        )
         t = time.perf_counter()
-        et.prepare([Objective("ce"), Objective("ntd")], config.train.batch_size)  # export + check, not timed below
+        losses = [TrainingLoss(CrossEntropy()), TrainingLoss(NotTrueDistillation())]
+        et.prepare(losses, config.train.batch_size)  # export + check, not timed below
         out["export_and_check_s"] = time.perf_counter() - t
         runs = {}
         for name, backend_for in (("PyTorch clients", None), ("ExecuTorch clients", lambda c: et)):
             t = time.perf_counter()
             result = run_inprocess(config, Path(tmp) / name.split()[0], experiment=exp, backend_for=backend_for)
             runs[name] = {
-                "accuracy": [r["accuracy"] for r in result.rounds],
+                "accuracy": [r.accuracy for r in result.rounds],
                 "wall_s": time.perf_counter() - t,
             }
         from safetensors.torch import load_file
