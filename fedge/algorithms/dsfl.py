@@ -51,6 +51,7 @@ from fedge.messages import Message
 from fedge.metrics import mean_entropy
 from fedge.models import exchanged_state
 from fedge.objectives import Objective, ObjectiveInput, register_objective
+from fedge.robust import check_rule
 from fedge.training import SGDSettings, TrainRequest, train
 from fedge.types import ClientId
 from fedge.wire import bounded, server_only
@@ -66,6 +67,8 @@ class DSFLSettings(AlgorithmSettings):
     distill_epochs: int = field(default=2, metadata=bounded(0, 10_000, help="epochs of distillation, eq. 10-11"))
     distill_lr: float = field(default=0.1, metadata=bounded(0.0, 1e3, help="learning rate of the distillation"))
     distill_batch_size: int = field(default=100, metadata=bounded(1, 1_000_000))
+    robust: str = field(default="mean", metadata=server_only("mean, median or trimmed_mean of the uploads per value"))
+    trim_ratio: float = field(default=0.2, metadata=server_only("share trimmed at each end by trimmed_mean"))
     server_distill: bool = field(default=True, metadata=server_only("the server's global model distills too, eq. 11"))
 
     def __post_init__(self) -> None:
@@ -79,6 +82,7 @@ class DSFLSettings(AlgorithmSettings):
             raise ConfigError("distill_epochs >= 0 and distill_lr > 0 required")
         if self.distill_batch_size < 1:
             raise ConfigError("distill_batch_size must be >= 1")
+        check_rule(self.robust, self.trim_ratio)
 
 
 @dataclass(frozen=True)

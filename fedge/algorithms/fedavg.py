@@ -39,6 +39,7 @@ from fedge.errors import CodecError, ConfigError
 from fedge.messages import Message
 from fedge.models import exchanged_state, load_exchanged_state
 from fedge.objectives import Objective, register_objective
+from fedge.robust import check_rule, robust_average, state_norm, update_norm
 from fedge.training import TrainRequest, TrainStats
 from fedge.types import ClientId, StateDict
 from fedge.wire import server_only
@@ -46,15 +47,30 @@ from fedge.wire import server_only
 
 @dataclass(frozen=True)
 class FedAvgSettings(AlgorithmSettings):
-    """How the server averages: by data size (FedNTD eq. 2) or uniformly (FedNTD Algorithm 1)."""
+    """How the server averages (all server-only): by data size (FedNTD eq. 2) or uniformly (FedNTD Algorithm 1), or
+    robustly (:mod:`fedge.robust`), and which updates it refuses outright."""
 
     weighting: str = field(
         default="weighted", metadata=server_only("aggregation: weighted (by data size, eq. 2) or uniform")
+    )
+    robust: str = field(
+        default="mean", metadata=server_only("mean (FedAvg), or coordinate-wise median or trimmed_mean of the updates")
+    )
+    trim_ratio: float = field(default=0.2, metadata=server_only("share trimmed at each end by trimmed_mean"))
+    clip_factor: float = field(
+        default=0.0, metadata=server_only("clip each update to this many times the round's median update norm (0: off)")
+    )
+    max_update_ratio: float = field(
+        default=10.0,
+        metadata=server_only("reject an update whose norm exceeds this many times the global model's norm (0: off)"),
     )
 
     def __post_init__(self) -> None:
         if self.weighting not in ("weighted", "uniform"):
             raise ConfigError(f"weighting must be weighted|uniform, not {self.weighting!r}")
+        check_rule(self.robust, self.trim_ratio)
+        if not (self.clip_factor >= 0 and self.max_update_ratio >= 0):
+            raise ConfigError("clip_factor and max_update_ratio must be >= 0")
 
 
 @register_objective
@@ -82,6 +98,20 @@ class FedAvg(Strategy):
     def reply_tensors(self) -> dict[str, TensorSpec]:
         return {k: (tuple(v.shape), v.dtype) for k, v in self._weights.items()}
 
+    def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
+        """Also refuses an update that moves the model absurdly far (finite values near 3e38, a scaled model)."""
+        report = super().check_reply(rnd, client, reply)
+        ratio = self.settings.max_update_ratio
+        if ratio > 0:
+            reference = max(state_norm(self._weights), 1.0)
+            moved = update_norm({k: reply.tensors[k] for k in self._weights}, self._weights)
+            if not moved <= ratio * reference:  # also catches an overflow to inf
+                raise CodecError(
+                    f"the update moves the model by {moved:.3g}, more than {ratio:g} x the global model's norm "
+                    f"({reference:.3g}); refused"
+                )
+        return report
+
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
         return RoundPlan(broadcast=self.broadcast(rnd, self._weights), tasks={c: self.task(rnd, c) for c in clients})
 
@@ -94,7 +124,18 @@ class FedAvg(Strategy):
     def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
         ordered = [replies[c] for c in sorted(replies)]  # order-independent result, whatever arrived first
         states = [{k: r.tensors[k] for k in self._weights} for r in ordered]
-        self._weights = weighted_average(states, self.averaging_weights(ordered))
+        s = self.settings
+        if s.robust == "mean" and s.clip_factor == 0:
+            self._weights = weighted_average(states, self.averaging_weights(ordered))
+        else:
+            self._weights = robust_average(
+                states,
+                self.averaging_weights(ordered),
+                self._weights,
+                rule=s.robust,
+                trim_ratio=s.trim_ratio,
+                clip_factor=s.clip_factor,
+            )
         losses = [loss for r in ordered if (loss := self.report_of(r).loss) is not None]
         return {"mean_local_loss": sum(losses) / len(losses)} if losses else {}
 

@@ -1,0 +1,117 @@
+"""Robust aggregation: what a server can do when some clients send poisoned or scaled updates.
+
+- Norm clipping: each client's update (its weights minus the broadcast) is scaled down to at most ``clip_factor``
+  times the median update norm of the round, so one scaled update (a model-replacement attack, DS-FL eq. 19) cannot
+  move the global model further than an honest one.
+- Coordinate-wise median and trimmed mean (Yin et al., ICML 2018): per coordinate, the median of the clients'
+  values, or the mean after dropping the ``trim_ratio`` largest and smallest. Unweighted: a client's self-reported
+  data size must not buy it a larger share of a robust statistic.
+- The same two for soft labels (DS-FL): per sample and class over the clients, then rows renormalized to sum to 1.
+
+Every function is pure and deterministic: sums run in float64 in the order given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from fedge.aggregation import weighted_average
+from fedge.errors import ConfigError
+from fedge.types import Probs, StateDict
+
+RULES = ("mean", "median", "trimmed_mean")
+
+
+def check_rule(rule: str, trim_ratio: float) -> None:
+    """ConfigError unless ``rule`` is known and ``trim_ratio`` lies in [0, 0.5)."""
+    if rule not in RULES:
+        raise ConfigError(f"robust aggregation rule must be one of {', '.join(RULES)}, not {rule!r}")
+    if not 0 <= trim_ratio < 0.5:
+        raise ConfigError(f"trim_ratio must be in [0, 0.5), got {trim_ratio}")
+
+
+def coordinate_median(values: Tensor) -> Tensor:
+    """The per-coordinate median over dim 0 of ``values`` (K, ...); the mean of the middle two for even K."""
+    k = values.shape[0]
+    ordered = values.sort(dim=0).values
+    return (ordered[(k - 1) // 2] + ordered[k // 2]) / 2
+
+
+def trimmed_mean(values: Tensor, trim_ratio: float) -> Tensor:
+    """The per-coordinate mean over dim 0 after dropping the ``floor(K * trim_ratio)`` largest and smallest values."""
+    k = values.shape[0]
+    cut = math.floor(k * trim_ratio)
+    ordered = values.sort(dim=0).values
+    return ordered[cut : k - cut].mean(dim=0)
+
+
+def state_norm(state: StateDict) -> float:
+    """L2 norm of every floating-point tensor of ``state`` together (float64)."""
+    return math.sqrt(sum(float(v.double().pow(2).sum()) for v in state.values() if v.is_floating_point()))
+
+
+def update_norm(state: StateDict, reference: StateDict) -> float:
+    """L2 norm of ``state - reference`` over every floating-point tensor (float64)."""
+    total = 0.0
+    for k, ref in reference.items():
+        if ref.is_floating_point():
+            total += float((state[k].double() - ref.double()).pow(2).sum())
+    return math.sqrt(total)
+
+
+def robust_average(
+    states: Sequence[StateDict],
+    weights: Sequence[float],
+    reference: StateDict,
+    *,
+    rule: str = "mean",
+    trim_ratio: float = 0.2,
+    clip_factor: float = 0.0,
+) -> StateDict:
+    """Aggregate client weights ``states`` around the broadcast ``reference``.
+
+    With ``clip_factor`` > 0 every update ``state - reference`` longer than ``clip_factor`` x the round's median
+    update norm is scaled down to that length first. ``rule`` "mean" is FedAvg's weighted average (``weights`` are
+    the clients' data sizes); "median" and "trimmed_mean" are coordinate-wise and unweighted.
+    """
+    check_rule(rule, trim_ratio)
+    if not states:
+        raise ValueError("robust_average needs at least one state")
+    deltas = [{k: s[k].double() - reference[k].double() for k in reference} for s in states]
+    if clip_factor > 0:
+        norms = [math.sqrt(sum(float(d.pow(2).sum()) for d in delta.values())) for delta in deltas]
+        bound = clip_factor * float(coordinate_median(torch.tensor(norms, dtype=torch.float64)))
+        deltas = [
+            {k: d * (bound / n) for k, d in delta.items()} if n > bound > 0 else delta
+            for delta, n in zip(deltas, norms, strict=True)
+        ]
+    if rule == "mean":
+        moved = [{k: reference[k].double() + d for k, d in delta.items()} for delta in deltas]
+        averaged = weighted_average(moved, weights)
+        return {k: v.to(reference[k].dtype) for k, v in averaged.items()}
+    out: StateDict = {}
+    for k, ref in reference.items():
+        stacked = torch.stack([delta[k] for delta in deltas])  # (K, *shape)
+        agg = coordinate_median(stacked) if rule == "median" else trimmed_mean(stacked, trim_ratio)
+        out[k] = (ref.double() + agg).to(ref.dtype)
+    return out
+
+
+def robust_rows(client_probs: Sequence[Probs], *, rule: str, trim_ratio: float = 0.2) -> Probs:
+    """Per sample and class over the clients: the mean, median or trimmed mean, rows renormalized to sum to 1."""
+    check_rule(rule, trim_ratio)
+    stacked = torch.stack([p.double() for p in client_probs])  # (K, I, C)
+    if rule == "mean":
+        agg = stacked.mean(dim=0)
+    elif rule == "median":
+        agg = coordinate_median(stacked)
+    else:
+        agg = trimmed_mean(stacked, trim_ratio)
+    agg = agg.clamp_min(0)
+    sums = agg.sum(dim=-1, keepdim=True)  # (I, 1)
+    uniform = torch.full_like(agg, 1.0 / agg.shape[-1])
+    return torch.where(sums > 0, agg / sums.clamp_min(1e-300), uniform).to(client_probs[0].dtype)

@@ -1,0 +1,54 @@
+"""Robust aggregation on hand-computed cases: median, trimmed mean, norm clipping, soft-label rows."""
+
+import math
+
+import pytest
+import torch
+
+from fedge.errors import ConfigError
+from fedge.robust import coordinate_median, robust_average, robust_rows, trimmed_mean, update_norm
+
+
+def test_coordinate_median_and_trimmed_mean_by_hand():
+    values = torch.tensor([[1.0, 10.0], [2.0, -4.0], [3.0, 0.0], [100.0, 2.0]])  # 4 clients, 2 coordinates
+    assert torch.equal(coordinate_median(values), torch.tensor([2.5, 1.0]))  # middle two: (2+3)/2, (0+2)/2
+    assert torch.equal(trimmed_mean(values, 0.25), torch.tensor([2.5, 1.0]))  # one dropped at each end
+    assert torch.equal(trimmed_mean(values, 0.0), values.mean(dim=0))
+
+
+def test_one_scaled_update_cannot_move_a_median_or_a_clipped_mean():
+    reference = {"w": torch.zeros(3)}
+    honest = [
+        {"w": torch.tensor([1.0, 1.0, 1.0])},
+        {"w": torch.tensor([1.2, 0.8, 1.0])},
+        {"w": torch.tensor([0.8, 1.2, 1.0])},
+    ]
+    attacker = {"w": torch.full((3,), 1000.0)}  # model replacement: K * w_x - (K - 1) * w_g (DS-FL eq. 19)
+    states = [*honest, attacker]
+    assert robust_average(states, [1, 1, 1, 1], reference)["w"][0] > 200  # FedAvg's mean is owned by the attacker
+    assert torch.allclose(
+        robust_average(states, [1, 1, 1, 1], reference, rule="median")["w"], torch.tensor([1.1, 1.1, 1.0])
+    )
+    # Clipped to 1 x the median update norm (sqrt 3 .. 1.64): the attacker's update shrinks to length ~1.68.
+    clipped = robust_average(states, [1, 1, 1, 1], reference, clip_factor=1.0)["w"]
+    norms = sorted(update_norm(s, reference) for s in states)
+    bound = (norms[1] + norms[2]) / 2
+    expected = (honest[0]["w"] + honest[1]["w"] + honest[2]["w"] + torch.full((3,), bound / math.sqrt(3))) / 4
+    assert torch.allclose(clipped, expected, atol=1e-6)
+
+
+def test_a_mean_without_clipping_is_fedavg():
+    reference = {"w": torch.zeros(2)}
+    states = [{"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([3.0, 6.0])}]
+    assert torch.allclose(robust_average(states, [3, 1], reference)["w"], torch.tensor([1.5, 3.0]))
+
+
+def test_robust_soft_label_rows_stay_probability_vectors():
+    honest = torch.tensor([[0.7, 0.2, 0.1]])
+    rows = [honest, honest, torch.tensor([[0.6, 0.3, 0.1]]), torch.tensor([[0.0, 0.0, 1.0]])]  # one poisoned client
+    median = robust_rows(rows, rule="median")
+    # Per class, the mean of the middle two of the four clients: (0.6+0.7)/2, (0.2+0.2)/2, (0.1+0.1)/2; then / 0.95.
+    assert torch.allclose(median, torch.tensor([[0.65, 0.2, 0.1]]) / 0.95, atol=1e-6)
+    assert torch.allclose(median.sum(dim=1), torch.ones(1))
+    with pytest.raises(ConfigError, match="trim_ratio"):
+        robust_rows(rows, rule="trimmed_mean", trim_ratio=0.5)
