@@ -45,8 +45,8 @@ from fedge.types import ClientId
 
 log = logging.getLogger(__name__)
 
-BACKLOG_LIMIT = 64
-"""Updates kept between rounds (they are judged at the start of the next round, usually as late); more are dropped."""
+MAX_PAYLOAD_SLACK = 64 * 1024
+"""Bytes of metadata a legitimate update may carry beyond its tensors (header, fields, transport timings)."""
 
 
 @dataclass
@@ -95,7 +95,9 @@ class MqttTransport:
         self.qos = qos
         self.connect_timeout = connect_timeout
         self.sys = SysCounterReader()
-        self._backlog: list[Inbound] = []  # updates that arrived between rounds
+        self.max_payload = 0  # bytes; set from the strategy's reply tensors by :meth:`exchange`
+        # Messages on update topics while no round is open (before round 1, between rounds): counted, never kept.
+        self.outside_rounds = {"messages": 0, "bytes": 0}
         self._opened_at = 0.0
         subs = [(self.topics.all_statuses, 1), (self.topics.all_updates, 1)]
         if broker_counters:
@@ -159,7 +161,14 @@ class MqttTransport:
             return out
         rnd = next(iter(plan.tasks.values())).round
         self._drain()
-        ctx = RoundContext(rnd, frozenset(plan.tasks), check, known=self.presence.knows)
+        ctx = RoundContext(
+            rnd,
+            frozenset(plan.tasks),
+            check,
+            known=self.presence.knows,
+            declared=self.presence.declared_size,
+            max_payload=self.max_payload,
+        )
         state = _Round(ctx, time.monotonic(), {}, None, out)
         if plan.broadcast is not None:
             stamped = replace(plan.broadcast, transport={SESSION: self.session})
@@ -183,8 +192,6 @@ class MqttTransport:
             if status is not None and not status.online:  # it left between sampling and now
                 state.offline[client] = (state.started, status.reason or "left")
 
-        for early in self._take_backlog():
-            self._on_update(early, state)
         deadline = state.started + self.round_timeout
         while True:
             now = time.monotonic()
@@ -285,20 +292,16 @@ class MqttTransport:
         if channel == "update":
             if state is not None:
                 return item
-            if len(self._backlog) < BACKLOG_LIMIT:
-                self._backlog.append(item)
-            else:
-                log.warning("dropping an update of %s that arrived between rounds: backlog full", client)
+            # No round is open: a late reply of the previous round or a stray message. Counted apart from every
+            # round's ledger (so nothing sent before round 1 is charged to round 1) and dropped unread.
+            self.outside_rounds["messages"] += 1
+            self.outside_rounds["bytes"] += len(item.payload)
         return None
 
     def _drain(self) -> None:
         """Handle everything already received, without waiting."""
         while not self.link.inbox.empty():
             self._pump(0)
-
-    def _take_backlog(self) -> list[Inbound]:
-        items, self._backlog = self._backlog, []
-        return items
 
     def _on_status(self, client: ClientId, item: Inbound, state: _Round | None) -> None:
         change = self.presence.update(client, item.payload)

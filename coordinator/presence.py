@@ -4,6 +4,7 @@ admits them (model, data shape, classes, open set, algorithms they can run)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,8 +35,12 @@ class Presence:
     """The latest status of every client that ever said hello, and which of them this run refuses."""
 
     admit: Admit | None = None
+    max_clients: int = 10_000  # ids remembered; hellos of further unknown ids are ignored (bounded memory)
+    min_interval_s: float = 0.5  # status messages of one client closer together than this are dropped (rate limit)
     clients: dict[ClientId, ClientStatus] = field(default_factory=dict)
     refused: dict[ClientId, str] = field(default_factory=dict)
+    ignored: int = 0  # status messages dropped by the two limits above
+    _last_seen: dict[ClientId, float] = field(default_factory=dict)
 
     def online(self) -> list[ClientId]:
         """Clients whose latest status is their hello."""
@@ -52,8 +57,25 @@ class Presence:
     def knows(self, client: ClientId) -> bool:
         return client in self.clients
 
-    def update(self, client: ClientId, payload: bytes) -> StatusChange | None:
-        """Apply a message from ``client``'s status topic; None when it is not a valid status of that client."""
+    def declared_size(self, client: ClientId) -> int | None:
+        """The number of samples ``client`` declared in its admitted hello."""
+        status = self.clients.get(client)
+        return status.dataset_size if status is not None else None
+
+    def update(self, client: ClientId, payload: bytes, now: float | None = None) -> StatusChange | None:
+        """Apply a message from ``client``'s status topic; None when it is not a valid status of that client, or
+        when a limit drops it (too many client ids, or this client's statuses too frequent)."""
+        now = time.monotonic() if now is None else now
+        if client not in self.clients and len(self.clients) >= self.max_clients:
+            self.ignored += 1
+            if self.ignored == 1 or self.ignored % 1000 == 0:
+                log.warning("ignoring hellos of unknown clients: %d ids known already", len(self.clients))
+            return None
+        last = self._last_seen.get(client)
+        if last is not None and now - last < self.min_interval_s and payload and self.is_online(client):
+            self.ignored += 1  # a flood of hellos from one id: the first one counts, the repeats are dropped
+            return None
+        self._last_seen[client] = now
         if not payload:  # an empty retained message: the client left cleanly
             status = ClientStatus(client=client, state="offline", reason="left")
         else:

@@ -33,6 +33,7 @@ CATEGORIES = (
     "duplicate",  # already answered this round
     "client failed",  # the client reported that it could not do its task
     "invalid",  # the strategy's rules: kind, run, tensors, shapes, dtypes, non-finite values, bounded numbers
+    "oversize",  # larger than the largest legitimate message of the run: dropped unread
 )
 
 
@@ -44,6 +45,8 @@ class RoundContext:
     sampled: frozenset[ClientId]
     check: ReplyCheck
     known: Callable[[ClientId], bool] = lambda client: True
+    declared: Callable[[ClientId], int | None] = lambda client: None  # samples it declared when admitted
+    max_payload: int = 0  # bytes; 0: no limit beyond the codec's
     replied: set[ClientId] = field(default_factory=set)
     failed: dict[ClientId, str] = field(default_factory=dict)  # client -> the error it reported
 
@@ -65,6 +68,9 @@ def judge_reply(payload: bytes, sender: ClientId, ctx: RoundContext) -> Judgemen
 
     On acceptance the sender is added to ``ctx.replied``; a reported failure is added to ``ctx.failed``.
     """
+    if ctx.max_payload and len(payload) > ctx.max_payload:
+        detail = f"{len(payload):,} bytes, the largest legitimate message of this run is {ctx.max_payload:,}"
+        return Judgement(None, _reject(ctx, sender, "oversize", detail))
     try:
         msg = decode(payload, check_finite=False)  # non-finite values are judged with the tensors' rules
     except Exception as exc:  # any defect of hostile bytes, whatever the library raised
@@ -104,7 +110,11 @@ def _judge(msg: Message, sender: ClientId, ctx: RoundContext) -> tuple[str, str]
         error = printable(msg.params.get("error", "?"))
         ctx.failed[sender] = f"client failed: {error}"
         return "client failed", error
-    ctx.check(sender, msg)  # kind, run, tensors, shapes, dtypes, finiteness, bounded numbers: the strategy's rules
+    report = ctx.check(sender, msg)  # kind, run, tensors, shapes, dtypes, finiteness, bounded numbers
+    declared = ctx.declared(sender)
+    # The self-reported data size is an averaging weight: never trusted beyond what the client declared when admitted.
+    if declared is not None and report.num_examples > declared:
+        return "invalid", f"num_examples {report.num_examples} exceeds the {declared} samples {sender!r} declared"
     return None
 
 

@@ -8,6 +8,7 @@ global model.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ from common.experiment import Experiment, prepare
 from common.rundir import RunResult, RunWriter
 from coordinator.broker_counters import compare_with_broker
 from coordinator.engine import RoundEngine
-from coordinator.mqtt import MqttTransport
+from coordinator.mqtt import MAX_PAYLOAD_SLACK, MqttTransport
+from fedge.algorithms.base import Strategy
 from fedge.config import RunConfig
 from fedge.protocol import BrokerAddress, ClientStatus
 from fedge.records import RoundRecord
@@ -39,6 +41,10 @@ def admission_rule(exp: Experiment) -> Callable[[ClientStatus], str | None]:
             return f"{s.num_classes} classes, the run has {exp.num_classes}"
         if s.capabilities and algorithm not in s.capabilities:
             return f"it cannot run {algorithm!r} (it knows {', '.join(s.capabilities)})"
+        own = exp.parts.get(s.client)
+        if own is not None and s.dataset_size != len(own):
+            # Its data size is its averaging weight: it must be the size of the data provisioned for it.
+            return f"it declares {s.dataset_size} samples, the data provisioned for {s.client} has {len(own)}"
         if open_x is not None and s.open_size != len(open_x):
             return f"DS-FL needs the {len(open_x)}-sample open set on the client, it holds {s.open_size}"
         return None
@@ -83,6 +89,7 @@ def run_coordinator(
         admit=admission_rule(exp),
         broker_counters=broker_counters,
     )
+    transport.max_payload = largest_update(strategy)
     with transport:
         transport.wait_for_clients(needed, join_timeout, abort=abort)
         before = transport.broker_counters() if broker_counters else None
@@ -105,6 +112,8 @@ def run_coordinator(
         "run": run,
         "clients": {c: _describe(s) for c, s in sorted(transport.presence.clients.items())},
         "refused": dict(sorted(transport.presence.refused.items())),
+        "outside_rounds": dict(transport.outside_rounds),  # messages on update topics while no round was open
+        "statuses_ignored": transport.presence.ignored,  # hellos beyond the client or rate limits
         "wire_bytes": wire,
     }
     if before is not None and after is not None:
@@ -117,6 +126,12 @@ def run_coordinator(
         history.rounds, history.ledger, strategy.global_weights(), initial_bytes=exp.initial_bytes(), extra=extra
     )
     return RunResult(run_dir, config, history.rounds, summary)
+
+
+def largest_update(strategy: Strategy) -> int:
+    """Bytes of the largest legitimate update of this run: its tensors, their headers, and metadata slack."""
+    tensors = sum(math.prod(shape) * dtype.itemsize for shape, dtype in strategy.reply_tensors().values())
+    return tensors + 256 * len(strategy.reply_tensors()) + MAX_PAYLOAD_SLACK
 
 
 def _describe(s: ClientStatus) -> dict[str, Any]:

@@ -32,7 +32,13 @@ class InProcessTransport:
         if not plan.tasks:
             return out
         rnd = next(iter(plan.tasks.values())).round
-        ctx = RoundContext(rnd, frozenset(plan.tasks), check, known=lambda c: c in self.clients)
+        ctx = RoundContext(
+            rnd,
+            frozenset(plan.tasks),
+            check,
+            known=lambda c: c in self.clients,
+            declared=lambda c: len(self.clients[c].data),
+        )
         broadcast: Message | None = None
         if plan.broadcast is not None:
             blob = encode(plan.broadcast)
