@@ -6,23 +6,41 @@ the other; everything protocol-specific (topics, messages, byte formulas) stays 
 
 Threading: paho's network loop runs in one background thread owned by :class:`MqttLink`; it only moves packets and
 puts received messages into a :class:`queue.Queue`. The owner reads the queue from its own thread, so no algorithm
-code ever runs inside a paho callback. ``publish`` may be called from any thread (paho locks its queues).
+code ever runs inside a paho callback. ``publish`` may be called from any thread: it only queues the packet, and
+the network thread alone reads and writes the socket (a TLS connection must never be used by two threads at once).
+
+Security (see ``coordinator/fleet.py`` for the kit that sets it up): TLS 1.2+ with hostname verification for
+``mqtts://`` addresses, user name and password from the address (the URL, a credential file or an environment
+variable: :func:`with_credentials`), and a device's whole connection from its fleet bundle (:func:`load_bundle`).
+Every way a secured broker can turn a connection away (unknown CA, expired certificate, wrong password, refused
+subscription) ends :meth:`MqttLink.start` with a one-line :class:`TransportError` naming the cause and the fix.
+What MQTT 3.1.1 cannot report: a publish the broker's ACL denies is acknowledged and dropped without a word. MQTT 5
+would say so (mosquitto 2.0.11 answers such a PUBLISH with PUBACK 0x87 "Not authorized"), but fedge stays on 3.1.1:
+its wire-byte formulas are 3.1.1's and the embedded amqtt broker speaks nothing newer. mosquitto 2.0 also grants
+every SUBSCRIBE and applies its ACL on delivery instead, so a denied subscription is silent there too; amqtt answers
+it with SUBACK 0x80, which :meth:`MqttLink.start` reports.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import queue
+import socket
+import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import paho.mqtt.client as paho
 
-from fedge.errors import TransportError
-from fedge.protocol import PUBACK_BYTES, BrokerAddress, publish_packet_bytes
+from fedge.errors import ConfigError, TransportError
+from fedge.protocol import PUBACK_BYTES, BrokerAddress, check_name, publish_packet_bytes
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +48,10 @@ START_HINT = (
     "start one with `mosquitto -p PORT` (apt-get install mosquitto), "
     "or run `fedge sim --transport mqtt` without --broker for an embedded broker"
 )
+PASSWORD_ENV = "FEDGE_MQTT_PASSWORD"  # the password, when no credential file is given
+USERNAME_ENV = "FEDGE_MQTT_USERNAME"
+BUNDLE_FILE = "bundle.json"  # in each directory of a fleet kit: who this device is and how it reaches the broker
+BUNDLE_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -54,7 +76,12 @@ class Will:
 
 
 class MqttLink:
-    """A paho client with a reconnect loop, subscriptions restored after every reconnect, and byte counters."""
+    """A paho client with a reconnect loop, subscriptions restored after every reconnect, and byte counters.
+
+    ``address`` says how to connect: TLS for ``mqtts://`` (its CA file, optional client certificate, hostname
+    verification unless turned off), and its user name and password. A fleet broker binds MQTT client ids to user
+    names, so with a fleet bundle pass ``client_id=bundle.username``.
+    """
 
     def __init__(
         self,
@@ -79,7 +106,12 @@ class MqttLink:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._pending_sub: int | None = None
-        self._refused: str | None = None
+        self._pending_filters: list[tuple[str, int]] = []
+        self._will_topic = will.topic if will is not None else None
+        self._refused: str | None = None  # why start() must give up: the cause and the fix, in one line
+        self._connack = False  # a CONNACK arrived on the current connection
+        self._started = False  # start() returned: from now on failures are retried and logged, not raised
+        self._last_error = ""  # paho's last error line, e.g. the TLS alert of a broker that dropped us
         self.connections = 0  # successful connections, so reconnects = connections - 1
         self.bytes_out = 0  # PUBLISH and PUBACK bytes this side wrote (by the MQTT 3.1.1 formulas)
         self.bytes_in = 0
@@ -96,6 +128,16 @@ class MqttLink:
         self._client.max_queued_messages_set(0)  # unlimited: keep QoS-1 messages while reconnecting
         if will is not None:
             self._client.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
+        if address.username is not None:
+            self._client.username_pw_set(address.username, address.password)
+        if address.tls:
+            self._client.tls_set_context(tls_context(address))
+        self._client.on_log = self._handle_log
+        # Without a write callback, paho writes a packet from the thread that publishes it, while the network thread
+        # may be reading: on a TLS socket that corrupts the session ("[SSL: BAD_LENGTH]", "unexpected eof"). With
+        # one, it only queues the packet and wakes the network loop, which does all the writing.
+        self._client.on_socket_register_write = lambda client, userdata, sock: None
+        self._client.on_socket_open = _no_delay
         self._client.on_connect = self._handle_connect
         self._client.on_subscribe = self._handle_subscribe
         self._client.on_message = self._handle_message
@@ -111,7 +153,15 @@ class MqttLink:
             try:
                 self._client.connect(self.address.host, self.address.port, keepalive=self.keepalive)
                 break
+            except ssl.SSLError as exc:  # an OSError too, but one that waiting cannot fix
+                raise TransportError(tls_failure(self.address, exc)) from exc
             except OSError as exc:
+                if self.address.tls and _in_handshake(exc):  # something listens there, but does not speak TLS
+                    raise TransportError(
+                        f"TLS handshake with broker {self.address} failed: the listener "
+                        f"{'did not answer' if isinstance(exc, TimeoutError) else 'reset the connection'}; is port "
+                        f"{self.address.port} its TLS listener? (use mqtt:// for a plain one)"
+                    ) from exc
                 if time.monotonic() + delay > deadline:
                     raise TransportError(
                         f"cannot reach broker at {self.address}: {exc}; is it running? {START_HINT}"
@@ -124,12 +174,13 @@ class MqttLink:
         while not self._ready.wait(0.05):
             if self._refused:
                 self.close(wait=0)
-                raise TransportError(f"broker at {self.address} refused the connection: {self._refused}")
+                raise TransportError(self._refused)
             if time.monotonic() > deadline:
                 self.close(wait=0)
                 raise TransportError(
                     f"connected to {self.address} but got no CONNACK/SUBACK in {timeout:.0f} s; is it an MQTT broker?"
                 )
+        self._started = True
         return self
 
     def close(self, *, final: Sequence[tuple[str, bytes, bool]] = (), wait: float = 2.0) -> None:
@@ -189,12 +240,15 @@ class MqttLink:
         delay = self._backoff[0]
         while not self._stopping.is_set():
             try:
-                self._client.loop_forever()  # returns when the connection drops (reconnect_on_failure=False)
+                # loop() rather than loop_forever(): only loop() makes the socket pair that publish() uses to wake us.
+                # Both return an error when the connection drops or after our DISCONNECT went out.
+                while self._client.loop(timeout=1.0) == paho.MQTT_ERR_SUCCESS and self._read_stalled_packet():
+                    pass
             except Exception:  # a bug in a callback must not silently kill the only network thread
                 log.exception("MQTT network loop of %s failed", self.client_id)
             self._ready.clear()
-            if self._stopping.is_set():
-                break
+            if self._stopping.is_set() or (self._refused and not self._started):
+                break  # start() raises the reason: retrying a refused login or TLS setup cannot help
             log.warning("lost the connection to %s; reconnecting", self.address)
             while not self._stopping.wait(delay):
                 try:
@@ -205,27 +259,52 @@ class MqttLink:
                     delay = min(delay * 2, self._backoff[1])
                     log.warning("cannot reach broker at %s: %s; next try in %.1f s", self.address, exc, delay)
 
+    def _read_stalled_packet(self) -> bool:
+        """Handle a packet paho has read whole but left unhandled; False if the connection is gone.
+
+        paho 2.2 reads a packet with at most 100 recv() calls per network event (``_packet_read``); when the 100th
+        call completes the packet, it returns without handling it, and the message waits for the next bytes to
+        arrive: up to a keepalive interval. Over TLS, where a recv() returns one record (<= 16 kB), a 2.3 MB model
+        takes ~143 calls and stalled about one round trip in 30. Reading again handles it; with nothing there, the
+        read is one non-blocking recv() that returns at once.
+        """
+        return self._client.loop_read() == paho.MQTT_ERR_SUCCESS
+
+    def _handle_log(self, client: paho.Client, userdata: Any, level: int, text: str) -> None:
+        if level == paho.MQTT_LOG_ERR:
+            self._last_error = text
+
     def _handle_connect(self, client: paho.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        self._connack = True
         if reason.is_failure:
-            self._refused = str(reason)
-            log.error("broker at %s refused the connection: %s", self.address, reason)
+            self._refused = login_refusal(self.address, self.client_id, str(reason), self._will_topic)
+            if self._started:  # before that, start() raises it
+                log.error("%s", self._refused)
             return
         self.connections += 1
         if self.connections > 1:
             log.info("reconnected to %s (connection %d)", self.address, self.connections)
         if self._subscriptions:
             # The hello goes out only after the SUBACK, so whoever reacts to it finds us subscribed.
-            _, self._pending_sub = client.subscribe(list(self._subscriptions))
+            self._pending_filters = list(self._subscriptions)
+            _, self._pending_sub = client.subscribe(self._pending_filters)
         else:
             self._become_ready()
 
     def _handle_subscribe(self, client: paho.Client, userdata: Any, mid: int, reasons: Any, props: Any) -> None:
-        if mid != self._pending_sub:
-            return
-        failed = [str(r) for r in reasons if r.is_failure]
+        initial = mid == self._pending_sub  # the subscriptions sent on (re)connecting, not a later subscribe()
+        filters = [f for f, _ in self._pending_filters] if initial else ["a later subscription"] * len(reasons)
+        failed = [f for f, r in zip(filters, reasons, strict=False) if r.is_failure]
         if failed:
-            log.error("broker at %s refused subscriptions %s: %s", self.address, self._subscriptions, failed)
-        self._become_ready()
+            # A SUBACK failure (0x80) is how a broker's ACL says no to a subscription; a run that cannot hear its
+            # tasks or updates cannot work, so the first connection gives up instead of waiting for nothing.
+            why = subscription_refusal(self.address, self.client_id, failed)
+            if initial and not self._started:
+                self._refused = why
+                return
+            log.error("%s", why)
+        if initial:
+            self._become_ready()
 
     def _become_ready(self) -> None:
         if self._on_ready is not None:
@@ -243,5 +322,296 @@ class MqttLink:
 
     def _handle_disconnect(self, client: paho.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         self._ready.clear()
-        if not self._stopping.is_set():
+        if not self._connack and not self._stopping.is_set():
+            # Dropped before any CONNACK: a TLS listener hearing plain MQTT, a rejected client certificate, ...
+            why = early_close(self.address, self._last_error)
+            if not self._started:
+                self._refused = self._refused or why
+            else:
+                log.warning("%s", why)
+        elif self._started and not self._stopping.is_set():
             log.warning("disconnected from %s: %s", self.address, reason)
+        self._connack = False
+
+
+# --- TLS and why a secured broker turned us away ------------------------------------------------------------------
+
+# OpenSSL's X509_V_ERR_* codes (x509_vfy.h) that mean "not signed by a CA we trust".
+_UNTRUSTED = {2, 18, 19, 20, 21}
+_CERT_NOT_YET_VALID, _CERT_EXPIRED, _HOSTNAME_MISMATCH = 9, 10, 62
+# Alerts a broker sends when it rejects this side's client certificate (mutual TLS).
+_CLIENT_CERT_ALERTS = (
+    "CERTIFICATE_REQUIRED",
+    "UNKNOWN_CA",
+    "BAD_CERTIFICATE",
+    "CERTIFICATE_EXPIRED",
+    "UNSUPPORTED_CERTIFICATE",
+)
+_BUNDLE_HINT = "the files of this device's directory in the fleet kit the broker was configured from"
+
+
+def tls_context(address: BrokerAddress) -> ssl.SSLContext:
+    """The client side of TLS for ``address``: 1.2 or newer, its CA file (or the system's CAs), hostname verification
+    unless ``address.verify_hostname`` is off, and its client certificate for mutual TLS."""
+    try:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=address.ca_file)
+    except OSError as exc:  # FileNotFoundError, or ssl.SSLError for a file that is not a PEM certificate
+        raise TransportError(
+            f"cannot use CA file {address.ca_file}: {_reason(exc)}; pass the ca.crt of {_BUNDLE_HINT}"
+        ) from exc
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.check_hostname = address.verify_hostname  # CERT_REQUIRED stays on either way
+    if address.cert_file:
+
+        def refuse_passphrase() -> str:
+            # Without this callback OpenSSL would prompt on the terminal for an encrypted key: a hang on a device.
+            raise TransportError(
+                f"client key {address.key_file or address.cert_file} is encrypted; fedge needs an unencrypted key "
+                "file readable only by its user (chmod 600), like the client.key of a fleet kit"
+            )
+
+        try:
+            context.load_cert_chain(address.cert_file, address.key_file, password=refuse_passphrase)
+        except OSError as exc:
+            raise TransportError(
+                f"cannot use client certificate {address.cert_file} / key {address.key_file}: {_reason(exc)}; "
+                f"pass the client.crt and client.key of {_BUNDLE_HINT}"
+            ) from exc
+    return context
+
+
+def _no_delay(client: paho.Client, userdata: Any, sock: Any) -> None:
+    """Send small packets at once: with Nagle's algorithm, a message written right after a PUBACK waits for the
+    peer's delayed ACK (40 ms on Linux), which made a 40 kB round trip take ~88 ms instead of a few."""
+    with contextlib.suppress(OSError, AttributeError):  # not a TCP socket (a test double, a unix socket)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _in_handshake(exc: OSError) -> bool:
+    """Whether a connect error happened after the TCP connection was up: during the TLS handshake."""
+    if isinstance(exc, (ConnectionResetError, BrokenPipeError)):
+        return True
+    return isinstance(exc, TimeoutError) and "handshake" in str(exc)  # ssl's "The handshake operation timed out"
+
+
+def _reason(exc: OSError) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return str(exc.reason or exc)
+    return exc.strerror or str(exc)
+
+
+def tls_failure(address: BrokerAddress, exc: ssl.SSLError) -> str:
+    """One line: why the TLS handshake with ``address`` failed, and what to do about it."""
+    where = f"TLS handshake with broker {address} failed"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        code = exc.verify_code
+        if code == _CERT_EXPIRED:
+            return (
+                f"{where}: the broker's certificate has expired; issue it a new one (a new fleet kit) "
+                "or, if it should still be valid, check this machine's clock"
+            )
+        if code == _CERT_NOT_YET_VALID:
+            return f"{where}: the broker's certificate is not valid yet; check this machine's clock (`date -u`)"
+        if code in _UNTRUSTED:
+            trusted = f"CA file {address.ca_file}" if address.ca_file else "the system's trusted CAs"
+            return (
+                f"{where}: the broker's certificate is not signed by {trusted} (wrong CA); pass the ca.crt of "
+                "the fleet kit that made the broker's certificate"
+            )
+        if code == _HOSTNAME_MISMATCH:
+            return (
+                f"{where}: the broker's certificate is not valid for host {address.host!r}; connect with a host "
+                "name it was issued for (the fleet kit's broker hosts) or make a kit that lists this one"
+            )
+        return f"{where}: {exc.verify_message}; check the CA file and the broker's certificate"
+    text = str(exc.reason or exc).upper()
+    if "WRONG_VERSION_NUMBER" in text or "RECORD_LAYER" in text or "HTTP_REQUEST" in text:
+        return f"{where}: port {address.port} does not speak TLS; use mqtt:// for a plain listener or the TLS port"
+    if any(alert in text for alert in _CLIENT_CERT_ALERTS):
+        return client_certificate_refusal(address, text)
+    if "PROTOCOL_VERSION" in text or "UNSUPPORTED_PROTOCOL" in text:
+        return f"{where}: the broker offers no TLS 1.2 or newer; configure its listener with tls_version tlsv1.2"
+    if isinstance(exc, ssl.SSLEOFError) or "EOF" in text:
+        return (
+            f"{where}: the broker closed the connection during the handshake; is port {address.port} its TLS "
+            "listener? (see the broker's log)"
+        )
+    return f"{where}: {exc.reason or exc}; check the CA file, the client certificate and the broker's log"
+
+
+def client_certificate_refusal(address: BrokerAddress, alert: str = "") -> str:
+    """One line: the broker wants a client certificate (mutual TLS) and got none, or refused the one it got."""
+    alert = alert.split("] ")[-1].split(" (_ssl")[0].strip().lower()  # "[SSL: X] tlsv13 alert ... (_ssl.c:2580)"
+    if address.cert_file is None:
+        how = f"said: {alert}" if alert else "closed the TLS connection before answering CONNECT"
+        return (
+            f"broker {address} requires a client certificate (mutual TLS) and none was given (it {how}); pass the "
+            "client.crt and client.key of this device's fleet bundle"
+        )
+    why = alert or "closed the TLS connection before answering CONNECT: expired, or from another CA?"
+    return (
+        f"broker {address} refused the client certificate {address.cert_file} ({why}); pass the client.crt and "
+        f"client.key of {_BUNDLE_HINT}, and issue a new one if it expired"
+    )
+
+
+def early_close(address: BrokerAddress, last_error: str) -> str:
+    """One line: the broker closed the connection before it answered CONNECT."""
+    upper = last_error.upper()
+    if address.tls and any(alert in upper for alert in _CLIENT_CERT_ALERTS):
+        return client_certificate_refusal(address, last_error)
+    if not address.tls:
+        return (
+            f"broker {address} closed the connection before answering CONNECT; if port {address.port} is a TLS "
+            "listener, use mqtts:// (and its CA file); otherwise see the broker's log"
+        )
+    if "EOF" in upper:  # mosquitto may drop a TLS connection whose client certificate it refuses without an alert
+        return client_certificate_refusal(address)
+    detail = f" ({last_error})" if last_error else ""
+    return f"broker {address} closed the connection before answering CONNECT{detail}; see the broker's log"
+
+
+def login_refusal(address: BrokerAddress, client_id: str, reason: str, will_topic: str | None = None) -> str:
+    """One line: why the broker's CONNACK refused this login (``reason`` as paho names the code), and the fix."""
+    if reason in ("Not authorized", "Bad user name or password"):
+        if address.username is None:
+            return (
+                f"broker {address} refused an anonymous login ({reason}): it needs a user name and password; "
+                "pass this device's fleet bundle, or a user name and a password file"
+            )
+        causes = "wrong password or unknown user"
+        if client_id != address.username:
+            causes += f", or the MQTT client id {client_id!r} is not the user name (fleet brokers require it)"
+        if will_topic is not None:
+            causes += f", or its ACL does not allow the last will's topic {will_topic}"
+        return (
+            f"broker {address} refused user {address.username!r} ({reason}): {causes}; "
+            "use the password file from the same fleet kit as the broker's password file"
+        )
+    if reason == "Client identifier not valid":
+        return f"broker {address} refused MQTT client id {client_id!r}; use letters, digits, '-' and '_' only"
+    return f"broker {address} refused the connection: {reason}"
+
+
+def subscription_refusal(address: BrokerAddress, client_id: str, filters: Sequence[str]) -> str:
+    """One line: the broker's ACL refused these subscriptions (SUBACK 0x80)."""
+    who = f"user {address.username!r}" if address.username else "an anonymous client"
+    return (
+        f"broker {address} refused the subscription to {', '.join(filters)} of {who} (SUBACK failure: its ACL "
+        "does not allow it); check that the run name and client id are those of the fleet kit the ACL came from"
+    )
+
+
+# --- credentials and fleet bundles -------------------------------------------------------------------------------
+
+
+def read_secret(path: str | os.PathLike[str]) -> str:
+    """The secret in the first line of a credential file; warns when other users may read the file."""
+    file = Path(path)
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+        mode = file.stat().st_mode
+    except FileNotFoundError:
+        raise TransportError(
+            f"credential file {file} does not exist; copy it from this device's fleet bundle"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TransportError(f"cannot read credential file {file}: {exc}") from None
+    if not lines or not lines[0].strip():
+        raise TransportError(f"credential file {file} is empty; copy it from this device's fleet bundle")
+    if mode & 0o077:
+        log.warning("credential file %s can be read by other users; run: chmod 600 %s", file, file)
+    return lines[0].strip()
+
+
+def with_credentials(
+    address: BrokerAddress,
+    *,
+    username: str | None = None,
+    password_file: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> BrokerAddress:
+    """``address`` with the user name and password to log in with; unchanged when none is given anywhere.
+
+    User name: ``username``, else the URL's, else ``$FEDGE_MQTT_USERNAME``. Password: the first line of
+    ``password_file``, else ``$FEDGE_MQTT_PASSWORD``, else the URL's (a URL's password is visible in process lists).
+    """
+    env = os.environ if environ is None else environ
+    user = username or address.username or env.get(USERNAME_ENV) or None
+    if password_file is not None:
+        password: str | None = read_secret(password_file)
+    else:
+        password = env.get(PASSWORD_ENV) or address.password
+    if user is None:
+        if password is not None:
+            raise ConfigError(f"a password for broker {address} is given but no user name; pass the user name too")
+        return address
+    return address.with_login(user, password)
+
+
+Role = Literal["client", "coordinator"]
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """One device's part of a fleet kit: who it is in which run, and how it reaches and logs in to the broker."""
+
+    role: Role
+    run: str
+    username: str  # also the MQTT client id: fleet brokers bind client ids to user names
+    address: BrokerAddress  # with the password and absolute paths of the TLS files
+    client_id: str | None = None  # this client's fedge id; None for the coordinator
+    clients: tuple[str, ...] = ()  # for the coordinator: the ids provisioned in this run
+
+    def __repr__(self) -> str:
+        return f"Bundle({self.role} {self.client_id or ''} of run {self.run!r} at {self.address}, user {self.username})"
+
+
+def load_bundle(directory: str | os.PathLike[str], *, broker: str | None = None) -> Bundle:
+    """Read the bundle a fleet kit made for one device (``clients/<id>/`` or ``coordinator/``).
+
+    ``broker`` replaces the bundle's broker URL (scheme, host and port only; e.g. the port of a test broker).
+    """
+    folder = Path(directory)
+    path = folder / BUNDLE_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"no {BUNDLE_FILE} in {folder}; pass the directory a fleet kit made for this device "
+            "(clients/<id>/ or coordinator/)"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read fleet bundle {path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != BUNDLE_FORMAT:
+        raise ConfigError(f"{path} is not a fedge fleet bundle of format {BUNDLE_FORMAT}; make a new fleet kit")
+    try:
+        role, run, username = data["role"], check_name(data["run"], "run name"), data["username"]
+        client_id = check_name(data["client_id"], "client id") if data.get("client_id") is not None else None
+        clients = tuple(check_name(c, "client id") for c in data.get("clients", ()))
+        base = BrokerAddress.parse(broker or data["broker"])
+    except (KeyError, TypeError) as exc:
+        raise ConfigError(f"fleet bundle {path} lacks or garbles {exc}; make a new fleet kit") from None
+    if role not in ("client", "coordinator") or (role == "client") != (client_id is not None):
+        raise ConfigError(f"fleet bundle {path} has role {role!r} and client id {client_id!r}; make a new fleet kit")
+
+    def local(key: str) -> str | None:
+        name = data.get(key)
+        if name is None:
+            return None
+        file = folder / name
+        if not file.is_file():
+            raise ConfigError(f"fleet bundle {folder} lacks {name}; copy the whole directory from the fleet kit")
+        return str(file.resolve())
+
+    address = BrokerAddress(base.host, base.port, tls=base.tls)
+    if base.tls:
+        address = address.with_tls(
+            ca_file=local("ca_file"),
+            cert_file=local("cert_file"),
+            key_file=local("key_file"),
+            verify_hostname=bool(data.get("verify_hostname", True)),
+        )
+    password_file = local("password_file")
+    password = read_secret(password_file) if password_file else None
+    return Bundle(role, run, username, address.with_login(username, password), client_id, clients)

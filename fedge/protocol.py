@@ -16,9 +16,9 @@ then the "remaining length" as a 1-4 byte varint) plus the remaining length.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from fedge import wire
 from fedge.errors import CodecError, ConfigError
@@ -26,6 +26,7 @@ from fedge.messages import Message, decode, encode
 
 ROOT = "fedge"
 DEFAULT_PORT = 1883
+DEFAULT_TLS_PORT = 8883  # MQTT over TLS (IANA "secure-mqtt")
 
 # Message kinds of the deployment protocol, on top of fedge.messages' TASK / BROADCAST / UPDATE.
 STATUS = "status"  # a client's hello (online) or last will (offline); metadata only
@@ -114,42 +115,107 @@ class Topics:
 
 @dataclass(frozen=True)
 class BrokerAddress:
-    """Where a broker listens; written ``mqtt://HOST:PORT``."""
+    """Where a broker listens and how to log in: ``mqtt://HOST:PORT``, or ``mqtts://HOST:PORT`` for TLS.
+
+    ``port`` 0 means the scheme's default (1883, or 8883 with TLS). ``ca_file`` (None: the system's trusted CAs),
+    ``cert_file``/``key_file`` (a client certificate for mutual TLS) and ``verify_hostname`` only apply to TLS.
+    The password never appears in ``url``, ``str``, ``repr`` or an error message, so an address can be logged.
+    """
 
     host: str
-    port: int = DEFAULT_PORT
+    port: int = 0
+    tls: bool = False
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    verify_hostname: bool = True
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ConfigError("broker host must not be empty")
+        if self.port == 0:
+            object.__setattr__(self, "port", DEFAULT_TLS_PORT if self.tls else DEFAULT_PORT)
         if not 0 < self.port < 65536:
             raise ConfigError(f"broker port must be in 1..65535, got {self.port}")
+        if self.password is not None and not self.username:
+            raise ConfigError(f"broker {self.url}: a password needs a user name")
+        if self.username is not None and (not self.username or ":" in self.username):
+            raise ConfigError(f"broker {self.url}: user name {self.username!r} must be non-empty and without ':'")
+        tls_files = {"CA file": self.ca_file, "certificate": self.cert_file, "key": self.key_file}
+        if not self.tls and any(tls_files.values()):
+            given = ", ".join(k for k, v in tls_files.items() if v)
+            raise ConfigError(f"broker {self.url}: a TLS {given} is given but the URL is not TLS; use mqtts://")
+        if self.key_file and not self.cert_file:
+            raise ConfigError(f"broker {self.url}: a client key needs its certificate (cert_file)")
+
+    @property
+    def scheme(self) -> str:
+        return "mqtts" if self.tls else "mqtt"
 
     @property
     def url(self) -> str:
-        return f"mqtt://{self.host}:{self.port}"
+        """``scheme://host:port``, without user name or password (safe to log and to write into a run's config)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
+        return f"{self.scheme}://{host}:{self.port}"
 
     def __str__(self) -> str:
         return self.url
 
+    def with_login(self, username: str, password: str | None) -> BrokerAddress:
+        """This address with another user name and password."""
+        return replace(self, username=username, password=password)
+
+    def with_tls(
+        self,
+        *,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        verify_hostname: bool = True,
+    ) -> BrokerAddress:
+        """This address over TLS (same port) with the given CA file and optional client certificate and key."""
+        return replace(
+            self, tls=True, ca_file=ca_file, cert_file=cert_file, key_file=key_file, verify_hostname=verify_hostname
+        )
+
     @classmethod
     def parse(cls, text: str) -> BrokerAddress:
-        """``mqtt://host[:port]``, ``tcp://host[:port]`` or ``host[:port]``."""
+        """``mqtt://[user[:password]@]host[:port]`` (also ``tcp://`` or no scheme), or ``mqtts://`` / ``ssl://``.
+
+        User name and password are percent-decoded (write ``%40`` for ``@``); without a port, 1883 or 8883 (TLS).
+        """
         raw = text.strip()
         if "://" not in raw:
             raw = "mqtt://" + raw
         parts = urlsplit(raw)
-        if parts.scheme in ("mqtts", "ssl", "wss", "ws"):
-            raise ConfigError(f"broker URL {text!r}: only plain TCP (mqtt://HOST:PORT) is supported so far")
-        if parts.scheme not in ("mqtt", "tcp"):
-            raise ConfigError(f"broker URL {text!r} must look like mqtt://HOST:PORT")
+        shown = _redact(raw, parts)  # what error messages may repeat
+        if parts.scheme in ("ws", "wss"):
+            raise ConfigError(f"broker URL {shown!r}: websockets are not supported; use mqtt:// or mqtts://")
+        if parts.scheme not in ("mqtt", "tcp", "mqtts", "ssl"):
+            raise ConfigError(f"broker URL {shown!r} must look like mqtt://HOST:PORT or mqtts://HOST:PORT")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ConfigError(f"broker URL {shown!r} must not have a path or query; write mqtt://HOST:PORT")
         try:
-            port = parts.port or DEFAULT_PORT
+            port = parts.port or 0
         except ValueError as exc:
-            raise ConfigError(f"broker URL {text!r} has an invalid port: {exc}") from None
+            raise ConfigError(f"broker URL {shown!r} has an invalid port: {exc}") from None
         if not parts.hostname:
-            raise ConfigError(f"broker URL {text!r} lacks a host, e.g. mqtt://127.0.0.1:1883")
-        return cls(parts.hostname, port)
+            raise ConfigError(f"broker URL {shown!r} lacks a host, e.g. mqtt://127.0.0.1:1883")
+        username = unquote(parts.username) if parts.username is not None else None
+        password = unquote(parts.password) if parts.password is not None else None
+        tls = parts.scheme in ("mqtts", "ssl")
+        return cls(parts.hostname, port, tls=tls, username=username or None, password=password)
+
+
+def _redact(raw: str, parts: SplitResult) -> str:
+    """``raw`` with the password of its user-info replaced by ``***``."""
+    if parts.password is None:
+        return raw
+    user_info, _, rest = parts.netloc.rpartition("@")
+    user = user_info.split(":", 1)[0]
+    return raw.replace(parts.netloc, f"{user}:***@{rest}", 1)
 
 
 # --- client status (hello / last will) --------------------------------------------------------------------------

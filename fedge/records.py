@@ -153,13 +153,16 @@ class RoundRecord:
             return {}
         compute = [t.compute_s for t in rows]
         comm = [t.round_trip_s - t.compute_s for t in rows]
-        return {
+        out = {
             "client_compute_s": sum(compute) / len(rows),
             "client_compute_s_max": max(compute),
-            "client_cpu_s": sum(t.cpu_s for t in rows) / len(rows),
             "client_comm_s": sum(comm) / len(rows),
             "client_comm_s_max": max(comm),
         }
+        cpu = [t.cpu_s for t in rows if not math.isnan(t.cpu_s)]  # a client may report wall time only
+        if cpu:
+            out["client_cpu_s"] = sum(cpu) / len(cpu)
+        return out
 
     def to_json(self) -> dict[str, Any]:
         """The flat metrics.jsonl line."""

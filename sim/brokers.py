@@ -4,13 +4,32 @@ Both listen on 127.0.0.1 only and are context managers yielding the URL ``mqtt:/
 
     with embedded_broker() as url: ...       # nothing to install (amqtt runs in a thread of this process)
     with mosquitto_broker() as url: ...      # needs the mosquitto binary (apt-get install mosquitto)
+
+Secured by a fleet kit (:mod:`coordinator.fleet`), yielding ``mqtts://127.0.0.1:PORT`` (``mqtt://`` for a kit
+without TLS); connect with the kit's bundles (:func:`common.mqtt.load_bundle` with ``broker=url``):
+
+    with fleet_mosquitto(kit.broker_dir) as url: ...               # mosquitto run from the kit's mosquitto.conf
+    with embedded_broker(fleet=kit.broker_dir) as url: ...         # amqtt with the kit's users and ACL
+
+What the embedded broker (amqtt 0.12.1) enforces of a fleet kit, and what it does not:
+- enforced: no anonymous login; each user's password (the kit's Argon2 file, amqtt's FileAuthPlugin); the kit's
+  ACL on publish (denied messages are acknowledged and dropped, as mosquitto does), on subscribe (SUBACK 0x80, which
+  mosquitto 2.0 never sends: it filters on delivery instead) and on delivery; client id = user name; a last will
+  only on a topic its user may publish to; TLS 1.2+ with the kit's server certificate.
+- NOT enforced: amqtt acts on a CONNECT's client id before it checks the password. With a clean session it first
+  deletes the subscriptions of a connected client of that id, so anyone who can reach the port can cut that client
+  off from its tasks without logging in (broker.py, ``_initialize_client_session``); it still cannot read or
+  publish anything. Loopback binding limits this to processes on the same machine. Mutual TLS is not required
+  (amqtt sets ``CERT_OPTIONAL``). Use :func:`fleet_mosquitto` where that matters.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -18,8 +37,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from amqtt.plugins.authentication import FileAuthPlugin
+from amqtt.plugins.topic_checking import TopicAccessControlListPlugin
+from amqtt.session import Session
 
 from fedge.errors import TransportError
 
@@ -47,23 +71,86 @@ def wait_for_port(host: str, port: int, timeout: float) -> bool:
     return False
 
 
-@contextlib.contextmanager
-def embedded_broker(port: int | None = None, *, sys_interval: int = 0) -> Iterator[str]:
-    """An amqtt broker on 127.0.0.1 in its own thread and event loop; anonymous clients allowed.
+class FleetAuthPlugin(FileAuthPlugin):
+    """amqtt's password-file check, plus two rules a fleet's mosquitto enforces: the MQTT client id is the user name
+    (``use_username_as_clientid``), and a last will may only go to a topic its user may publish to."""
 
-    ``sys_interval`` > 0 makes it publish ``$SYS/broker/load/bytes/{received,sent}`` every that many seconds.
+    @dataclass
+    class Config:
+        password_file: str | None = None  # Argon2 lines, as the fleet kit's amqtt-passwd
+        publish_acl: dict[str, list[str]] = field(default_factory=dict)
+
+    async def authenticate(self, *, session: Session) -> bool | None:
+        if not session.username:
+            return False  # amqtt would ignore the plugin's None; a fleet broker has no anonymous users
+        if not await super().authenticate(session=session):
+            return False
+        if session.client_id != session.username:
+            self.context.logger.info(f"refused {session.username!r}: client id {session.client_id!r} is not its name")
+            return False
+        if session.will_flag:
+            # amqtt publishes a last will without any ACL check: without this, a client could forge another's
+            # "offline" status by naming that client's status topic as its will and dropping its connection.
+            allowed = self.config.publish_acl.get(session.username, [])
+            if not any(TopicAccessControlListPlugin.topic_ac(session.will_topic or "", t) for t in allowed):
+                self.context.logger.info(f"refused {session.username!r}: last will on {session.will_topic!r}")
+                return False
+        return True
+
+
+class FleetTopicPlugin(TopicAccessControlListPlugin):
+    """amqtt's topic ACL with all three of its lists: its own ``Config`` declares only the publish list and the
+    deprecated ``acl``, so amqtt 0.12.1 cannot be given the subscribe and receive lists otherwise."""
+
+    @dataclass
+    class Config:
+        publish_acl: dict[str, list[str]] = field(default_factory=dict)
+        subscribe_acl: dict[str, list[str]] = field(default_factory=dict)
+        receive_acl: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _fleet_plugins(broker_dir: Path) -> dict[str, Any]:
+    """amqtt plugin settings for a fleet kit's users (amqtt-passwd) and ACL (acl.json)."""
+    passwords, acl_file = broker_dir / "amqtt-passwd", broker_dir / "acl.json"
+    if not passwords.is_file() or not acl_file.is_file():
+        raise TransportError(f"{broker_dir} is not the broker directory of a fleet kit (no amqtt-passwd or acl.json)")
+    acl = json.loads(acl_file.read_text())
+    write = {user: list(grant["write"]) for user, grant in acl.items()}
+    read = {user: list(grant["read"]) for user, grant in acl.items()}
+    return {
+        f"{__name__}.FleetAuthPlugin": {"password_file": str(passwords), "publish_acl": write},
+        f"{__name__}.FleetTopicPlugin": {"publish_acl": write, "subscribe_acl": read, "receive_acl": read},
+    }
+
+
+@contextlib.contextmanager
+def embedded_broker(
+    port: int | None = None, *, sys_interval: int = 0, fleet: str | os.PathLike[str] | None = None
+) -> Iterator[str]:
+    """An amqtt broker on 127.0.0.1 in its own thread and event loop; yields its URL.
+
+    Without ``fleet``, anonymous clients may do anything. With ``fleet`` (a fleet kit's ``broker`` directory), it
+    takes the kit's users and ACL and, when the kit has a server certificate, speaks TLS (``mqtts://``); see the
+    module docstring for what it does not enforce. ``sys_interval`` > 0 makes it publish
+    ``$SYS/broker/load/bytes/{received,sent}`` every that many seconds.
     """
     from amqtt.broker import Broker
 
     port = port or free_port()
-    plugins: dict[str, Any] = {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}
+    # Bind loopback only: amqtt's default is 0.0.0.0:1883, which would expose a laptop run to the network.
+    listener: dict[str, Any] = {"type": "tcp", "bind": f"127.0.0.1:{port}", "max_connections": -1}
+    scheme = "mqtt"
+    if fleet is None:
+        plugins: dict[str, Any] = {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}
+    else:
+        broker_dir = Path(fleet)
+        plugins = _fleet_plugins(broker_dir)
+        if (broker_dir / "server.crt").is_file():
+            listener.update(ssl=True, certfile=str(broker_dir / "server.crt"), keyfile=str(broker_dir / "server.key"))
+            scheme = "mqtts"
     if sys_interval > 0:
         plugins["amqtt.plugins.sys.broker.BrokerSysPlugin"] = {"sys_interval": sys_interval}
-    config = {
-        # Bind loopback only: amqtt's default is 0.0.0.0:1883, which would expose a laptop run to the network.
-        "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{port}", "max_connections": -1}},
-        "plugins": plugins,
-    }
+    config = {"listeners": {"default": listener}, "plugins": plugins}
     logging.getLogger("amqtt").setLevel(logging.ERROR)  # it logs every PUBACK race as a warning
     logging.getLogger("transitions").setLevel(logging.WARNING)  # amqtt's state machine logs every transition
     loop = asyncio.new_event_loop()
@@ -71,8 +158,16 @@ def embedded_broker(port: int | None = None, *, sys_interval: int = 0) -> Iterat
     failure: list[BaseException] = []
     holder: dict[str, Broker] = {}
 
+    def quiet_resets(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        # amqtt lets the reset of a connection it refused reach asyncio, which would print a traceback for it.
+        if isinstance(context.get("exception"), (ConnectionResetError, BrokenPipeError)):
+            log.debug("embedded broker: a client dropped its connection: %s", context.get("exception"))
+            return
+        loop.default_exception_handler(context)
+
     def serve() -> None:
         asyncio.set_event_loop(loop)
+        loop.set_exception_handler(quiet_resets)
 
         async def start() -> None:
             broker = Broker(config, loop=loop)
@@ -95,8 +190,8 @@ def embedded_broker(port: int | None = None, *, sys_interval: int = 0) -> Iterat
         raise TransportError(
             f"the embedded MQTT broker could not start on 127.0.0.1:{port}: {failure[:1] or 'timeout'}"
         )
-    url = f"mqtt://127.0.0.1:{port}"
-    log.info("embedded broker (amqtt) listening on %s", url)
+    url = f"{scheme}://127.0.0.1:{port}"
+    log.info("embedded broker (amqtt) listening on %s%s", url, " with a fleet kit's users and ACL" if fleet else "")
     try:
         yield url
     finally:
@@ -134,6 +229,7 @@ def mosquitto_broker(port: int | None = None, *, sys_interval: int = 1, binary: 
             f"sys_interval {sys_interval}\n"
             "persistence false\n"
             "max_queued_messages 10000\n"  # a round queues one task per client at once
+            "set_tcp_nodelay true\n"  # else a message sent right after a PUBACK waits 40 ms for a delayed ACK
             "log_dest stderr\n"
             "log_type error\nlog_type warning\nlog_type notice\n"
         )
@@ -148,6 +244,46 @@ def mosquitto_broker(port: int | None = None, *, sys_interval: int = 1, binary: 
                     )
                 url = f"mqtt://127.0.0.1:{port}"
                 log.info("mosquitto (pid %d) listening on %s", proc.pid, url)
+                yield url
+            finally:
+                stop_process(proc)
+
+
+@contextlib.contextmanager
+def fleet_mosquitto(broker_dir: str | os.PathLike[str], *, binary: str | None = None) -> Iterator[str]:
+    """mosquitto run from a fleet kit's generated ``mosquitto.conf`` (in ``broker_dir``); yields the URL to reach it
+    from this machine (the listener's bind address, else 127.0.0.1). Stopped by PID."""
+    exe = binary or find_mosquitto()
+    conf = Path(broker_dir) / "mosquitto.conf"
+    try:
+        text = conf.read_text()
+    except OSError as exc:
+        raise TransportError(f"cannot read {conf}: {exc.strerror}; pass the broker directory of a fleet kit") from None
+    listeners = [line.split() for line in text.splitlines() if line.startswith("listener ")]
+    if len(listeners) != 1:
+        raise TransportError(f"{conf} must have exactly one listener line, has {len(listeners)}")
+    port, host = int(listeners[0][1]), (listeners[0][2:] or ["127.0.0.1"])[0]
+    scheme = "mqtts" if any(line.startswith("certfile ") for line in text.splitlines()) else "mqtt"
+    with tempfile.TemporaryDirectory(prefix="fedge-fleet-mosquitto-") as tmp:
+        if os.geteuid() == 0:
+            # Started as root, mosquitto becomes user 'mosquitto' before it reads the password file, ACL and keys,
+            # which the kit keeps private to the user who made them (root here, in a container or CI).
+            effective = Path(tmp) / "mosquitto.conf"
+            effective.write_text(
+                text + "\n# added by sim.brokers.fleet_mosquitto: the kit's files belong to root\nuser root\n"
+            )
+            conf = effective
+        log_path = Path(tmp) / "mosquitto.log"
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen([exe, "-c", str(conf)], stdout=log_file, stderr=subprocess.STDOUT)
+            try:
+                if not wait_for_port(host, port, 10.0):
+                    proc.kill()
+                    raise TransportError(
+                        f"mosquitto did not start from {conf}: {log_path.read_text()[-1000:] or 'no output'}"
+                    )
+                url = f"{scheme}://{host}:{port}"
+                log.info("mosquitto (pid %d) from fleet kit %s listening on %s", proc.pid, broker_dir, url)
                 yield url
             finally:
                 stop_process(proc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -21,12 +22,20 @@ from mqtt_support import (  # noqa: F401 - pytest fixtures
 
 from common.mqtt import MqttLink
 from coordinator.mqtt import MqttTransport
+from coordinator.replies import CATEGORIES
 from coordinator.transport import Exchange
-from fedge.algorithms.base import Evaluation, RoundPlan, Strategy
+from fedge.algorithms.base import Evaluation, RoundPlan, ServerContext, Strategy, TensorSpec
 from fedge.config import RunConfig
 from fedge.errors import TransportError
 from fedge.messages import BROADCAST, TASK, UPDATE, Message, encode
-from fedge.protocol import BrokerAddress, ClientStatus, delivery_wire_bytes, encode_status
+from fedge.protocol import (
+    COMPUTE_S,
+    BrokerAddress,
+    ClientStatus,
+    delivery_wire_bytes,
+    encode_status,
+    error_message,
+)
 from fedge.types import ClientId
 from sim.brokers import free_port, mosquitto_broker
 
@@ -34,9 +43,7 @@ pytestmark = pytest.mark.broker
 
 
 class VectorStrategy(Strategy):
-    """Just enough of a strategy to validate replies: one float32 tensor "w" of 4 values."""
-
-    name = "vector"
+    """Just enough of a strategy to judge replies: one float32 tensor "w" of 4 values."""
 
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
         return RoundPlan(
@@ -50,24 +57,37 @@ class VectorStrategy(Strategy):
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
         return None
 
-    def expected_reply_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def reply_tensors(self) -> dict[str, TensorSpec]:
         return {"w": ((4,), torch.float32)}
 
 
-def update(run: str, client: str, rnd: int, w: torch.Tensor | None = None, **params: str) -> bytes:
+def vector_strategy(run: str) -> VectorStrategy:
+    return VectorStrategy(RunConfig(), ServerContext(lambda: torch.nn.Linear(1, 1), 2, run_id=run))
+
+
+def update(
+    run: str,
+    client: str,
+    rnd: int,
+    w: torch.Tensor | None = None,
+    transport: dict[str, str] | None = None,
+    **params: str,
+) -> bytes:
     w = torch.ones(4) if w is None else w
     params = {"num_examples": "3", **params}
-    return encode(Message(UPDATE, rnd, run=run, client=client, params=params, tensors={"w": w}))
+    return encode(
+        Message(UPDATE, rnd, run=run, client=client, params=params, tensors={"w": w}, transport=transport or {})
+    )
 
 
-def start_round(transport: MqttTransport, strategy: Strategy, clients: list[str], rnd: int = 1):  # type: ignore[no-untyped-def]
+def start_round(
+    transport: MqttTransport, strategy: Strategy, clients: list[str], rnd: int = 1
+) -> tuple[threading.Thread, dict[str, Exchange], RoundPlan]:
     """Run ``exchange`` in a thread; the test plays the clients meanwhile."""
     holder: dict[str, Exchange] = {}
     plan = strategy.configure(rnd, clients)
     thread = threading.Thread(
-        target=lambda: holder.setdefault(
-            "ex", transport.exchange(plan, lambda c, m: strategy.validate_reply(rnd, c, m))
-        ),
+        target=lambda: holder.setdefault("ex", transport.exchange(plan, lambda c, m: strategy.check_reply(rnd, c, m))),
         daemon=True,  # a failing test must not leave pytest waiting for the round's deadline
     )
     thread.start()
@@ -79,13 +99,13 @@ def test_every_bad_message_is_rejected_with_its_reason_and_the_round_completes(
     fake_clients: Callable[..., FakeClient],  # noqa: F811
 ) -> None:
     run = "bad"
-    strategy = VectorStrategy(RunConfig(), lambda: torch.nn.Linear(1, 1), 2, run_id=run)
+    strategy = vector_strategy(run)
     with MqttTransport(BrokerAddress.parse(broker_url), run, round_timeout=30) as transport:
-        fakes = [fake_clients(broker_url, run, c) for c in ("c000", "c001")]
-        assert transport.wait_for_clients(2, 10) == ["c000", "c001"]
+        fakes = [fake_clients(broker_url, run, c) for c in ("c000", "c001", "c002")]
+        assert transport.wait_for_clients(3, 10) == ["c000", "c001", "c002"]
         sender = MqttLink(BrokerAddress.parse(broker_url), "attacker").start(10)
-        thread, holder, _ = start_round(transport, strategy, ["c000", "c001"])
-        for fake in fakes:
+        thread, holder, _ = start_round(transport, strategy, ["c000", "c001"])  # c002 is online but not sampled
+        for fake in fakes[:2]:
             fake.next(TASK)
             fake.next(BROADCAST)
         t = transport.topics
@@ -96,68 +116,82 @@ def test_every_bad_message_is_rejected_with_its_reason_and_the_round_completes(
             (t.update("c000"), update(run, "c000", 0)),
             (t.update("c000"), update(run, "c000", 2)),
             (t.update("c999"), update(run, "c999", 1)),
+            (t.update("c002"), update(run, "c002", 1)),
             (t.update("c001"), update(run, "c001", 1, torch.ones(5))),
             (t.update("c001"), update(run, "c001", 1, torch.ones(4, dtype=torch.float64))),
             (t.update("c001"), update(run, "c001", 1, nan)),
             (t.update("c000"), update(run, "c001", 1)),
             (t.update("c000"), update("other-run", "c000", 1)),
             (t.update("c000"), update(run, "c000", 1, loss="low")),  # aggregation would choke on it later
+            (t.update("c000"), update(run, "c000", 1, transport={COMPUTE_S: "0.25"})),
             (t.update("c000"), update(run, "c000", 1)),
-            (t.update("c000"), update(run, "c000", 1)),
-            (t.update("c001"), update(run, "c001", 1, **{"mqtt.compute_s": "soon"})),  # bad timing: accepted
+            (t.update("c001"), update(run, "c001", 1, transport={COMPUTE_S: "soon"})),  # bad timing: accepted
         ]:
             sender.publish(topic, payload)
         thread.join(30)
         sender.close()
     ex = holder["ex"]
-    assert sorted(ex.replies) == ["c000", "c001"] and ex.dropped == []
-    categories = Counter(r.reason.split(":")[0] for r in ex.rejected)
-    expected = {
+    assert sorted(ex.replies) == ["c000", "c001"] and ex.drops == []
+    categories = Counter(r.category for r in ex.rejections)
+    assert categories == {
         "unparseable": 1,
         "late": 1,
         "wrong round": 1,
         "unknown client": 1,
-        "invalid": 4,  # wrong shape, wrong dtype, wrong run, a loss that is not a number
-        "non-finite": 1,
+        "not sampled": 1,
+        "invalid": 5,  # wrong shape, wrong dtype, NaN, wrong run, a loss that is not a number
         "wrong sender": 1,
         "duplicate": 1,
     }
-    assert categories == expected
-    assert dict(transport.rejection_counts) == expected
-    # Every message that arrived is in the ledger: 13 uploads, the broadcast and two tasks.
+    assert set(categories) <= set(CATEGORIES)
+    invalid = [r for r in ex.rejections if r.category == "invalid"]
+    for rejection, why in zip(invalid, ("[5]", "float64", "NaN", "'other-run'", "'loss'"), strict=True):
+        assert why in rejection.detail, rejection
+    assert [r.client for r in ex.rejections if r.category in ("unknown client", "not sampled")] == ["c999", "c002"]
+    # The timings of the accepted replies travel in the exchange; a client's nonsense compute time becomes NaN.
+    timings = {x.client: x for x in ex.timings}
+    assert timings["c000"].compute_s == 0.25 and math.isnan(timings["c001"].compute_s)
+    assert all(x.round_trip_s >= 0 for x in ex.timings)
+    # Every message that arrived is in the ledger: 14 uploads, the broadcast and two tasks.
     ups = [e for e in ex.entries if e.direction == "up"]
-    assert len(ups) == 13 and ups[0].kind == "invalid" and ups[0].tensor_bytes == 0
+    assert len(ups) == 14 and ups[0].kind == "invalid" and ups[0].tensor_bytes == 0
     (bc,) = [e for e in ex.entries if e.kind == "broadcast"]
     assert bc.recipients == 2 and bc.tensor_bytes == 16
-    assert bc.wire_bytes == delivery_wire_bytes(transport.topics.broadcast, bc.payload_bytes, subscribers=2)
+    # Counted for the two sampled clients, but the broker delivers a copy to every online subscriber.
+    assert bc.wire_bytes == delivery_wire_bytes(transport.topics.broadcast, bc.payload_bytes, subscribers=3)
 
 
-def test_silent_and_offline_clients_are_dropped_with_reasons(
+def test_silent_failed_and_offline_clients_are_dropped_with_reasons(
     embedded_url: str,  # noqa: F811
     fake_clients: Callable[..., FakeClient],  # noqa: F811
 ) -> None:
     run = "drops"
-    strategy = VectorStrategy(RunConfig(), lambda: torch.nn.Linear(1, 1), 2, run_id=run)
+    strategy = vector_strategy(run)
+    clients = ["c000", "c001", "c002", "c003"]
     with MqttTransport(BrokerAddress.parse(embedded_url), run, round_timeout=2.0, rejoin_grace=0.5) as transport:
-        fakes = {c: fake_clients(embedded_url, run, c) for c in ("c000", "c001", "c002")}
-        transport.wait_for_clients(3, 10)
-        thread, holder, _ = start_round(transport, strategy, ["c000", "c001", "c002"])
+        fakes = {c: fake_clients(embedded_url, run, c) for c in clients}
+        transport.wait_for_clients(4, 10)
+        thread, holder, plan = start_round(transport, strategy, clients)
         for fake in fakes.values():
             fake.next(TASK)
         fakes["c000"].link.publish(transport.topics.update("c000"), update(run, "c000", 1))
-        # c001 says goodbye the way its last will would; c002 stays silent.
+        # c001 says goodbye the way its last will would; c002 stays silent; c003 cannot do its task.
         offline = encode_status(ClientStatus(client="c001", state="offline", reason="connection lost"), run)
         fakes["c001"].link.publish(transport.topics.status("c001"), offline, retain=True)
+        failed = encode(error_message(plan.tasks["c003"], "no open set here"))
+        fakes["c003"].link.publish(transport.topics.update("c003"), failed)
         started = time.monotonic()
         thread.join(10)
         assert time.monotonic() - started < 5
         assert "c001" not in transport.available_clients()
     ex = holder["ex"]
-    assert list(ex.replies) == ["c000"] and ex.dropped == ["c001", "c002"]
-    reasons = {d["client"]: d["reason"] for d in transport.drops}
-    assert reasons["c001"].startswith("went offline") and "connection lost" in reasons["c001"]
-    assert reasons["c002"].startswith("silent past the 2 s deadline")
-    assert transport.round_metrics[1]["drop_reasons"] == reasons
+    assert list(ex.replies) == ["c000"] and ex.dropped == ["c001", "c002", "c003"]
+    drops = {d.client: d for d in ex.drops}
+    assert drops["c001"].reason.startswith("went offline") and "connection lost" in drops["c001"].reason
+    assert drops["c001"].after_s < 1.5  # when it went offline, not when the round gave up on it
+    assert drops["c002"].reason.startswith("silent past the 2 s deadline") and drops["c002"].after_s >= 2.0
+    assert drops["c003"].reason == "client failed: no open set here"
+    assert [(r.client, r.category, r.detail) for r in ex.rejections] == [("c003", "client failed", "no open set here")]
 
 
 def test_a_client_that_reconnects_mid_round_gets_its_task_again(
@@ -165,7 +199,7 @@ def test_a_client_that_reconnects_mid_round_gets_its_task_again(
     fake_clients: Callable[..., FakeClient],  # noqa: F811
 ) -> None:
     run = "resend"
-    strategy = VectorStrategy(RunConfig(), lambda: torch.nn.Linear(1, 1), 2, run_id=run)
+    strategy = vector_strategy(run)
     with MqttTransport(BrokerAddress.parse(mosquitto_url), run, round_timeout=20) as transport:
         fake = fake_clients(mosquitto_url, run, "c000")
         transport.wait_for_clients(1, 10)
@@ -180,7 +214,7 @@ def test_a_client_that_reconnects_mid_round_gets_its_task_again(
         thread.join(20)
         assert fake.link.connections == 2
     ex = holder["ex"]
-    assert list(ex.replies) == ["c000"] and ex.dropped == []
+    assert list(ex.replies) == ["c000"] and ex.drops == []
     resent = [e for e in ex.entries if e.direction == "down" and e.client == "c000"]
     assert sorted(e.kind for e in resent) == ["broadcast", "task", "task"]
 
@@ -197,6 +231,7 @@ def test_waiting_for_clients_times_out_naming_who_is_missing_and_who_was_refused
         fake_clients(embedded_url, "join", "c001", model="resnet")
         with pytest.raises(TransportError, match=r"only 1 of 2 clients.*c001 refused: model 'resnet'"):
             transport.wait_for_clients(2, 1.0)
+        assert transport.presence.available() == ["c000"] and list(transport.presence.refused) == ["c001"]
 
 
 def test_an_unreachable_broker_is_a_clear_error() -> None:

@@ -11,7 +11,7 @@ from edge_client.mqtt import MqttEdgeClient
 from fedge.algorithms.base import ClientData
 from fedge.errors import ConfigError
 from fedge.messages import BROADCAST, TASK, UPDATE, Message, decode
-from fedge.protocol import BROADCAST_ROUND_PARAM, SESSION_PARAM, BrokerAddress
+from fedge.protocol import BROADCAST_ROUND, COMPUTE_CPU_S, COMPUTE_S, SESSION, BrokerAddress
 
 
 class StubClient:
@@ -46,12 +46,12 @@ def make() -> tuple[MqttEdgeClient, StubClient, list[Message]]:
 
 
 def task(rnd: int, session: str = "s1", *, with_broadcast: bool = True, **params: str) -> Message:
-    extra = {SESSION_PARAM: session, **({BROADCAST_ROUND_PARAM: str(rnd)} if with_broadcast else {}), **params}
-    return Message(TASK, rnd, run="lab", client="c000", params=extra)
+    meta = {SESSION: session, **({BROADCAST_ROUND: str(rnd)} if with_broadcast else {})}
+    return Message(TASK, rnd, run="lab", client="c000", params=params, transport=meta)
 
 
 def broadcast(rnd: int, session: str = "s1") -> Message:
-    return Message(BROADCAST, rnd, run="lab", params={SESSION_PARAM: session}, tensors={"w": torch.ones(2)})
+    return Message(BROADCAST, rnd, run="lab", tensors={"w": torch.ones(2)}, transport={SESSION: session})
 
 
 def test_a_task_waits_for_its_broadcast_whichever_arrives_first() -> None:
@@ -64,7 +64,9 @@ def test_a_task_waits_for_its_broadcast_whichever_arrives_first() -> None:
     server._on_task(task(3, with_broadcast=False))
     assert stub.calls == [(1, 1), (2, 2), (3, None)]
     assert [(m.kind, m.round) for m in sent] == [("update", 1), ("update", 2), ("update", 3)]
-    assert "mqtt.compute_s" in sent[0].params and "mqtt.compute_cpu_s" in sent[0].params
+    # The client's timings travel as transport metadata, apart from the algorithm's fields.
+    assert sent[0].params == {"num_examples": "3"}
+    assert float(sent[0].transport[COMPUTE_S]) >= 0 and float(sent[0].transport[COMPUTE_CPU_S]) >= 0
 
 
 def test_a_task_delivered_twice_is_answered_once() -> None:

@@ -50,7 +50,8 @@ def test_broker_address_parsing() -> None:
     assert BrokerAddress.parse("mqtt://10.0.0.5:1884") == BrokerAddress("10.0.0.5", 1884)
     assert BrokerAddress.parse("localhost") == BrokerAddress("localhost", 1883)
     assert BrokerAddress.parse("tcp://h:7").url == "mqtt://h:7"
-    for bad in ("mqtts://h:8883", "http://h", "mqtt://:1883", "mqtt://h:99999"):
+    assert BrokerAddress.parse("mqtts://h").port == 8883  # TLS, default port
+    for bad in ("http://h", "mqtt://:1883", "mqtt://h:99999"):
         with pytest.raises(ConfigError):
             BrokerAddress.parse(bad)
 

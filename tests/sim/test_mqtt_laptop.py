@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 from cli.main import main
 from common.experiment import prepare
 from edge_client.client import EdgeClient
+from fedge.algorithms.dsfl import DSFLSettings
 from fedge.backend import TorchBackend
-from fedge.config import AlgorithmConfig, RunConfig, TrainConfig
+from fedge.config import RunConfig, TrainConfig
 from fedge.ledger import read_ledger_csv
 from sim.laptop import client_processes, run_over_mqtt
 from sim.run import run_inprocess
@@ -50,15 +51,19 @@ def test_fedntd_over_mosquitto_gives_the_in_process_model_and_bytes(tmp_path: Pa
     result = run_over_mqtt(config, tmp_path / "mqtt", broker=mosquitto_url, round_timeout=60)
     assert_same_run(tmp_path / "inprocess", tmp_path / "mqtt")
     # Wire bytes: every round has them, and the broker's own counters agree within a few percent.
-    assert all(r["wire_bytes"] > r["payload_bytes_unicast"] for r in result.rounds)
+    assert all(r.bytes.wire > r.bytes.payload["unicast"] for r in result.rounds)
     bb = result.summary["broker_bytes"]
     assert abs(bb["diff_pct"]) < 3.0, bb
     assert result.summary["transport"] == "mqtt" and result.summary["dropped"] == []
+    assert result.summary["rejected"] == 0 and result.summary["rejected_by_reason"] == {}
+    assert sorted(result.summary["clients"]) == ["c000", "c001", "c002"] and result.summary["refused"] == {}
+    # Every reply's round trip and the client's own compute time were measured.
+    assert all(len(r.timings) == 3 and all(t.compute_s > 0 for t in r.timings) for r in result.rounds)
 
 
 def test_dsfl_over_the_embedded_broker_gives_the_in_process_model(tmp_path: Path) -> None:
-    algo = AlgorithmConfig(open_size=200, open_per_round=50, distill_epochs=1)
-    config = RunConfig(algorithm="dsfl", algo=algo, **TINY)  # type: ignore[arg-type]
+    algo = DSFLSettings(open_per_round=50, distill_epochs=1)
+    config = RunConfig(algorithm="dsfl", algo=algo, open_size=200, **TINY)  # type: ignore[arg-type]
     run_inprocess(config, tmp_path / "inprocess")
     result = run_over_mqtt(config, tmp_path / "mqtt", broker=None, round_timeout=60)  # embedded amqtt
     assert_same_run(tmp_path / "inprocess", tmp_path / "mqtt")

@@ -5,18 +5,21 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from common.rundir import summarize
-from fedge.config import AlgorithmConfig, RunConfig
+from common.rundir import RunWriter
+from fedge.algorithms.dsfl import DSFLSettings
+from fedge.config import RunConfig
 from fedge.errors import ConfigError, FedgeError
-from fedge.ledger import ByteLedger, LedgerEntry
+from fedge.ledger import BROADCAST_CLIENT, ByteLedger, LedgerEntry
+from fedge.records import ByteCounts, Drop, Rejection, RoundRecord
 from sim.report import run_label, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HEADER = 40  # payload bytes a message adds on top of its tensors
+SILENT = Drop("c001", "silent past the 300 s deadline", 300.0)  # as the MQTT transport drops a client
+NAN_REJECTION = ("invalid", "tensor 'w' holds NaN or infinite values")  # what judge_reply records for a NaN update
 
 
 def make_run(
@@ -29,76 +32,69 @@ def make_run(
     down: int,
     entropy: Sequence[float] | None = None,
     initial: dict[str, int] | None = None,
-    dropped: dict[int, list[str]] | None = None,
+    dropped: dict[int, list[Drop]] | None = None,
     rejected: dict[int, list[str]] | None = None,
     wire: int = 0,
 ) -> Path:
-    """A run directory as common.rundir writes: each sampled client uploads ``up`` tensor bytes, the server broadcasts
-    ``down``; ``None`` accuracies are rounds without evaluation; ``wire`` > 0 adds that many MQTT bytes per message
-    (and per broadcast copy) on top of the payload, as an MQTT run measures."""
+    """A run directory written by common.rundir's RunWriter from records built the way the round engine builds them:
+    each sampled client uploads ``up`` tensor bytes, the server broadcasts ``down``; ``None`` accuracies are rounds
+    without evaluation; ``wire`` > 0 adds that many MQTT bytes per message (and per broadcast copy) on top of the
+    payload, as an MQTT run measures. The quorum is all sampled clients but one."""
     path = root / name
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(config.to_json() + "\n")
     initial = initial or {}
-    clients = [f"c{i:03d}" for i in range(config.clients_per_round)]
+    clients = tuple(f"c{i:03d}" for i in range(config.clients_per_round))
+    quorum = len(clients) - 1
     ledger = ByteLedger()
-    rounds: list[dict[str, Any]] = []
-    history: list[list[float]] = []
+    writer = RunWriter(path, config, partition={})
+    rounds: list[RoundRecord] = []
+    best: float | None = None
+
+    def mqtt(payload: int, copies: int) -> int:
+        return copies * (payload + wire) if wire else 0
+
     for rnd, acc in enumerate(accuracies, start=1):
         gone = (dropped or {}).get(rnd, [])
         bad = (rejected or {}).get(rnd, [])
-        replied = [c for c in clients if c not in gone]
-        mqtt = (lambda payload, copies: copies * (payload + wire)) if wire else (lambda payload, copies: 0)
-        entries = [LedgerEntry(rnd, "up", c, "reply", 1, up, up + HEADER, mqtt(up + HEADER, 1)) for c in replied]
-        entries.append(
-            LedgerEntry(rnd, "down", "*", "task", len(clients), down, down + HEADER, mqtt(down + HEADER, len(clients)))
+        sent = [
+            c for c in clients if c not in {d.client for d in gone}
+        ]  # a rejected upload still crossed the wire: it is counted
+
+        ledger.extend(LedgerEntry(rnd, "up", c, "update", 1, up, up + HEADER, mqtt(up + HEADER, 1)) for c in sent)
+        copies = len(clients)
+        ledger.record(
+            LedgerEntry(
+                rnd, "down", BROADCAST_CLIENT, "broadcast", copies, down, down + HEADER, mqtt(down + HEADER, copies)
+            )
         )
-        ledger.extend(entries)
-        rb = ledger.round_bytes(rnd)
-        record: dict[str, Any] = {
-            "round": rnd,
-            "sampled": clients,
-            "replied": [c for c in replied if c not in bad],
-            "dropped": gone,
-            "rejected": [{"client": c, "reason": "non-finite values"} for c in bad],
-            "aggregated": len(gone) < 2,
-        }
-        if entropy is not None:
-            record["global_logit_entropy"] = entropy[rnd - 1]
+        replied = tuple(c for c in sent if c not in bad)
         if acc is not None:
-            history.append([acc, acc])
-            record["accuracy"] = acc
-            record["per_class_accuracy"] = [acc, acc]
-            record["forgetting"] = max(0.0, max(h[0] for h in history) - acc)
-        prev = rounds[-1] if rounds else None
-        for level in ("tensor", "payload"):
-            for model in ("multicast", "unicast"):
-                key = f"{level}_bytes_{model}"
-                record[key] = rb.total(level, model)
-                start = prev[f"cum_{key}"] if prev else (initial.get(model, 0) if level == "tensor" else 0)
-                record[f"cum_{key}"] = start + record[key]
-        record["wire_bytes"] = rb.total("wire")
-        record["cum_wire_bytes"] = (prev["cum_wire_bytes"] if prev else 0) + record["wire_bytes"]
-        record.update(
-            tensor_bytes_up=rb.up_tensor,
-            tensor_bytes_down_multicast=rb.down_tensor_multicast,
-            tensor_bytes_down_unicast=rb.down_tensor_unicast,
+            best = acc if best is None else max(best, acc)
+        record = RoundRecord(
+            round=rnd,
+            sampled=clients,
+            replied=replied,
+            aggregated=len(replied) >= quorum,
+            quorum=quorum,
+            bytes=ByteCounts.of(ledger.round_bytes(rnd), rounds[-1].bytes if rounds else None, initial),
+            drops=tuple(gone),
+            rejections=tuple(Rejection(c, *NAN_REJECTION) for c in bad),
+            metrics={"global_logit_entropy": entropy[rnd - 1]} if entropy is not None else {},
+            accuracy=acc,
+            per_class_accuracy=(acc, acc) if acc is not None else None,
+            forgetting=best - acc if best is not None and acc is not None else None,
             wall_s=0.5,
             exchange_s=0.1,
         )
+        writer.round(record)
         rounds.append(record)
-    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
-    ledger.write_csv(path / "ledger.csv")
-    summary = summarize(rounds, initial)
-    summary.update(model="tiny_mlp", transport="inprocess")
-    (path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    writer.finish(rounds, ledger, None, initial_bytes=initial, extra={"model": "tiny_mlp", "transport": "inprocess"})
     return path
 
 
 def fedntd(root: Path) -> Path:
     config = RunConfig(algorithm="fedntd", dataset="digits", num_clients=4, rounds=3, partition="shards")
     return make_run(
-        root, "fedntd", config, [0.5, 0.8, 0.91], up=40_000, down=40_000, dropped={2: ["c001"]}, rejected={3: ["c002"]}
+        root, "fedntd", config, [0.5, 0.8, 0.91], up=40_000, down=40_000, dropped={2: [SILENT]}, rejected={3: ["c002"]}
     )
 
 
@@ -109,7 +105,7 @@ def dsfl(root: Path, aggregation: str, accuracies: Sequence[float | None], name:
         num_clients=4,
         rounds=len(accuracies),
         partition="shards",
-        algo=AlgorithmConfig(aggregation=aggregation),
+        algo=DSFLSettings(aggregation=aggregation),
     )
     return make_run(
         root,
@@ -134,7 +130,7 @@ def test_run_label():
     assert run_label(RunConfig(algorithm="fedavg"), partition=False) == "FedAvg"
     era = RunConfig(algorithm="dsfl", partition="dirichlet", dirichlet_alpha=0.1)
     assert run_label(era) == "DS-FL ERA (Dir(α=0.1))"
-    sa = RunConfig(algorithm="dsfl", algo=AlgorithmConfig(aggregation="sa"))
+    sa = RunConfig(algorithm="dsfl", algo=DSFLSettings(aggregation="sa"))
     assert run_label(sa, partition=False) == "DS-FL SA"
 
 
@@ -153,7 +149,8 @@ def test_report_overlays_runs(tmp_path):
     assert "ComU@I" in text and "600.0 kB" in text and "2.4 MB" in text
     # FedNTD per round: 4 x 40 kB up + one 40 kB broadcast, 3 clients up in round 2 (c001 dropped).
     assert "| 1 | 50.00% |" in text and "200.0 kB" in text and "160.0 kB" in text
-    assert "dropped: no reply in time" in text and "rejected: non-finite values" in text
+    assert "| FedNTD | 2 | c001 | dropped: silent past the 300 s deadline |" in text
+    assert "| FedNTD | 3 | c002 | rejected: invalid: tensor 'w' holds NaN or infinite values |" in text
     assert "round skipped" not in text
     for name in (
         "accuracy_vs_round",
@@ -188,21 +185,44 @@ def test_duplicate_labels_and_different_partitions(tmp_path):
 
 def test_runs_without_accuracy(tmp_path):
     config = RunConfig(algorithm="fedavg", num_clients=4, rounds=2)
-    run = make_run(tmp_path, "noeval", config, [None, None], up=1_000, down=1_000, dropped={1: ["c000", "c001"]})
+    # As the in-process transport drops a client whose task failed: no time into the round (NaN).
+    failed = [Drop(c, "client failed: no open set here") for c in ("c000", "c001")]
+    run = make_run(tmp_path, "noeval", config, [None, None], up=1_000, down=1_000, dropped={1: failed})
+    summary = json.loads((run / "summary.json").read_text(), parse_constant=pytest.fail)  # strict JSON: no NaN
+    assert summary["drops"][0] == {"round": 1, "client": "c000", "reason": failed[0].reason, "after_s": None}
     out = tmp_path / "out"
     text = write_report([run], out).read_text()
     assert "No run recorded a test accuracy" in text and "round skipped" in text
+    assert "| FedAvg | 1 | c001 | dropped: client failed: no open set here |" in text
     assert not (out / "accuracy_vs_round.png").exists() and not (out / "forgetting_vs_round.png").exists()
     assert_png(out / "bytes_per_round.png")
 
 
 def test_run_without_ledger_or_summary(tmp_path):
     run = fedntd(tmp_path)
+    written = json.loads((run / "summary.json").read_text())
+    assert written["rejected_by_reason"] == {"invalid": 1}
+    assert written["drops"] == [{"round": 2, "client": "c001", "reason": SILENT.reason, "after_s": 300.0}]
     (run / "ledger.csv").unlink()
     (run / "summary.json").unlink()  # an interrupted run: read_run summarizes the rounds itself
     text = write_report([run], tmp_path / "out").read_text()
     assert "no ledger.csv" in text and "91.00%" in text
     assert "| tensor | 440.0 kB | 120.0 kB | 480.0 kB | 560.0 kB | 920.0 kB | — |" in text
+
+
+def test_run_directory_of_an_earlier_version(tmp_path):
+    """metrics.jsonl lines as fedge wrote them before typed records: no drop reasons, rejections as one string."""
+    run = fedntd(tmp_path)
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        for key in ("quorum", "drop_reasons", "drop_after_s"):
+            line.pop(key, None)
+        line["rejected"] = [{"client": r["client"], "reason": "non-finite values"} for r in line["rejected"]]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    text = write_report([run], tmp_path / "out").read_text()
+    assert "| FedNTD | 2 | c001 | dropped: no reply in time |" in text
+    assert "| FedNTD | 3 | c002 | rejected: non-finite values |" in text
+    assert "| 1 | 50.00% |" in text and "200.0 kB" in text
 
 
 def test_wire_bytes_of_an_mqtt_run(tmp_path):

@@ -13,14 +13,16 @@ import torch
 from torch import nn
 
 from coordinator.engine import RoundEngine
+from coordinator.transport import Exchange, ReplyCheck
 from edge_client.client import EdgeClient
 from fedge.algorithms import get_algorithm
-from fedge.algorithms.base import AlgorithmSettings, ClientData, ServerContext
+from fedge.algorithms.base import AlgorithmSettings, ClientData, RoundPlan, ServerContext
 from fedge.config import RunConfig, TrainConfig
+from fedge.messages import Message, decode, encode
 from fedge.models import exchanged_state, load_exchanged_state
 from fedge.records import RoundRecord
 from fedge.training import TrainRequest, TrainStats, predict_logits, train
-from fedge.types import StateDict
+from fedge.types import ClientId, StateDict
 from sim.inprocess import InProcessTransport
 
 NUM_CLASSES = 3
@@ -47,6 +49,7 @@ class LinearBackend:
 
     def __init__(self) -> None:
         self.model = linear()
+        self.requests: list[TrainRequest] = []  # every training call, in order, for tests to inspect
 
     def set_weights(self, state: StateDict) -> None:
         load_exchanged_state(self.model, state)
@@ -61,6 +64,7 @@ class LinearBackend:
         return predict_logits(self.model, x)
 
     def train(self, request: TrainRequest) -> TrainStats:
+        self.requests.append(request)
         return train(self.model, request)
 
 
@@ -78,21 +82,50 @@ def config(algorithm: str, settings: AlgorithmSettings | None = None, **train: f
     )
 
 
-class TwoClients:
-    """The server half of ``cfg.algorithm`` and two clients, run round by round through the real engine."""
+class RecordingTransport(InProcessTransport):
+    """The in-process transport, keeping each round's broadcast and accepted replies as they went over the wire."""
 
-    def __init__(self, cfg: RunConfig, *, open_x: torch.Tensor | None = None, eval_data: bool = False) -> None:
+    def __init__(self, clients: Sequence[EdgeClient]) -> None:
+        super().__init__(clients)
+        self.broadcasts: dict[int, Message | None] = {}
+        self.replies: dict[int, dict[ClientId, Message]] = {}
+
+    def exchange(self, plan: RoundPlan, check: ReplyCheck) -> Exchange:
+        out = super().exchange(plan, check)
+        rnd = next(iter(plan.tasks.values())).round
+        self.broadcasts[rnd] = decode(encode(plan.broadcast)) if plan.broadcast is not None else None
+        self.replies[rnd] = dict(out.replies)
+        return out
+
+
+class TwoClients:
+    """The server half of ``cfg.algorithm`` and two clients, run round by round through the real engine.
+
+    ``data`` replaces the clients' (x, y), default ``(X_A, Y_A)`` for "a" and ``(X_B, Y_B)`` for "b"; the test set
+    (and each client's eval data, with ``eval_data``) is the two clients' data together.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        open_x: torch.Tensor | None = None,
+        eval_data: bool = False,
+        data: Sequence[tuple[torch.Tensor, torch.Tensor]] = ((X_A, Y_A), (X_B, Y_B)),
+    ) -> None:
+        assert len(data) == 2, "two clients"
         spec = get_algorithm(cfg.algorithm)
         self.strategy = spec.server(cfg, ServerContext(linear, NUM_CLASSES, run_id="t", open_x=open_x))
-        test = (torch.cat([X_A, X_B]), torch.cat([Y_A, Y_B]))
+        test = (torch.cat([x for x, _ in data]), torch.cat([y for _, y in data]))
         self.clients = [
             EdgeClient(cid, ClientData(x, y, NUM_CLASSES, open_x=open_x), LinearBackend())
-            for cid, x, y in (("a", X_A, Y_A), ("b", X_B, Y_B))
+            for cid, (x, y) in zip(("a", "b"), data, strict=True)
         ]
         if eval_data:
             for c in self.clients:
                 c.data.eval_x, c.data.eval_y = test
-        self.engine = RoundEngine(cfg, self.strategy, InProcessTransport(self.clients), *test)
+        self.transport = RecordingTransport(self.clients)
+        self.engine = RoundEngine(cfg, self.strategy, self.transport, *test)
 
     def round(self, rnd: int) -> RoundRecord:
         record = self.engine.run_round(rnd)
@@ -103,6 +136,26 @@ class TwoClients:
         weights = self.strategy.global_weights()
         assert weights is not None
         return weights["weight"]
+
+    def backend(self, cid: ClientId) -> LinearBackend:
+        """Client ``cid``'s runtime: its model and the training requests it ran."""
+        (client,) = [c for c in self.clients if c.client_id == cid]
+        assert isinstance(client.backend, LinearBackend)
+        return client.backend
+
+    def client_weight(self, cid: ClientId) -> torch.Tensor:
+        """The weights client ``cid`` holds now (FD and DS-FL clients keep their own models)."""
+        return self.backend(cid).get_weights()["weight"]
+
+    def upload(self, rnd: int, cid: ClientId, name: str) -> torch.Tensor:
+        """Tensor ``name`` of client ``cid``'s accepted reply in round ``rnd``, as the server received it."""
+        return self.transport.replies[rnd][cid].tensor(name)
+
+    def broadcast(self, rnd: int, name: str) -> torch.Tensor:
+        """Tensor ``name`` of round ``rnd``'s broadcast, as the clients received it."""
+        message = self.transport.broadcasts[rnd]
+        assert message is not None, f"round {rnd} had no broadcast"
+        return message.tensor(name)
 
 
 def ce_gradient(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -117,3 +170,9 @@ def gd(w: torch.Tensor, grads: Sequence[torch.Tensor], lr: float) -> torch.Tenso
     for g in grads:
         w = w - lr * g
     return w
+
+
+def soft_ce_gradient(w: torch.Tensor, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """d/dW of the mean soft cross-entropy ``-sum_k t_k log softmax(x @ W.T)_k``: mean of (softmax - t) x^T, by hand."""
+    p = torch.softmax(x @ w.T, dim=1)  # (N, C)
+    return (p - targets).T @ x / len(x)  # (C, features)

@@ -1,4 +1,4 @@
-"""Broker fixtures and fake MQTT clients for the tests of the MQTT deployment (imported by tests/test_mqtt_*.py)."""
+"""Broker fixtures and fake MQTT clients for the tests of the MQTT deployment (tests/coordinator, tests/sim)."""
 
 from __future__ import annotations
 
@@ -56,17 +56,20 @@ class FakeClient:
     def __init__(self, url: str, run: str, client: str, *, model: str = "") -> None:
         self.topics = Topics(run)
         self.client = client
-        hello = encode_status(ClientStatus(client=client, state="online", runtime="fake", model=model), run)
+        self._hello = encode_status(ClientStatus(client=client, state="online", runtime="fake", model=model), run)
         will = encode_status(ClientStatus(client=client, state="offline", reason="connection lost"), run)
         self.link = MqttLink(
             BrokerAddress.parse(url),
             f"fake-{run}-{client}",
             subscriptions=[(self.topics.task(client), 1), (self.topics.broadcast, 1)],
             will=Will(self.topics.status(client), will),
-            on_ready=lambda link: link.publish(self.topics.status(client), hello, retain=True),
+            on_ready=self._announce,  # after every (re)connect, as a real client does
         ).start(10)
 
         self._held: list[Inbound] = []
+
+    def _announce(self, link: MqttLink) -> None:
+        link.publish(self.topics.status(self.client), self._hello, retain=True)
 
     def next(self, kind: str, timeout: float = 10.0) -> Inbound:
         """The next received message of ``kind``; others are kept for later calls (they may arrive in any order)."""
