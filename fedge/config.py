@@ -112,7 +112,7 @@ class RunConfig:
         own = {f.name for f in dataclasses.fields(spec.settings)}
         foreign = sorted(k for k in algo_raw if k not in own and k in _all_setting_names())
         if foreign:
-            log.warning("ignoring settings of other algorithms for %s: %s", spec.name, ", ".join(foreign))
+            log.info("ignoring settings of other algorithms for %s: %s", spec.name, ", ".join(foreign))
         algo = _sub(spec.settings, {k: v for k, v in algo_raw.items() if k not in foreign}, f"algo ({spec.name})")
         return _sub(cls, {**raw, "train": train, "algo": algo}, "run")
 
