@@ -56,7 +56,10 @@ class MqttEdgeClient:
         runtime: str = "torch",
         fail_at_round: int | None = None,
         keepalive: int = 30,
+        announce_host: bool = False,
     ) -> None:
+        """``announce_host``: put this machine's host name and process id in the hello (off by default: anyone who
+        may read statuses would learn them)."""
         self.client = client
         self.topics = Topics(run)
         self.fail_at_round = fail_at_round
@@ -79,14 +82,17 @@ class MqttEdgeClient:
                 num_classes=info.num_classes,
                 open_size=0 if client.data.open_x is None else len(client.data.open_x),
                 capabilities=tuple(ALGORITHMS),
-                extra={"host": platform.node(), "pid": str(os.getpid()), "torch": torch.__version__},
+                extra={
+                    "torch": torch.__version__,
+                    **({"host": platform.node(), "pid": str(os.getpid())} if announce_host else {}),
+                },
             ),
             run,
         )
         will = encode_status(ClientStatus(client=cid, state="offline", reason="connection lost"), run)
         self.link = MqttLink(
             address,
-            f"fedge-{run}-{cid}",
+            address.username or f"fedge-{run}-{cid}",  # a fleet kit's user name is the client id the broker binds
             subscriptions=[(self.topics.task(cid), 1), (self.topics.broadcast, 1)],
             will=Will(self.topics.status(cid), will),
             on_ready=self._announce,  # after every (re)connect: the coordinator learns we are back
@@ -177,6 +183,7 @@ class MqttEdgeClient:
         timing = {
             COMPUTE_S: repr(time.perf_counter() - started),
             COMPUTE_CPU_S: repr(time.process_time() - cpu_started),
+            SESSION: task.transport.get(SESSION, ""),  # a resumed coordinator refuses replies to its predecessor
         }
         self._send(task, dataclasses.replace(update, transport=timing))
         self.updates_sent += 1
