@@ -12,7 +12,7 @@ install: $(VENV)/.installed
 # constraints.txt pins the CPU build of torch; pyproject.toml keeps open ranges for Jetson's JetPack wheels.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,export]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,export,ray]'
 	@touch $@
 
 demo: install

@@ -112,10 +112,20 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) ->
     return dataclasses.replace(config, **changes["run"], train=train, algo=algo)
 
 
+def _run_config(args: argparse.Namespace) -> RunConfig:
+    """The run's config from the flags; with ``--resume RUN_DIR`` (and no ``--config``) on top of RUN_DIR's own."""
+    resume = getattr(args, "resume", None)
+    if resume is not None and not getattr(args, "config", None):
+        if not (resume / "config.json").is_file():
+            raise ConfigError(f"--resume {resume}: not a run directory (it has no config.json)")
+        return config_from_args(args, RunConfig.from_json_file(resume / "config.json"))
+    return config_from_args(args)
+
+
 def _cmd_sim(args: argparse.Namespace) -> int:
     from sim.cli import run_sim
 
-    return run_sim(args, config_from_args(args))
+    return run_sim(args, _run_config(args))
 
 
 def _cmd_cost(args: argparse.Namespace) -> int:
@@ -143,7 +153,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             return
         print(f"report: {write_report([path], path)}")
 
-    return run_coordinator_cli(args, config_from_args(args), on_finish=report)
+    return run_coordinator_cli(args, _run_config(args), on_finish=report)
 
 
 def _cmd_client(args: argparse.Namespace) -> int:
@@ -205,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-report", action="store_true", help="skip the Markdown report and plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="continue the killed run in RUN_DIR after its last completed round, from its journal (its config.json)",
+    )
     _add_config_flags(p)
     p.set_defaults(func=_cmd_sim)
 

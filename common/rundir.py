@@ -3,27 +3,35 @@
 Layout (the same for in-process and MQTT runs):
   config.json          the resolved RunConfig
   partition.json       class counts per client
-  metrics.jsonl        one JSON object per round
-  ledger.csv           every message, bytes at three levels (see fedge.ledger)
+  metrics.jsonl        one JSON object per round, appended as rounds complete
+  ledger.csv           every message, bytes at three levels (see fedge.ledger), appended as rounds complete
   global_model.safetensors   final global weights (absent for FD, which has no global model)
   summary.json         final/best accuracy, totals, ComU@x, dropped and rejected messages
+  journal.json, journal-<round>.safetensors   the state after the last completed round (common.journal)
+
+A run without summary.json stopped early; ``fedge report`` reads it all the same, ``--resume`` continues it.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from math import isnan
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors.torch import save_file
 
 from fedge.config import RunConfig
-from fedge.ledger import ByteLedger
+from fedge.errors import JournalError
+from fedge.ledger import ByteLedger, LedgerEntry
 from fedge.metrics import comu_at
 from fedge.records import RoundRecord
 
@@ -54,18 +62,37 @@ def new_run_dir(root: str | Path, config: RunConfig, label: str = "") -> Path:
 
 
 class RunWriter:
-    """Writes a run directory as the run goes, so an interrupted run still leaves its rounds on disk."""
+    """Writes a run directory as the run goes: each round's metrics line and ledger rows reach the disk (fsynced)
+    before the round's journal (:mod:`common.journal`) counts them, so an interrupted run still leaves its rounds on
+    disk and a resumed one continues its files."""
 
-    def __init__(self, path: Path, config: RunConfig, partition: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        config: RunConfig,
+        partition: Mapping[str, Any],
+        *,
+        committed: tuple[int, int] | None = None,
+    ) -> None:
+        """``committed``: continue a killed run's metrics.jsonl and ledger.csv, cut to these byte lengths (what its
+        journal covers; anything after belongs to a round that did not complete)."""
         self.path = path
         path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(config.to_json() + "\n")
-        (path / "partition.json").write_text(json.dumps(partition, indent=1) + "\n")
-        self._metrics = open(path / "metrics.jsonl", "w")  # noqa: SIM115 - stays open for the whole run
+        if committed is None:
+            (path / "config.json").write_text(config.to_json() + "\n")
+            (path / "partition.json").write_text(json.dumps(partition, indent=1) + "\n")
+        metrics_bytes, ledger_bytes = committed or (0, 0)
+        self._metrics = _continue(path / "metrics.jsonl", metrics_bytes)
+        self._ledger = _continue(path / "ledger.csv", ledger_bytes)
+        if committed is None:
+            _append(self._ledger, _csv_rows([[f.name for f in fields(LedgerEntry)]]))
 
-    def round(self, record: RoundRecord) -> None:
-        self._metrics.write(json.dumps(record.to_json()) + "\n")
-        self._metrics.flush()
+    def round(self, record: RoundRecord, entries: Sequence[LedgerEntry] = ()) -> tuple[int, int]:
+        """Append a round's metrics line and ledger rows durably; returns the bytes of (metrics.jsonl, ledger.csv)."""
+        _append(self._metrics, (json.dumps(record.to_json()) + "\n").encode())
+        if entries:
+            _append(self._ledger, _csv_rows([[getattr(e, f.name) for f in fields(LedgerEntry)] for e in entries]))
+        return self._metrics.tell(), self._ledger.tell()
 
     def finish(
         self,
@@ -77,6 +104,7 @@ class RunWriter:
         extra: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         self._metrics.close()
+        self._ledger.close()
         ledger.write_csv(self.path / "ledger.csv")
         if global_weights is not None:
             save_file(
@@ -102,7 +130,13 @@ def summarize(rounds: Sequence[RoundRecord], initial_bytes: Mapping[str, int]) -
         "initial_tensor_bytes": dict(initial_bytes),
         "dropped": [{"round": r.round, "client": d.client} for r in rounds for d in r.drops],
         "drops": [
-            {"round": r.round, "client": d.client, "reason": d.reason, "after_s": d.after_s}
+            # after_s is NaN when the transport does not time drops; null keeps summary.json strict JSON
+            {
+                "round": r.round,
+                "client": d.client,
+                "reason": d.reason,
+                "after_s": None if isnan(d.after_s) else d.after_s,
+            }
             for r in rounds
             for d in r.drops
         ],
@@ -124,12 +158,53 @@ def summarize(rounds: Sequence[RoundRecord], initial_bytes: Mapping[str, int]) -
     return summary
 
 
+def read_records(path: str | Path) -> list[RoundRecord]:
+    """The per-round records of a run directory's metrics.jsonl (a last line torn by a kill is left out)."""
+    with open(Path(path) / "metrics.jsonl") as fh:
+        lines = [line for line in fh if line.strip()]
+    if lines and not lines[-1].endswith("\n"):
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:
+            lines.pop()
+    return [RoundRecord.from_json(json.loads(line)) for line in lines]
+
+
 def read_run(path: str | Path) -> tuple[RunConfig, list[RoundRecord], dict[str, Any]]:
-    """Load (config, per-round records, summary) of a run directory."""
+    """Load (config, per-round records, summary) of a run directory, finished or not."""
     p = Path(path)
     config = RunConfig.from_json_file(p / "config.json")
-    with open(p / "metrics.jsonl") as fh:
-        rounds = [RoundRecord.from_json(json.loads(line)) for line in fh if line.strip()]
+    rounds = read_records(p)
     summary_path = p / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else summarize(rounds, {})
     return config, rounds, summary
+
+
+def _continue(path: Path, size: int) -> BinaryIO:
+    """``path`` open for appending after its first ``size`` bytes (the rest cut); a new, empty file for 0."""
+    if size == 0:
+        return open(path, "wb")
+    try:
+        fh = open(path, "r+b")  # noqa: SIM115 - stays open for the whole run
+    except FileNotFoundError:
+        raise JournalError(f"{path} is missing: the run directory no longer matches its journal") from None
+    if os.fstat(fh.fileno()).st_size < size:
+        fh.close()
+        raise JournalError(f"{path} is shorter than its journal says ({size} bytes): it was changed after the run")
+    fh.truncate(size)
+    fh.seek(size)
+    return fh
+
+
+def _append(fh: BinaryIO, data: bytes) -> None:
+    """One write, flushed and fsynced: a kill cannot tear it, a power cut loses at most this round."""
+    fh.write(data)
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+def _csv_rows(rows: Sequence[Sequence[Any]]) -> bytes:
+    """Rows as :meth:`fedge.ledger.ByteLedger.write_csv` writes them."""
+    buf = io.StringIO()
+    csv.writer(buf).writerows(rows)
+    return buf.getvalue().encode()

@@ -42,6 +42,13 @@ def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", type=Path, default=Path("runs"), help="parent directory of the run directory")
     p.add_argument("--name", default="", help="label appended to the run directory's name")
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="continue the killed run in RUN_DIR after its last completed round (its config.json; clients re-sync)",
+    )
 
 
 def run_coordinator_cli(
@@ -53,8 +60,9 @@ def run_coordinator_cli(
     from fedge.cost import format_bytes
     from fedge.records import RoundRecord
 
-    run_dir = new_run_dir(args.out, config, args.name)
-    print(f"run directory: {run_dir}", flush=True)
+    resume = args.resume is not None
+    run_dir = args.resume if resume else new_run_dir(args.out, config, args.name)
+    print(f"{'resuming run directory' if resume else 'run directory'}: {run_dir}", flush=True)
 
     def on_round(r: RoundRecord) -> None:
         print(f"{round_line(r)}  {r.wall_s:.1f} s", flush=True)
@@ -70,6 +78,7 @@ def run_coordinator_cli(
         rejoin_grace=args.rejoin_grace,
         broker_counters=args.broker_counters != "off",
         on_round=on_round,
+        resume=resume,
     )
     s = result.summary
     if s.get("final_accuracy") is not None:

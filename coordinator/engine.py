@@ -35,6 +35,7 @@ class RunHistory:
     rounds: list[RoundRecord] = field(default_factory=list)
     ledger: ByteLedger = field(default_factory=ByteLedger)
     per_class_history: list[np.ndarray] = field(default_factory=list)
+    resumed_after: list[int] = field(default_factory=list)  # rounds after which a killed run was resumed
 
 
 def sample_clients(available: list[ClientId], k: int, seed: int, rnd: int) -> list[ClientId]:
@@ -68,7 +69,8 @@ class RoundEngine:
         self.history = RunHistory()
 
     def run(self, on_round: Callable[[RoundRecord], None] | None = None) -> RunHistory:
-        for rnd in range(1, self.config.rounds + 1):
+        """The rounds after those already in ``history`` (all of them, unless a resumed run restored some)."""
+        for rnd in range(len(self.history.rounds) + 1, self.config.rounds + 1):
             record = self.run_round(rnd)
             if on_round is not None:
                 on_round(record)

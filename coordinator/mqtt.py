@@ -168,6 +168,7 @@ class MqttTransport:
             known=self.presence.knows,
             declared=self.presence.declared_size,
             max_payload=self.max_payload,
+            session=self.session,
         )
         state = _Round(ctx, time.monotonic(), {}, None, out)
         if plan.broadcast is not None:

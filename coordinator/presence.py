@@ -15,6 +15,9 @@ from fedge.wire import printable
 
 log = logging.getLogger(__name__)
 
+MAX_STATUS_BYTES = 16 * 1024
+"""A hello or last will is a few hundred bytes; larger status messages are dropped unread."""
+
 Admit = Callable[[ClientStatus], "str | None"]
 """Why a client that said hello cannot take part (wrong model, no open set, ...), or None to admit it."""
 
@@ -71,11 +74,10 @@ class Presence:
             if self.ignored == 1 or self.ignored % 1000 == 0:
                 log.warning("ignoring hellos of unknown clients: %d ids known already", len(self.clients))
             return None
-        last = self._last_seen.get(client)
-        if last is not None and now - last < self.min_interval_s and payload and self.is_online(client):
-            self.ignored += 1  # a flood of hellos from one id: the first one counts, the repeats are dropped
+        if len(payload) > MAX_STATUS_BYTES:
+            self.ignored += 1
+            log.warning("ignoring a %d-byte status message of %s", len(payload), printable(client, 40))
             return None
-        self._last_seen[client] = now
         if not payload:  # an empty retained message: the client left cleanly
             status = ClientStatus(client=client, state="offline", reason="left")
         else:
@@ -88,6 +90,11 @@ class Presence:
                 log.warning("ignoring a status for %r on %s's topic", printable(status.client, 40), client)
                 return None
         was_online = self.is_online(client)
+        last = self._last_seen.get(client)
+        if status.online and was_online and last is not None and now - last < self.min_interval_s:
+            self.ignored += 1  # a flood of hellos from one id: the first counts, repeats are dropped (never a will)
+            return None
+        self._last_seen[client] = now
         self.clients[client] = status
         change = StatusChange(client, status)
         if not status.online:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from coordinator.transport import ReplyCheck
 from fedge.errors import FedgeError
 from fedge.messages import Message, decode
-from fedge.protocol import ERROR
+from fedge.protocol import ERROR, SESSION
 from fedge.records import Rejection
 from fedge.types import ClientId
 from fedge.wire import printable
@@ -47,6 +47,7 @@ class RoundContext:
     known: Callable[[ClientId], bool] = lambda client: True
     declared: Callable[[ClientId], int | None] = lambda client: None  # samples it declared when admitted
     max_payload: int = 0  # bytes; 0: no limit beyond the codec's
+    session: str = ""  # the coordinator's session: a reply naming another answers a task of a dead coordinator
     replied: set[ClientId] = field(default_factory=set)
     failed: dict[ClientId, str] = field(default_factory=dict)  # client -> the error it reported
 
@@ -100,6 +101,8 @@ def _judge(msg: Message, sender: ClientId, ctx: RoundContext) -> tuple[str, str]
         return "late", f"a reply for round {msg.round} arrived in round {rnd}"
     if msg.round > rnd:
         return "wrong round", f"round {msg.round}, the current round is {rnd}"
+    if ctx.session and msg.transport.get(SESSION, ctx.session) != ctx.session:
+        return "late", f"a reply to round {msg.round} of an earlier coordinator session, not of this one"
     if sender not in ctx.sampled:
         return "not sampled", f"{sender!r} has no task in round {rnd}"
     if sender in ctx.replied:

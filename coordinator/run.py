@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from common.experiment import Experiment, prepare
-from common.rundir import RunResult, RunWriter
+from common.rundir import RunResult
 from coordinator.broker_counters import compare_with_broker
 from coordinator.engine import RoundEngine
 from coordinator.mqtt import MAX_PAYLOAD_SLACK, MqttTransport
+from coordinator.resume import RunJournal
 from fedge.algorithms.base import Strategy
 from fedge.config import RunConfig
+from fedge.errors import FedgeError
 from fedge.protocol import BrokerAddress, ClientStatus
 from fedge.records import RoundRecord
 from fedge.wire import printable
@@ -66,6 +68,7 @@ def run_coordinator(
     on_round: Callable[[RoundRecord], None] | None = None,
     experiment: Experiment | None = None,
     abort: Callable[[], str | None] | None = None,
+    resume: bool = False,
 ) -> RunResult:
     """Wait for clients on ``broker``, run ``config.rounds`` rounds over MQTT, write ``run_dir``.
 
@@ -73,6 +76,8 @@ def run_coordinator(
     ``min_clients`` (default ``config.num_clients``) must be online before round 1. A client whose connection
     drops mid-round has ``rejoin_grace`` seconds to come back before it counts as dropped. ``abort`` is polled
     while waiting and returns a reason to give up (e.g. a client process died).
+    ``resume``: continue the killed run in ``run_dir`` after its last completed round, from its journal. The new
+    coordinator is a new session: clients drop their own state and answer the interrupted round again.
     """
     exp = experiment or prepare(config)
     config = exp.config
@@ -90,21 +95,35 @@ def run_coordinator(
         broker_counters=broker_counters,
     )
     transport.max_payload = largest_update(strategy)
+    engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
+    # Restored before connecting: a journal that cannot be resumed fails here, not after the clients joined.
+    journal = RunJournal(run_dir, config, exp.partition_summary(), engine, resume=resume)
+    if journal.resumed_after:
+        log.info("resuming %s after round %d (session %s)", run_dir, journal.resumed_after[-1], transport.session)
+    remaining = len(engine.history.rounds) < config.rounds  # no round left: killed before writing its summary
     with transport:
-        transport.wait_for_clients(needed, join_timeout, abort=abort)
-        before = transport.broker_counters() if broker_counters else None
-        engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
-        writer = RunWriter(run_dir, config, exp.partition_summary())
+        if remaining:
+            transport.wait_for_clients(needed, join_timeout, abort=abort)
+        before = transport.broker_counters() if broker_counters and remaining else None
 
         def record(r: RoundRecord) -> None:
-            writer.round(r)
+            journal.round(r)
             if on_round is not None:
                 on_round(r)
 
         history = engine.run(record)
-        after = transport.broker_counters() if broker_counters and before is not None else None
+        after, lost = None, ""
+        if broker_counters and before is not None:
+            try:
+                after = transport.broker_counters()
+            except FedgeError as exc:  # the rounds are done and written: a lost broker only loses the comparison
+                lost = f"the broker's counters could not be read after the run ({exc}): not comparable"
+                log.warning("wire bytes: %s", lost)
 
     wire = sum(e.wire_bytes for e in history.ledger.entries)
+    # The broker's counters were read in this session only: compare them with this session's rounds.
+    first = journal.resumed_after[-1] + 1 if journal.resumed_after else 1
+    session_wire = sum(e.wire_bytes for e in history.ledger.entries if e.round >= first)
     extra: dict[str, Any] = {
         "model": exp.model,
         "transport": "mqtt",
@@ -116,15 +135,17 @@ def run_coordinator(
         "statuses_ignored": transport.presence.ignored,  # hellos beyond the client or rate limits
         "wire_bytes": wire,
     }
+    if journal.resumed_after:
+        extra["resumed_after"] = journal.resumed_after
+    if lost:
+        extra["broker_bytes"] = {"ledger_wire": session_wire, "comparable": False, "note": lost}
     if before is not None and after is not None:
-        extra["broker_bytes"] = bb = compare_with_broker(wire, before, after)
+        extra["broker_bytes"] = bb = compare_with_broker(session_wire, before, after)
         if bb["comparable"]:
-            log.info("wire bytes: ours %d, broker's %d (%+.2f%%)", wire, bb["broker_total"], bb["diff_pct"])
+            log.info("wire bytes: ours %d, broker's %d (%+.2f%%)", session_wire, bb["broker_total"], bb["diff_pct"])
         else:
-            log.warning("wire bytes: ours %d; %s", wire, bb["note"])
-    summary = writer.finish(
-        history.rounds, history.ledger, strategy.global_weights(), initial_bytes=exp.initial_bytes(), extra=extra
-    )
+            log.warning("wire bytes: ours %d; %s", session_wire, bb["note"])
+    summary = journal.finish(strategy.global_weights(), initial_bytes=exp.initial_bytes(), extra=extra)
     return RunResult(run_dir, config, history.rounds, summary)
 
 

@@ -27,3 +27,7 @@ class TransportError(FedgeError):
 
 class ExportError(FedgeError):
     """Exporting a model failed, or an export failed its parity check."""
+
+
+class JournalError(FedgeError):
+    """A run directory cannot be resumed: no journal, a journal of another config, or a finished run."""

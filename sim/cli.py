@@ -17,7 +17,8 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
 
     from common.rundir import new_run_dir
 
-    run_dir = new_run_dir(args.out, config, args.name)
+    resume = args.resume is not None
+    run_dir = args.resume if resume else new_run_dir(args.out, config, args.name)
     bar = tqdm(
         total=config.rounds,
         desc=f"{config.algorithm} on {config.dataset}",
@@ -42,11 +43,13 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
     if args.transport == "mqtt":
         from sim.laptop import run_over_mqtt
 
-        result = run_over_mqtt(config, run_dir, broker=args.broker, device=args.device, on_round=on_round)
+        result = run_over_mqtt(
+            config, run_dir, broker=args.broker, device=args.device, on_round=on_round, resume=resume
+        )
     else:
         from sim.run import run_inprocess
 
-        result = run_inprocess(config, run_dir, device=args.device, on_round=on_round)
+        result = run_inprocess(config, run_dir, device=args.device, on_round=on_round, resume=resume)
     bar.close()
     s = result.summary
     print(f"run directory: {result.path}")

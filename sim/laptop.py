@@ -44,6 +44,7 @@ def run_over_mqtt(
     client_threads: int = 1,
     broker_counters: bool | None = None,
     experiment: Experiment | None = None,
+    resume: bool = False,
 ) -> RunResult:
     """Run ``config`` as a coordinator and ``config.num_clients`` client processes over a broker; write ``run_dir``.
 
@@ -52,6 +53,8 @@ def run_over_mqtt(
     ``client_runtimes``: client -> ``fedge client --runtime`` (torch, executorch, onnxruntime); default torch.
     ``client_threads``: torch CPU threads per client process (1 keeps N clients from oversubscribing the cores).
     ``broker_counters``: read the broker's $SYS byte counters (default: when ``broker`` is given).
+    ``resume``: continue the killed run in ``run_dir`` (see :func:`coordinator.run.run_coordinator`); the client
+    processes are new, so clients that keep state (SCAFFOLD, FD, DS-FL) start theirs afresh.
     """
     exp = experiment or prepare(config)
     config = exp.config
@@ -96,6 +99,7 @@ def run_over_mqtt(
             on_round=on_round,
             experiment=exp,
             abort=dead_client,
+            resume=resume,
         )
     return result
 

@@ -6,8 +6,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.experiment import Experiment, prepare
-from common.rundir import RunResult, RunWriter
+from common.rundir import RunResult
 from coordinator.engine import RoundEngine
+from coordinator.resume import RunJournal
 from edge_client.client import EdgeClient
 from fedge.backend import Backend, TorchBackend
 from fedge.config import RunConfig
@@ -24,11 +25,14 @@ def run_inprocess(
     on_round: Callable[[RoundRecord], None] | None = None,
     experiment: Experiment | None = None,
     backend_for: Callable[[ClientId], Backend] | None = None,
+    resume: bool = False,
 ) -> RunResult:
     """Run ``config`` with every client in this process and write ``run_dir``.
 
     ``backend_for``: each client's own runtime (e.g. a mixed fleet of PyTorch and ExecuTorch clients); by default all
     clients share one PyTorch backend, used in turn.
+    ``resume``: continue the killed run in ``run_dir`` after its last completed round, from its journal (server and
+    clients' state), with the same result bit for bit as a run that was never interrupted.
     """
     exp = experiment or prepare(config)
     config = exp.config  # resolved (e.g. DS-FL open-set sizes fitted to the dataset)
@@ -43,19 +47,19 @@ def run_inprocess(
     engine = RoundEngine(
         config, strategy, InProcessTransport(clients), test_x, test_y, initial_bytes=exp.initial_bytes()
     )
-    writer = RunWriter(run_dir, config, exp.partition_summary())
+    stores = {c.client_id: c.store for c in clients}
+    journal = RunJournal(run_dir, config, exp.partition_summary(), engine, resume=resume, stores=stores)
 
     def record(r: RoundRecord) -> None:
-        writer.round(r)
+        journal.round(r)
         if on_round is not None:
             on_round(r)
 
     history = engine.run(record)
-    summary = writer.finish(
-        history.rounds,
-        history.ledger,
+    extra = {"model": exp.model, "transport": "inprocess"}
+    summary = journal.finish(
         strategy.global_weights(),
         initial_bytes=exp.initial_bytes(),
-        extra={"model": exp.model, "transport": "inprocess"},
+        extra={**extra, **({"resumed_after": journal.resumed_after} if journal.resumed_after else {})},
     )
     return RunResult(run_dir, config, history.rounds, summary)

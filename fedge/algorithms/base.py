@@ -24,7 +24,7 @@ from torch import nn
 
 from fedge import wire
 from fedge.backend import Backend
-from fedge.errors import CodecError
+from fedge.errors import CodecError, ConfigError
 from fedge.messages import BROADCAST, TASK, UPDATE, Message
 from fedge.metrics import per_class_accuracy
 from fedge.training import SGDSettings, predict_logits
@@ -111,6 +111,9 @@ ClientStore = MutableMapping[str, torch.Tensor]
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 """(shape, dtype) of a tensor a message must carry."""
 
+StrategyState = tuple[dict[str, torch.Tensor], dict[str, Any]]
+"""A server half's state: named tensors (saved as safetensors) and JSON-able values (see :meth:`Strategy.state`)."""
+
 
 # --- the server half ------------------------------------------------------------------------------------------------
 
@@ -157,6 +160,15 @@ class Strategy(ABC):
     def global_weights(self) -> StateDict | None:
         """The global model's weights, for algorithms that have one."""
         return None
+
+    def state(self) -> StrategyState:
+        """Everything :meth:`aggregate` changes, as (tensors, JSON-able values): with :meth:`load_state`, all a run
+        needs to continue after its last completed round bit for bit (sampling and seeds derive from (seed, round))."""
+        raise NotImplementedError(f"{type(self).__name__} does not save its state, so its runs cannot be resumed")
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state` returned; ConfigError when it does not fit this strategy."""
+        raise NotImplementedError(f"{type(self).__name__} does not restore its state, so its runs cannot be resumed")
 
     def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
         """The reply's report when ``reply`` is a valid answer to this round's task for ``client``; else CodecError.
@@ -214,6 +226,19 @@ class Strategy(ABC):
         for obj in fields:
             params.update(wire.to_params(obj))
         return Message(BROADCAST, rnd, run=self.run_id, params=params, tensors=tensors)
+
+
+def tensors_like(tensors: Mapping[str, torch.Tensor], prefix: str, like: Mapping[str, torch.Tensor]) -> StateDict:
+    """``like``'s entries read back from ``tensors[prefix + name]``, in ``like``'s order (for :meth:`Strategy.
+    load_state`); ConfigError naming the first one that is missing or has another shape or dtype."""
+    out: StateDict = {}
+    for name, ref in like.items():
+        t = tensors.get(prefix + name)
+        if t is None or t.shape != ref.shape or t.dtype != ref.dtype:
+            found = "missing" if t is None else f"{t.dtype}{list(t.shape)}"
+            raise ConfigError(f"saved state {prefix + name!r} is {found}, expected {ref.dtype}{list(ref.shape)}")
+        out[name] = t
+    return out
 
 
 def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int) -> Evaluation:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,12 +35,14 @@ from fedge.algorithms.base import (
     RoundTraffic,
     ServerContext,
     Strategy,
+    StrategyState,
     TensorSpec,
     UpdateReport,
     derive_seed,
     evaluate_model,
     keep_own_model,
     restore_own_model,
+    tensors_like,
     update_message,
 )
 from fedge.algorithms.fedavg import CrossEntropy
@@ -57,6 +60,7 @@ from fedge.types import ClientId
 from fedge.wire import bounded, server_only
 
 _SEED = bounded(0, 2**31 - 1)
+_MODEL = "model."  # the global model in the server's saved state
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,19 @@ class DistillationSemiSupervised(Strategy):
 
     def global_weights(self) -> dict[str, torch.Tensor]:
         return exchanged_state(self._model)
+
+    def state(self) -> StrategyState:
+        tensors = {_MODEL + k: v for k, v in self._model.state_dict().items()}  # all of it, num_batches_tracked too
+        if self._soft_labels is not None:
+            tensors["soft_labels"] = self._soft_labels
+        return tensors, {"soft_round": self._soft_round}
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
+        self._model.load_state_dict(tensors_like(tensors, _MODEL, self._model.state_dict()))
+        self._soft_labels, self._soft_round = None, int(values.get("soft_round", 0))
+        if "soft_labels" in tensors:
+            like = {"soft_labels": torch.zeros(self.settings.open_per_round, self.num_classes)}
+            self._soft_labels = tensors_like(tensors, "", like)["soft_labels"]
 
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
         s = self.settings

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,11 +34,13 @@ from fedge.algorithms.base import (
     RoundTraffic,
     ServerContext,
     Strategy,
+    StrategyState,
     TensorSpec,
     UpdateReport,
     derive_seed,
     keep_own_model,
     restore_own_model,
+    tensors_like,
     update_message,
 )
 from fedge.algorithms.fedavg import CrossEntropy
@@ -107,6 +110,27 @@ class FederatedDistillation(Strategy):
         self._global: torch.Tensor | None = None  # (C, C) from the latest round
         self._contributors: torch.Tensor | None = None  # (C,) int32
         self._last_eval: Evaluation | None = None
+
+    def state(self) -> StrategyState:
+        tensors: dict[str, torch.Tensor] = {}
+        values: dict[str, Any] = {}
+        if self._global is not None and self._contributors is not None:
+            tensors.update(global_probs=self._global, contributors=self._contributors)
+        if self._last_eval is not None:  # the accuracy a round without a quorum reports again
+            tensors["last_eval.per_class"] = torch.from_numpy(self._last_eval.per_class)
+            values["last_eval_accuracy"] = self._last_eval.accuracy
+        return tensors, values
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
+        c = self.num_classes
+        self._global = self._contributors = self._last_eval = None
+        if "global_probs" in tensors:
+            like = {"global_probs": torch.zeros(c, c), "contributors": torch.zeros(c, dtype=torch.int32)}
+            restored = tensors_like(tensors, "", like)
+            self._global, self._contributors = restored["global_probs"], restored["contributors"]
+        if "last_eval_accuracy" in values:
+            per_class = tensors_like(tensors, "last_eval.", {"per_class": torch.zeros(c, dtype=torch.float64)})
+            self._last_eval = Evaluation(float(values["last_eval_accuracy"]), per_class["per_class"].numpy().copy())
 
     def reply_tensors(self) -> dict[str, TensorSpec]:
         c = self.num_classes

@@ -27,9 +27,11 @@ from fedge.algorithms.base import (
     RoundPlan,
     ServerContext,
     Strategy,
+    StrategyState,
     TensorSpec,
     UpdateReport,
     evaluate_model,
+    tensors_like,
     update_message,
     weights_traffic,
 )
@@ -43,6 +45,8 @@ from fedge.robust import check_rule, robust_average, state_norm, update_norm
 from fedge.training import TrainRequest, TrainStats
 from fedge.types import ClientId, StateDict
 from fedge.wire import server_only
+
+_WEIGHTS = "weights."  # the global weights in the server's saved state
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,12 @@ class FedAvg(Strategy):
 
     def global_weights(self) -> StateDict:
         return self._weights
+
+    def state(self) -> StrategyState:
+        return {_WEIGHTS + k: v for k, v in self._weights.items()}, {}
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
+        self._weights = tensors_like(tensors, _WEIGHTS, self._weights)
 
     def reply_tensors(self) -> dict[str, TensorSpec]:
         return {k: (tuple(v.shape), v.dtype) for k, v in self._weights.items()}

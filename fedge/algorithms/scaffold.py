@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,7 +33,9 @@ from fedge.algorithms.base import (
     RoundPlan,
     RoundTraffic,
     ServerContext,
+    StrategyState,
     TensorSpec,
+    tensors_like,
 )
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.config import RunConfig
@@ -64,6 +67,14 @@ class Scaffold(FedAvg):
         super().__init__(config, context)
         self.trainable = tuple(name for name, _ in self._model.named_parameters())
         self._control: StateDict = {k: torch.zeros_like(self._weights[k]) for k in self.trainable}
+
+    def state(self) -> StrategyState:
+        tensors, values = super().state()
+        return {**tensors, **{CONTROL + k: v for k, v in self._control.items()}}, values
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
+        super().load_state(tensors, values)
+        self._control = tensors_like(tensors, CONTROL, self._control)
 
     def reply_tensors(self) -> dict[str, TensorSpec]:
         out = super().reply_tensors()

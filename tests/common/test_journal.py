@@ -62,6 +62,7 @@ def test_a_crash_before_the_commit_leaves_the_previous_round(tmp_path: Path, mon
     monkeypatch.setattr(journal_module, "atomic_write", die)
     with pytest.raises(KeyboardInterrupt):
         write_journal(tmp_path, CONFIG, state(2))
+    (tmp_path / ".journal-000009.safetensors.tmp").write_bytes(b"torn")  # a kill in the middle of a tensor file
     monkeypatch.undo()
     got = read_journal(tmp_path, CONFIG)  # round 2's tensor file is complete but not committed: round 1 it is
     assert got.round == 1 and torch.equal(got.tensors["strategy/w"], torch.arange(6, dtype=torch.float32))

@@ -19,7 +19,6 @@ import random
 import struct
 import time
 
-import pytest
 import torch
 
 from common.experiment import prepare

@@ -53,10 +53,11 @@ def broker_url(request: pytest.FixtureRequest) -> Iterator[str]:
 class FakeClient:
     """A client that says hello like a real one but whose replies the test writes by hand."""
 
-    def __init__(self, url: str, run: str, client: str, *, model: str = "") -> None:
+    def __init__(self, url: str, run: str, client: str, *, model: str = "", dataset_size: int = 3) -> None:
         self.topics = Topics(run)
         self.client = client
-        self._hello = encode_status(ClientStatus(client=client, state="online", runtime="fake", model=model), run)
+        hello = ClientStatus(client=client, state="online", runtime="fake", model=model, dataset_size=dataset_size)
+        self._hello = encode_status(hello, run)
         will = encode_status(ClientStatus(client=client, state="offline", reason="connection lost"), run)
         self.link = MqttLink(
             BrokerAddress.parse(url),

@@ -1,0 +1,454 @@
+"""Round throughput of the client executors against a plain PyTorch loop doing the same work, in one run.
+
+Two setups on real MNIST (``--data-dir``, the official IDX files):
+- ``fedntd``: FedAvg with FedNTD's setup (B.1-B.5): fedavg_cnn, 100 clients from label shards (s = 2), 10 sampled per
+  round, E = 3 local epochs, B = 50, momentum SGD (lr 0.01, momentum 0.9);
+- ``dsfl``: DS-FL (ERA) with ``experiments/mnist_dsfl_vs_fedavg.sh``'s setup: dsfl_mnist_cnn, 20 clients of 1,000
+  private samples (shards s = 2), |o_r| = 1,000 of a 20,000-sample open set, 1 local and 1 distillation epoch, B = 100,
+  SGD lr 0.1.
+``--quick`` scales them down (fedntd: E = 1; dsfl: 4 of the 20 clients per round) and measures fewer rounds.
+
+Paths, each a full round (client work, aggregation, evaluation on the 10,000 test images):
+- ``plain``: what a researcher writes by hand (the baseline): the same clients, epochs, batches, losses and optimizer
+  in one loop, with torch's default thread count;
+- ``sequential``: fedge's round engine with the sequential executor, 1 thread per client step (the reproducible
+  default) and with torch's default thread count (today's in-process path);
+- ``processes`` and ``ray`` with 1 and 2 workers of 1 thread each.
+Rounds alternate between paths (round r of every path, then round r + 1), so a slow stretch of a shared machine hits
+every path alike; each path's first round (worker start-up, warm-up) is reported apart and not counted; the table
+shows medians of the other rounds and throughput as a ratio to the plain loop's (higher is faster).
+
+Also measured: start-up (imports, dataset load, partition) in fresh processes, and the per-client arithmetic options
+(channels_last, SGD ``foreach=True`` and ``fused=True``) on one client's local training, with how far each moves the
+weights from the default's.
+
+Usage: python benchmarks/executors.py [--quick] [--data-dir ../shared/data/mnist] [--setups fedntd,dsfl]
+       [--paths plain,sequential,processes,ray] [--rounds N] [--skip-startup] [--skip-arithmetic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from common.experiment import Experiment, prepare
+from coordinator.engine import RoundEngine, sample_clients
+from fedge.algorithms.base import derive_seed
+from fedge.algorithms.dsfl import DSFLSettings, open_index_set
+from fedge.config import RunConfig, TrainConfig
+from fedge.models import build_model, exchanged_state
+from sim.executors import ClientExecutor, ExecutorTransport, ExperimentClients, make_executor, usable_cores
+
+DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
+
+
+def setups(data_dir: str, quick: bool) -> dict[str, RunConfig]:
+    """The two papers' setups (scaled down with ``quick``)."""
+    fedntd = RunConfig(
+        algorithm="fedavg",
+        dataset="mnist",
+        data_dir=data_dir,
+        model="fedavg_cnn",
+        num_clients=100,
+        client_fraction=0.1,
+        partition="shards",
+        shards_per_client=2,
+        train=TrainConfig(lr=0.01, momentum=0.9, weight_decay=1e-5, local_epochs=1 if quick else 3, batch_size=50),
+        rounds=100,
+    )
+    dsfl = RunConfig(
+        algorithm="dsfl",
+        dataset="mnist",
+        data_dir=data_dir,
+        model="dsfl_mnist_cnn",
+        num_clients=20,
+        client_fraction=0.2 if quick else 1.0,
+        partition="shards",
+        shards_per_client=2,
+        open_size=20_000,
+        private_size=20_000,
+        train=TrainConfig(lr=0.1, momentum=0.0, weight_decay=0.0, lr_decay=1.0, local_epochs=1, batch_size=100),
+        algo=DSFLSettings(open_per_round=1000, distill_epochs=1, distill_lr=0.1, distill_batch_size=100),
+        rounds=100,
+    )
+    return {"fedntd": fedntd, "dsfl": dsfl}
+
+
+# --- the plain loop (the baseline) ----------------------------------------------------------------------------------
+
+
+def _sgd(model: torch.nn.Module, lr: float, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def _epochs(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    epochs: int,
+    batch: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    gen: torch.Generator,
+) -> None:
+    model.train()
+    for _ in range(epochs):
+        perm = torch.randperm(len(x), generator=gen)
+        for i in range(0, len(x), batch):
+            idx = perm[i : i + batch]
+            if len(idx) < 2:  # batch norm cannot train on one sample (fedge drops it too)
+                continue
+            loss = loss_fn(model(x[idx]), target[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+
+@torch.no_grad()
+def _accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    model.eval()
+    correct = sum(int((model(x[i : i + 1000]).argmax(1) == y[i : i + 1000]).sum()) for i in range(0, len(x), 1000))
+    return correct / len(x)
+
+
+def _soft_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return -(targets * F.log_softmax(logits, dim=1)).sum(dim=1).mean()
+
+
+class PlainLoop:
+    """One hand-written loop per setup: FedAvg (weighted average of the clients' weights) or DS-FL (own models,
+    distillation on the previous round's soft labels, ERA, server distillation)."""
+
+    def __init__(self, exp: Experiment) -> None:
+        self.exp, self.cfg = exp, exp.config
+        self.model = exp.model_factory()
+        self.global_state = {k: v.clone() for k, v in self.model.state_dict().items()}
+        self.data = {c: exp.client_data(c) for c in exp.parts}
+        self.test_x, self.test_y = exp.test_tensors()
+        self.open_x = exp.open_x()
+        self.own: dict[str, dict[str, torch.Tensor]] = {}
+        self.soft: tuple[torch.Tensor, torch.Tensor] | None = None  # (indices, soft labels) of the previous round
+        self.server = exp.model_factory()
+
+    def round(self, rnd: int) -> float:
+        started = time.perf_counter()
+        sampled = sample_clients(sorted(self.exp.parts), self.cfg.clients_per_round, self.cfg.seed, rnd)
+        if self.cfg.algorithm == "dsfl":
+            self._dsfl(rnd, sampled)
+        else:
+            self._fedavg(rnd, sampled)
+        return time.perf_counter() - started
+
+    def _fedavg(self, rnd: int, sampled: list[str]) -> None:
+        t = self.cfg.train
+        lr = t.lr * t.lr_decay ** (rnd - 1)
+        states, sizes = [], []
+        for c in sampled:
+            self.model.load_state_dict(self.global_state)
+            d = self.data[c]
+            _epochs(
+                self.model,
+                _sgd(self.model, lr, t),
+                d.x,
+                d.y,
+                t.local_epochs,
+                t.batch_size,
+                F.cross_entropy,
+                torch.Generator().manual_seed(rnd),
+            )
+            states.append({k: v.detach().clone() for k, v in self.model.state_dict().items()})
+            sizes.append(len(d.y))
+        total = sum(sizes)
+        for k, v in self.global_state.items():
+            if v.is_floating_point():
+                self.global_state[k] = sum(s[k] * (n / total) for s, n in zip(states, sizes, strict=True))
+        self.model.load_state_dict(self.global_state)
+        _accuracy(self.model, self.test_x, self.test_y)
+
+    def _dsfl(self, rnd: int, sampled: list[str]) -> None:
+        t, s = self.cfg.train, self.cfg.algo
+        assert self.open_x is not None
+        idx = torch.from_numpy(
+            open_index_set(len(self.open_x), s.open_per_round, derive_seed(self.cfg.seed, "open-index", rnd))
+        )
+        uploads = []
+        gen = torch.Generator().manual_seed(rnd)
+        for c in sampled:
+            if c not in self.own:
+                self.own[c] = {k: v.clone() for k, v in self.exp.model_factory().state_dict().items()}
+            self.model.load_state_dict(self.own[c])
+            if self.soft is not None:  # eq. 10: distill on the previous round's global soft labels
+                prev_idx, soft = self.soft
+                opt = _sgd(self.model, s.distill_lr, t)
+                _epochs(
+                    self.model, opt, self.open_x[prev_idx], soft, s.distill_epochs, s.distill_batch_size, _soft_ce, gen
+                )
+            d = self.data[c]
+            _epochs(self.model, _sgd(self.model, t.lr, t), d.x, d.y, t.local_epochs, t.batch_size, F.cross_entropy, gen)
+            self.model.eval()
+            with torch.no_grad():
+                uploads.append(torch.softmax(self.model(self.open_x[idx]), dim=1))  # eq. 9
+            self.own[c] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        soft = torch.softmax(torch.stack(uploads).mean(0) / s.era_temperature, dim=1)  # ERA, eq. 13
+        _epochs(
+            self.server,
+            _sgd(self.server, s.distill_lr, t),
+            self.open_x[idx],
+            soft,
+            s.distill_epochs,
+            s.distill_batch_size,
+            _soft_ce,
+            gen,
+        )  # eq. 11
+        self.soft = (idx, soft)
+        _accuracy(self.server, self.test_x, self.test_y)
+
+
+# --- fedge's paths --------------------------------------------------------------------------------------------------
+
+
+class EnginePath:
+    """fedge's round engine over an executor."""
+
+    def __init__(self, exp: Experiment, executor: ClientExecutor) -> None:
+        self.executor = executor
+        transport = ExecutorTransport(executor, sorted(exp.parts))
+        self.engine = RoundEngine(exp.config, exp.strategy("bench"), transport, *exp.test_tensors())
+
+    def round(self, rnd: int) -> float:
+        started = time.perf_counter()
+        record = self.engine.run_round(rnd)
+        if record.drops:
+            raise RuntimeError(f"round {rnd}: clients failed: {[d.reason for d in record.drops]}")
+        return time.perf_counter() - started
+
+
+@dataclass
+class Timed:
+    name: str
+    make: Callable[[], Any]  # -> an object with round(rnd) -> seconds (built lazily, in path order)
+    times: list[float] = dataclasses.field(default_factory=list)
+    runner: Any = None
+    start_s: float = 0.0
+
+
+def bench_setup(name: str, config: RunConfig, paths: list[str], rounds: int) -> list[Timed]:
+    """Alternate ``rounds`` rounds over every path; returns the paths with their round times."""
+    t = time.perf_counter()
+    exp = prepare(config)
+    print(
+        f"\n== {name}: {config.clients_per_round} clients per round, {exp.config.train.local_epochs} local epoch(s); "
+        f"prepared in {time.perf_counter() - t:.1f} s"
+    )
+    default_threads = torch.get_num_threads()
+    factory = ExperimentClients(exp.config)
+
+    def engine(executor: str, workers: int, threads: int) -> Callable[[], EnginePath]:
+        return lambda: EnginePath(exp, make_executor(executor, workers, factory, threads_per_worker=threads))
+
+    todo: list[Timed] = []
+    if "plain" in paths:
+        todo.append(Timed(f"plain loop ({default_threads} threads)", lambda: PlainLoop(exp)))
+    if "sequential" in paths:
+        todo.append(Timed("sequential, 1 thread", engine("sequential", 1, 1)))
+        if default_threads > 1:
+            todo.append(Timed(f"sequential, {default_threads} threads", engine("sequential", 1, default_threads)))
+    for executor in ("processes", "ray"):
+        if executor in paths:
+            for workers in (1, 2):
+                todo.append(Timed(f"{executor}, {workers} worker(s) x 1 thread", engine(executor, workers, 1)))
+    try:
+        for p in todo:
+            started = time.perf_counter()
+            p.runner = p.make()
+            p.start_s = time.perf_counter() - started
+        for rnd in range(1, rounds + 1):
+            for p in todo:
+                p.times.append(p.runner.round(rnd))
+            print(f"round {rnd}: " + ", ".join(f"{p.name} {p.times[-1]:.1f}s" for p in todo), flush=True)
+    finally:
+        for p in todo:
+            if isinstance(p.runner, EnginePath):
+                p.runner.executor.close()
+    return todo
+
+
+def report(name: str, done: list[Timed]) -> dict[str, Any]:
+    base = statistics.median(done[0].times[1:]) if done and done[0].name.startswith("plain") else None
+    print(f"\n{name}: median of rounds 2..{len(done[0].times)} (round 1 = start-up and warm-up, shown apart)")
+    print(f"{'path':<34} {'round s':>8} {'x plain':>8} {'round 1 s':>10} {'set-up s':>9}")
+    out = {}
+    for p in done:
+        med = statistics.median(p.times[1:])
+        ratio = base / med if base else float("nan")
+        print(f"{p.name:<34} {med:>8.2f} {ratio:>7.2f}x {p.times[0]:>10.2f} {p.start_s:>9.2f}")
+        out[p.name] = {
+            "median_round_s": med,
+            "vs_plain": ratio,
+            "first_round_s": p.times[0],
+            "setup_s": p.start_s,
+            "rounds_s": p.times,
+        }
+    return out
+
+
+# --- start-up -------------------------------------------------------------------------------------------------------
+
+_STARTUP = """
+import json, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+import numpy as np
+from common.experiment import prepare
+from coordinator.engine import RoundEngine
+from fedge.config import RunConfig
+from fedge.partition import partition
+import sim.executors
+t2 = time.perf_counter()
+config = RunConfig.from_dict(json.loads(CONFIG))
+exp = prepare(config)
+t3 = time.perf_counter()
+partition(exp.train.y, config.num_clients, scheme=config.partition, rng=np.random.default_rng(0),
+          shards_per_client=config.shards_per_client, alpha=config.dirichlet_alpha, min_size=config.min_client_size)
+t4 = time.perf_counter()
+print(json.dumps({"import torch": t1 - t0, "import fedge": t2 - t1, "prepare": t3 - t2, "partition": t4 - t3}))
+"""
+
+
+def bench_startup(config: RunConfig, repeats: int) -> dict[str, float]:
+    """Cold imports, dataset load and partition in fresh processes (the OS file cache is warm after the first)."""
+    runs = []
+    for _ in range(repeats):
+        code = _STARTUP.replace("CONFIG", repr(json.dumps(config.to_dict())))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        runs.append(json.loads(out.strip().splitlines()[-1]))
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    med["load dataset"] = med["prepare"] - med["partition"]  # prepare = load + partition
+    med["total"] = med["import torch"] + med["import fedge"] + med["prepare"]
+    print(
+        f"\nstart-up for {config.dataset} ({config.partition}, {config.num_clients} clients), median of {repeats} "
+        "fresh processes:"
+    )
+    for k in ("import torch", "import fedge", "load dataset", "partition", "total"):
+        print(f"  {k:<14} {med[k]:6.2f} s")
+    return med
+
+
+# --- per-client arithmetic options ----------------------------------------------------------------------------------
+
+
+def bench_arithmetic(exp: Experiment, epochs: int, batch: int, repeats: int, threads: int) -> dict[str, Any]:
+    """One client's local training (CE, momentum SGD) with each option; time and distance to the default's weights."""
+    client = sorted(exp.parts)[0]
+    data = exp.client_data(client)
+    variants: dict[str, dict[str, Any]] = {
+        "default (for-loop SGD)": {},
+        "SGD foreach=True": {"foreach": True},
+        "SGD fused=True": {"fused": True},
+        "channels_last": {"channels_last": True},
+        "channels_last + foreach": {"channels_last": True, "foreach": True},
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    weights: dict[str, dict[str, torch.Tensor]] = {}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(repeats):
+            for name, opts in variants.items():
+                model = build_model(exp.model, input_shape=exp.input_shape, num_classes=exp.num_classes, seed=0)
+                x = data.x
+                if opts.get("channels_last"):
+                    model = model.to(memory_format=torch.channels_last)
+                    x = x.contiguous(memory_format=torch.channels_last)
+                sgd_opts = {k: v for k, v in opts.items() if k in ("foreach", "fused")}
+                opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-5, **sgd_opts)
+                started = time.perf_counter()
+                _epochs(model, opt, x, data.y, epochs, batch, F.cross_entropy, torch.Generator().manual_seed(0))
+                times[name].append(time.perf_counter() - started)
+                weights[name] = exchanged_state(model)
+    finally:
+        torch.set_num_threads(previous)
+    base = statistics.median(times["default (for-loop SGD)"])
+    ref = weights["default (for-loop SGD)"]
+    print(
+        f"\nper-client arithmetic, {exp.model}: {len(data)} samples x {epochs} epoch(s), B = {batch}, {threads} "
+        f"thread(s), median of {repeats} (alternated)"
+    )
+    print(f"{'option':<26} {'s':>7} {'speed-up':>9} {'max |dw| vs default':>20}")
+    out = {}
+    for name in variants:
+        med = statistics.median(times[name])
+        diff = max(float((weights[name][k].float() - ref[k].float()).abs().max()) for k in ref)
+        print(f"{name:<26} {med:>7.2f} {base / med:>8.2f}x {diff:>20.2e}")
+        out[name] = {"median_s": med, "speedup": base / med, "max_abs_weight_diff": diff}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="scaled-down setups and fewer rounds")
+    p.add_argument("--data-dir", default=str(DEFAULT_DATA))
+    p.add_argument("--setups", default="fedntd,dsfl")
+    p.add_argument("--paths", default="plain,sequential,processes,ray")
+    p.add_argument("--rounds", type=int, default=0, help="rounds per path, the first not counted (default 3 quick, 4)")
+    p.add_argument("--skip-startup", action="store_true")
+    p.add_argument("--skip-arithmetic", action="store_true")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    rounds = args.rounds or (3 if args.quick else 4)
+    paths = args.paths.split(",")
+    configs = setups(args.data_dir, args.quick)
+    print(
+        f"torch {torch.__version__}, {usable_cores()} usable cores, torch default {torch.get_num_threads()} threads; "
+        f"{'quick' if args.quick else 'full'} setups, {rounds} rounds per path"
+    )
+    results: dict[str, Any] = {}
+    if not args.skip_startup:
+        results["startup"] = bench_startup(configs["fedntd"], repeats=3)
+    if "ray" in paths:
+        import ray
+
+        started = time.perf_counter()
+        # Logical CPUs: the 1- and 2-actor paths coexist (one computes at a time), so 3 actors must fit.
+        ray.init(num_cpus=max(3, usable_cores()), include_dashboard=False, log_to_driver=False)
+        results["ray_init_s"] = time.perf_counter() - started
+        print(f"ray {ray.__version__}: ray.init {results['ray_init_s']:.1f} s")
+    try:
+        for name in args.setups.split(","):
+            results[name] = report(name, bench_setup(name, configs[name], paths, rounds))
+    finally:
+        if "ray" in paths:
+            ray.shutdown()
+    if not args.skip_arithmetic:
+        results["arithmetic"] = {}
+        for name in args.setups.split(","):
+            exp = prepare(configs[name])
+            for threads in sorted({1, torch.get_num_threads()}):
+                results["arithmetic"][f"{name}, {threads} thread(s)"] = bench_arithmetic(
+                    exp,
+                    epochs=1 if args.quick else 3,
+                    batch=exp.config.train.batch_size,
+                    repeats=3 if args.quick else 5,
+                    threads=threads,
+                )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Resuming a killed run: the round engine's state goes into the run directory's journal after every round, and a
+run continues from it after its last completed round, bit for bit.
+
+What the journal holds (:mod:`common.journal`): the strategy's state (:meth:`fedge.algorithms.base.Strategy.state`:
+global weights, SCAFFOLD's server control variate, FD's per-class outputs and contributors, DS-FL's global model, soft
+labels and their round), the per-class accuracy history behind forgetting, the stores of clients that run in this
+process (FD and DS-FL own models, SCAFFOLD's c_i), and where metrics.jsonl and ledger.csv end. The records and the
+ledger so far are read back from those two files. Sampling and every seed derive from (seed, round): there is no
+random-generator state to save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.journal import RunState, finish_journal, read_journal, write_journal
+from common.rundir import RunWriter, read_records
+from coordinator.engine import RoundEngine, RunHistory
+from fedge.algorithms.base import ClientStore
+from fedge.config import RunConfig
+from fedge.errors import JournalError
+from fedge.ledger import ByteLedger, read_ledger_csv
+from fedge.records import RoundRecord
+from fedge.types import ClientId, StateDict
+
+_STRATEGY = "strategy/"
+_CLIENT = "client/"
+_PER_CLASS = "history/per_class"
+
+
+class RunJournal:
+    """Writes a run directory round by round, each round followed by its journal; restores a killed run from it.
+
+    ``stores``: the own state of clients that run in this process, journaled with the server's (clients in other
+    processes keep theirs; see docs/deployment.md, "If the coordinator dies").
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        config: RunConfig,
+        partition: Mapping[str, Any],
+        engine: RoundEngine,
+        *,
+        resume: bool = False,
+        stores: Mapping[ClientId, ClientStore] | None = None,
+    ) -> None:
+        self.run_dir, self.config, self.engine = run_dir, config, engine
+        self.stores = dict(stores or {})
+        if not resume:
+            self.writer = RunWriter(run_dir, config, partition)
+            return
+        state = read_journal(run_dir, config)  # JournalError: none, finished, or another config's
+        self.writer = RunWriter(run_dir, config, partition, committed=(state.metrics_bytes, state.ledger_bytes))
+        self._restore(state)
+
+    @property
+    def resumed_after(self) -> list[int]:
+        return self.engine.history.resumed_after
+
+    def round(self, record: RoundRecord) -> None:
+        """Write the engine's latest round (its metrics line and messages), then commit the journal of its state."""
+        history = self.engine.history
+        metrics_bytes, ledger_bytes = self.writer.round(
+            record, [e for e in history.ledger.entries if e.round == record.round]
+        )
+        strategy_tensors, strategy_values = self.engine.strategy.state()
+        tensors = _prefixed(_STRATEGY, strategy_tensors)
+        if history.per_class_history:
+            tensors[_PER_CLASS] = torch.from_numpy(np.stack(history.per_class_history))  # (evaluations, C)
+        for client, store in self.stores.items():
+            tensors.update(_prefixed(f"{_CLIENT}{client}/", store))
+        values = {"strategy": strategy_values, "resumed_after": history.resumed_after}
+        write_journal(self.run_dir, self.config, RunState(record.round, tensors, values, metrics_bytes, ledger_bytes))
+
+    def finish(self, global_weights: StateDict | None, **kwargs: Any) -> dict[str, Any]:
+        """Write the ledger, model and summary (:meth:`RunWriter.finish`), then mark the journal finished."""
+        history = self.engine.history
+        summary = self.writer.finish(history.rounds, history.ledger, global_weights, **kwargs)
+        finish_journal(self.run_dir)
+        return summary
+
+    def _restore(self, state: RunState) -> None:
+        rounds = read_records(self.run_dir)
+        if [r.round for r in rounds] != list(range(1, state.round + 1)):
+            raise JournalError(
+                f"{self.run_dir / 'metrics.jsonl'} does not hold rounds 1-{state.round} as its journal says: "
+                "it was changed after the run"
+            )
+        ledger = ByteLedger()
+        ledger.extend(read_ledger_csv(self.run_dir / "ledger.csv"))
+        per_class = state.tensors.get(_PER_CLASS)
+        self.engine.history = RunHistory(
+            rounds=rounds,
+            ledger=ledger,
+            per_class_history=[] if per_class is None else [row.copy() for row in per_class.numpy()],
+            resumed_after=[*state.values.get("resumed_after", []), state.round],
+        )
+        strategy_values = state.values.get("strategy", {})
+        self.engine.strategy.load_state(_part(_STRATEGY, state.tensors), strategy_values)
+        for client, store in self.stores.items():
+            store.clear()
+            store.update(_part(f"{_CLIENT}{client}/", state.tensors))
+
+
+def _prefixed(prefix: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {prefix + k: v for k, v in tensors.items()}
+
+
+def _part(prefix: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}

@@ -1,0 +1,143 @@
+"""A coordinator that dies and one whose broker restarted, with real processes over mosquitto.
+
+- `fedge coordinator` SIGKILLed in the middle of a round and restarted with `--resume RUN_DIR` ends with the
+  uninterrupted run's model, bit for bit (FedNTD: clients keep no state, so the re-sync is exact); the killed run's
+  directory is readable by `fedge report` meanwhile, and a second `--resume` says the run is finished.
+- A broker whose byte counters went backwards (it restarted during the run) makes the comparison "not comparable",
+  never a negative count, and never a failing exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from mqtt_support import require_mosquitto
+from safetensors.torch import load_file
+
+from cli.main import main
+from common.mqtt import MqttLink
+from coordinator.broker_counters import BrokerCounters
+from coordinator.mqtt import MqttTransport
+from fedge.errors import TransportError
+from fedge.ledger import read_ledger_csv
+from fedge.messages import decode
+from fedge.protocol import BrokerAddress, Topics
+from sim.brokers import mosquitto_broker
+from sim.laptop import client_processes
+
+pytestmark = pytest.mark.broker
+
+RUN = "crash"
+FLAGS = ["--algorithm", "fedntd", "--dataset", "digits", "--model", "tiny_mlp", "--num-clients", "3"]
+FLAGS += ["--rounds", "6", "--local-epochs", "1"]
+KILL_IN_ROUND = 4
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A mosquitto, the provisioned fleet's config, and its three `fedge client` processes (shared by the tests)."""
+    require_mosquitto()
+    root = tmp_path_factory.mktemp("fleet")
+    assert main(["provision", "--out", str(root / "data"), *FLAGS]) == 0
+    files = {p.stem: p for p in (root / "data").glob("c*.safetensors")}
+    with mosquitto_broker() as url, client_processes(files, url, RUN, log_dir=root / "logs"):
+        yield url, root / "data" / "config.json"
+
+
+def coordinator_args(url: str, config: Path, *more: str) -> list[str]:
+    return [
+        *("coordinator", "--broker", url, "--run", RUN, "--config", str(config), "--round-timeout", "60"),
+        *("--join-timeout", "120", "--no-report", *more),
+    ]
+
+
+def tensor_ledger(run_dir: Path) -> list[tuple[int, str, str, str, int, int]]:
+    return sorted(
+        (e.round, e.direction, e.client, e.kind, e.recipients, e.tensor_bytes)
+        for e in read_ledger_csv(run_dir / "ledger.csv")
+    )
+
+
+def test_a_coordinator_killed_mid_round_resumes_to_the_uninterrupted_model(
+    fleet: tuple[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, config = fleet
+    assert main(coordinator_args(url, config, "--out", str(tmp_path / "ref"), "--broker-counters", "off")) == 0
+    (reference,) = (tmp_path / "ref").iterdir()
+
+    # The run to kill: a separate process, SIGKILLed as soon as a client answered round 4 (round 3 is journaled).
+    sniffer = MqttLink(BrokerAddress.parse(url), "sniffer", subscriptions=[(Topics(RUN).all_updates, 1)]).start(10)
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same float sums as this process
+    args = coordinator_args(url, config, "--out", str(tmp_path / "killed"), "--broker-counters", "off")
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], env=env, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            item = sniffer.get(0.2)
+            if item is not None and decode(item.payload).round >= KILL_IN_ROUND:
+                proc.send_signal(signal.SIGKILL)
+                break
+        assert proc.wait(10) == -signal.SIGKILL, "the coordinator was not killed mid-run"
+    finally:
+        sniffer.close(wait=0.5)
+        if proc.poll() is None:
+            proc.kill()
+    (killed,) = (tmp_path / "killed").iterdir()
+    journal = json.loads((killed / "journal.json").read_text())
+    assert journal["round"] >= KILL_IN_ROUND - 1 and not (killed / "summary.json").exists()
+    assert main(["report", str(killed), "--out", str(tmp_path / "report")]) == 0  # a killed run is readable
+
+    assert main(coordinator_args(url, config, "--resume", str(killed), "--broker-counters", "on")) == 0
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["resumed_after"] == [journal["round"]]
+    a, b = load_file(reference / "global_model.safetensors"), load_file(killed / "global_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the resumed model differs"
+    rounds = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    expected = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4, 5, 6]
+    assert [r["accuracy"] for r in rounds] == [r["accuracy"] for r in expected]
+    # Clients that had answered the interrupted round in the dead session answered it again in the new one.
+    assert all(r["replied"] == ["c000", "c001", "c002"] for r in rounds)
+    assert tensor_ledger(killed) == tensor_ledger(reference)
+    # The broker's counters were read in the resumed session only, and compared with that session's rounds.
+    assert summary["broker_bytes"]["comparable"], summary["broker_bytes"]
+
+    capsys.readouterr()
+    assert main(coordinator_args(url, config, "--resume", str(killed))) == 2
+    assert "is finished: all 6 rounds ran" in capsys.readouterr().err
+
+
+def test_a_broker_restart_during_a_good_run_never_fails_the_cli(
+    fleet: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, config = fleet
+    readings = iter([BrokerCounters(5_000_000_000, 4_000_000_000, 0), BrokerCounters(1_000, 2_000, 0)])
+    monkeypatch.setattr(MqttTransport, "broker_counters", lambda self, *a, **k: next(readings))
+    assert main(coordinator_args(url, config, "--out", str(tmp_path / "restarted"), "--broker-counters", "on")) == 0
+    (run_dir,) = (tmp_path / "restarted").iterdir()
+    bb = json.loads((run_dir / "summary.json").read_text())["broker_bytes"]
+    assert bb["comparable"] is False and "broker restarted" in bb["note"]
+    assert all(not isinstance(v, int) or v >= 0 for v in bb.values())  # never a negative byte count
+    assert "broker restarted during the run" in capsys.readouterr().out
+
+    def gone(self: MqttTransport, *args: object, **kwargs: object) -> BrokerCounters:
+        if gone.calls:  # type: ignore[attr-defined]
+            raise TransportError("the broker went away after the last round")
+        gone.calls += 1  # type: ignore[attr-defined]
+        return BrokerCounters(1_000, 2_000, 0)
+
+    gone.calls = 0  # type: ignore[attr-defined]
+    monkeypatch.setattr(MqttTransport, "broker_counters", gone)
+    assert main(coordinator_args(url, config, "--out", str(tmp_path / "lost"), "--broker-counters", "on")) == 0
+    (run_dir,) = (tmp_path / "lost").iterdir()
+    bb = json.loads((run_dir / "summary.json").read_text())["broker_bytes"]
+    assert bb["comparable"] is False and "could not be read after the run" in bb["note"]

@@ -1,0 +1,397 @@
+"""The client executors: each gives the sequential executor's final model bit for bit, a dead worker becomes errors for
+its clients (never a hang), and nothing outlives an executor."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import sim.executors as executors
+from common.experiment import prepare
+from coordinator.engine import RoundEngine, RunHistory
+from edge_client.client import EdgeClient
+from fedge.algorithms.dsfl import DSFLSettings
+from fedge.backend import TorchBackend
+from fedge.config import RunConfig, TrainConfig
+from fedge.errors import ConfigError
+from fedge.messages import Message
+from sim.executors import (
+    ClientBuilder,
+    ClientJob,
+    ClientResult,
+    ExecutorTransport,
+    ExperimentClients,
+    SequentialExecutor,
+    SimClient,
+    make_executor,
+)
+from sim.inprocess import InProcessTransport
+
+FAST = TrainConfig(lr=0.05, momentum=0.9, local_epochs=1, batch_size=32)
+
+CONFIGS = {
+    # weight exchange: every client every round
+    "fedavg": RunConfig(algorithm="fedavg", dataset="digits", num_clients=4, rounds=2, train=FAST),
+    # FD and DS-FL clients keep their own models in their workers: half the clients per round, so a client that sat
+    # out rounds must find its model where it left it when it is sampled again.
+    "fd": RunConfig(algorithm="fd", dataset="digits", num_clients=6, client_fraction=0.5, rounds=3, train=FAST),
+    "dsfl": RunConfig(
+        algorithm="dsfl",
+        dataset="digits",
+        num_clients=6,
+        client_fraction=0.5,
+        rounds=2,
+        open_size=400,
+        train=FAST,
+        algo=DSFLSettings(open_per_round=200, distill_epochs=1),
+    ),
+}
+
+
+@dataclass
+class Outcome:
+    """The final global state (the global weights, and the broadcast a next round would send), the history and the
+    clients' stores (the coordinator's copy)."""
+
+    final: dict[str, torch.Tensor]
+    history: RunHistory
+    stores: dict[str, dict[str, torch.Tensor]]
+
+
+def _run(config: RunConfig, name: str, workers: int = 2, factory: executors.ClientFactory | None = None) -> Outcome:
+    exp = prepare(config)
+    with make_executor(name, workers, factory or ExperimentClients(exp.config)) as exe:
+        strategy = exp.strategy("executor-test")
+        transport = ExecutorTransport(exe, sorted(exp.parts))
+        engine = RoundEngine(exp.config, strategy, transport, *exp.test_tensors(), initial_bytes=exp.initial_bytes())
+        history = engine.run()
+    assert not _live_workers(), "a worker outlived its executor"
+    return Outcome(_final_state(strategy, sorted(exp.parts), config.rounds), history, transport.stores)
+
+
+def _final_state(strategy: Any, clients: list[str], rounds: int) -> dict[str, torch.Tensor]:
+    final = dict(strategy.global_weights() or {})
+    upcoming = strategy.configure(rounds + 1, clients).broadcast  # FD's global per-class outputs, DS-FL's soft labels
+    if upcoming is not None:
+        final.update({f"broadcast.{k}": v for k, v in upcoming.tensors.items()})
+    return final
+
+
+def _live_workers() -> list[str]:
+    return [p.name for p in mp.active_children() if p.name.startswith("fedge-worker")]
+
+
+def _assert_same(a: Outcome, b: Outcome) -> None:
+    assert a.final and a.final.keys() == b.final.keys()
+    for key in a.final:
+        assert torch.equal(a.final[key], b.final[key]), f"{key} differs by {(a.final[key] - b.final[key]).abs().max()}"
+    _assert_same_stores(a.stores, b.stores)
+    assert a.history.ledger.entries == b.history.ledger.entries
+    for ra, rb in zip(a.history.rounds, b.history.rounds, strict=True):
+        deterministic = ("sampled", "replied", "aggregated", "bytes", "drops", "metrics", "accuracy", "forgetting")
+        assert {f: getattr(ra, f) for f in deterministic} == {f: getattr(rb, f) for f in deterministic}
+
+
+def _assert_same_stores(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for client in a:
+        assert a[client].keys() == b[client].keys(), client
+        assert all(torch.equal(a[client][k], b[client][k]) for k in a[client]), client
+
+
+_reference: dict[str, Outcome] = {}
+
+
+def _sequential(algorithm: str) -> Outcome:
+    """The reference run of ``algorithm``, computed once per session."""
+    if algorithm not in _reference:
+        _reference[algorithm] = _run(CONFIGS[algorithm], "sequential")
+    return _reference[algorithm]
+
+
+# --- equivalence ------------------------------------------------------------------------------------------------
+
+
+def test_sequential_executor_is_the_in_process_transport():
+    """With the same thread count, ExecutorTransport + sequential reproduces InProcessTransport's run exactly."""
+    config = CONFIGS["fedavg"]
+    exp = prepare(config)
+    threads = torch.get_num_threads()
+
+    def run(transport: Any, stores: dict[str, Any]) -> Outcome:
+        strategy = exp.strategy("executor-test")
+        history = RoundEngine(exp.config, strategy, transport, *exp.test_tensors()).run()
+        return Outcome(_final_state(strategy, sorted(exp.parts), config.rounds), history, stores)
+
+    torch.set_num_threads(1)  # the whole run: the server's evaluation sums floats too
+    try:
+        build = ExperimentClients(exp.config, experiment=exp)()
+        clients = [build(c) for c in sorted(exp.parts)]
+        inprocess = run(InProcessTransport(clients), {c.client_id: dict(c.store) for c in clients})
+        build = ExperimentClients(exp.config, experiment=exp)()
+        sequential = SequentialExecutor(clients=[build(c) for c in sorted(exp.parts)], threads_per_worker=1)
+        transport = ExecutorTransport(sequential, sorted(exp.parts))
+        _assert_same(inprocess, run(transport, transport.stores))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_sequential_executor_restores_the_thread_count():
+    threads = torch.get_num_threads()
+    exp = prepare(CONFIGS["fedavg"])
+    with SequentialExecutor(ExperimentClients(exp.config), threads_per_worker=threads + 1) as exe:
+        exe.run([ClientJob("c000", b"not a message", None)])
+    assert torch.get_num_threads() == threads
+
+
+def test_stateful_runs_bring_clients_back_after_rounds_elsewhere():
+    for algorithm in ("fd", "dsfl"):  # else the equivalence tests below would not test keeping state in workers
+        rounds = [set(r.sampled) for r in _sequential(algorithm).history.rounds]
+        assert rounds[-1] & set().union(*rounds[:-1]) and any(r != rounds[0] for r in rounds)
+
+
+@pytest.mark.parametrize("algorithm", list(CONFIGS))
+def test_processes_give_the_sequential_model_bit_for_bit(algorithm: str):
+    _assert_same(_sequential(algorithm), _run(CONFIGS[algorithm], "processes", workers=2))
+
+
+@pytest.mark.parametrize("name", ["sequential", "processes"])
+def test_a_resumed_run_gives_its_clients_their_stored_state(name: str):
+    _check_resume(name)
+
+
+def _check_resume(name: str) -> None:
+    """Rounds 1-2 with one executor, round 3 with a fresh one given the server's state and the copy of the stores (what
+    resuming from a journal does): the same model as a run never interrupted."""
+    config = CONFIGS["fd"]
+    exp = prepare(config)
+    with make_executor(name, 2, ExperimentClients(exp.config)) as exe:
+        strategy = exp.strategy("executor-test")
+        transport = ExecutorTransport(exe, sorted(exp.parts))
+        engine = RoundEngine(exp.config, strategy, transport, *exp.test_tensors())
+        for rnd in (1, 2):
+            engine.run_round(rnd)
+    saved_stores = {c: dict(s) for c, s in transport.stores.items()}
+    tensors, values = strategy.state()
+    with make_executor(name, 2, ExperimentClients(exp.config)) as exe:
+        strategy = exp.strategy("executor-test")
+        strategy.load_state(tensors, values)
+        transport = ExecutorTransport(exe, sorted(exp.parts))
+        for client, store in saved_stores.items():
+            transport.stores[client].update(store)  # as RunJournal restores them
+        RoundEngine(exp.config, strategy, transport, *exp.test_tensors()).run_round(3)
+    reference = _sequential("fd")
+    final = _final_state(strategy, sorted(exp.parts), config.rounds)
+    assert final.keys() == reference.final.keys()
+    assert all(torch.equal(final[k], reference.final[k]) for k in final)
+    _assert_same_stores(reference.stores, transport.stores)
+
+
+def test_stateful_clients_stay_with_their_worker_and_the_others_balance():
+    plan = executors._Assignment(2)
+    jobs = [ClientJob(c, b"", None) for c in ("a", "b", "c", "d")]
+    assert plan.plan(jobs) == [[0, 2], [1, 3]]
+    for w, client in ((0, "c"), (0, "d"), (1, "a")):
+        plan.observe(w, ClientResult(client, b"", None, 1.0), stateful=True)
+    plan.observe(1, ClientResult("b", b"", None, 1.0), stateful=False)
+    assert plan.plan(jobs) == [[2, 3], [0, 1]]  # c, d stay on 0 and a on 1; b, stateless, fills worker 1
+    assert plan.forget_worker(0) == ["c", "d"]
+    assert plan.plan(jobs) == [[1, 2], [0, 3]]  # c and d lost their state: free again, balanced
+    assert plan.place(["c", "d", "a"]) == {"a": 1, "c": 0, "d": 0}  # state given back: to the emptiest workers
+
+
+# --- failures and shutdown --------------------------------------------------------------------------------------
+
+
+class _Crasher:
+    """A client whose process dies in the middle of ``round``."""
+
+    def __init__(self, inner: SimClient, round: int) -> None:
+        self.inner, self.round = inner, round
+        self.client_id = inner.client_id
+
+    @property
+    def store(self) -> Any:
+        return self.inner.store
+
+    def handle(self, task: Message, broadcast: Message | None) -> Message:
+        if task.round == self.round:
+            os._exit(3)
+        return self.inner.handle(task, broadcast)
+
+
+@dataclass(frozen=True)
+class CrashingClients:
+    """ExperimentClients whose client ``victim`` kills its worker in round ``round``."""
+
+    inner: ExperimentClients
+    victim: str
+    round: int
+
+    def __call__(self) -> ClientBuilder:
+        build = self.inner()
+
+        def builder(client_id: str) -> SimClient:
+            client = build(client_id)
+            return _Crasher(client, self.round) if client_id == self.victim else client
+
+        return builder
+
+
+@pytest.fixture
+def importable_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let spawned workers import this test module (pytest imports it as a package path from the repository root)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[__name__.count(".")]))
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_dies_mid_round_fails_its_clients_not_the_run(
+    importable_here: None, monkeypatch: pytest.MonkeyPatch
+):
+    # FD: every client keeps its own model, so the dead worker's clients also lose state, which comes back from the
+    # coordinator's copy.
+    config = dataclasses.replace(CONFIGS["fd"], num_clients=4, client_fraction=1.0, rounds=3, min_replies=0.5)
+    given: list[str] = []
+    load_states = executors.ProcessExecutor.load_states
+
+    def spy(self: Any, states: dict[str, bytes]) -> None:
+        given.extend(states)
+        load_states(self, states)
+
+    monkeypatch.setattr(executors.ProcessExecutor, "load_states", spy)
+    factory = CrashingClients(ExperimentClients(config), victim="c001", round=2)
+    first, second, third = _run(config, "processes", workers=2, factory=factory).history.rounds
+    assert first.replied == ("c000", "c001", "c002", "c003")
+    # Free clients are dealt in id order, then stay: worker 1 has c001 (which kills it) and c003 (never run).
+    assert second.replied == ("c000", "c002") and second.aggregated
+    assert {d.client for d in second.drops} == {"c001", "c003"}
+    assert all("client failed: worker 1" in d.reason and "exit code 3" in d.reason for d in second.drops)
+    assert given == ["c001", "c003"]  # their round-1 models, from the coordinator's copy, to the new worker
+    assert third.replied == ("c000", "c001", "c002", "c003")
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_during_a_round_stops_every_worker(monkeypatch: pytest.MonkeyPatch):
+    config = CONFIGS["fedavg"]
+    exp = prepare(config)
+    exe = make_executor("processes", 2, ExperimentClients(exp.config))
+    assert len(_live_workers()) == 2
+
+    def interrupted(*args: Any, **kwargs: Any) -> list[Any]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(executors, "wait", interrupted)
+    strategy = exp.strategy("executor-test")
+    engine = RoundEngine(exp.config, strategy, ExecutorTransport(exe, sorted(exp.parts)), *exp.test_tensors())
+    with pytest.raises(KeyboardInterrupt):
+        engine.run_round(1)
+    assert not _live_workers()
+    exe.close()  # idempotent
+
+
+def test_a_factory_that_cannot_build_clients_is_an_executor_error():
+    config = dataclasses.replace(CONFIGS["fedavg"], dataset="mnist", data_dir="/nonexistent")
+    jobs = [ClientJob("c000", b"", None)]
+    with make_executor("processes", 1, ExperimentClients(config)) as exe, pytest.raises(executors.ExecutorError):
+        exe.run(jobs)
+    assert not _live_workers()
+
+
+# --- choosing an executor -------------------------------------------------------------------------------------------
+
+
+def test_unknown_executor_is_a_config_error():
+    with pytest.raises(ConfigError, match="choose one of sequential, processes, ray, auto"):
+        make_executor("threads", 2, ExperimentClients(CONFIGS["fedavg"]))
+
+
+@pytest.mark.parametrize(
+    ("cores", "max_parallel", "factory", "expected"),
+    [(8, 10, True, "processes"), (1, 10, True, "sequential"), (8, 1, True, "sequential"), (8, 10, False, "sequential")],
+)
+def test_auto_picks_processes_when_cores_allow_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    cores: int,
+    max_parallel: int,
+    factory: bool,
+    expected: str,
+):
+    made: dict[str, Any] = {}
+
+    class FakePool(executors._Closing):
+        def __init__(self, factory: Any, workers: int, **kwargs: Any) -> None:
+            made.update(workers=workers, **kwargs)
+
+    monkeypatch.setattr(executors, "usable_cores", lambda: cores)
+    monkeypatch.setattr(executors, "ProcessExecutor", FakePool)
+    exp = prepare(CONFIGS["fedavg"])
+    clients = [EdgeClient("c000", exp.client_data("c000"), TorchBackend("tiny_mlp", (1, 8, 8), 10))]
+    with caplog.at_level(logging.INFO, logger="sim.executors"):
+        exe = make_executor(
+            "auto", 0, ExperimentClients(exp.config) if factory else None, clients=clients, max_parallel=max_parallel
+        )
+    assert f"executor auto: {expected}" in caplog.text
+    if expected == "processes":
+        assert made["workers"] == min(cores, max_parallel) and made["threads_per_worker"] == 1
+    else:
+        assert isinstance(exe, SequentialExecutor)
+
+
+def test_ray_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'fedge\[ray\]'"):
+        make_executor("ray", 2, ExperimentClients(CONFIGS["fedavg"]))
+
+
+# --- Ray ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_instance() -> Any:
+    """A local Ray instance for this module's Ray tests."""
+    try:
+        import ray
+    except ImportError:
+        pytest.skip("Ray is not installed (pip install 'fedge[ray]'); CI installs it")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Actors unpickle the crash test's classes: send this module by value (Ray workers cannot import it by name).
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield ray
+    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("algorithm", list(CONFIGS))
+def test_ray_gives_the_sequential_model_bit_for_bit(ray_instance: Any, algorithm: str):
+    _assert_same(_sequential(algorithm), _run(CONFIGS[algorithm], "ray", workers=2))
+
+
+def test_ray_with_the_experiment_in_the_object_store(ray_instance: Any):
+    exp = prepare(CONFIGS["fedavg"])  # shipped once through the object store: actors read no dataset files
+    outcome = _run(CONFIGS["fedavg"], "ray", workers=2, factory=ExperimentClients(exp.config, experiment=exp))
+    _assert_same(_sequential("fedavg"), outcome)
+
+
+@pytest.mark.timeout(120)
+def test_a_ray_actor_that_dies_mid_round_fails_its_clients_not_the_run(ray_instance: Any):
+    config = dataclasses.replace(CONFIGS["fedavg"], rounds=2, min_replies=0.5)
+    factory = CrashingClients(ExperimentClients(config), victim="c001", round=1)
+    first, second = _run(config, "ray", workers=2, factory=factory).history.rounds
+    assert first.replied == ("c000", "c002") and first.aggregated
+    assert {d.client for d in first.drops} == {"c001", "c003"}
+    assert all("client failed: Ray worker 1 died" in d.reason for d in first.drops)
+    assert second.replied == ("c000", "c001", "c002", "c003")
+
+
+def test_ray_resumed_run_gives_its_clients_their_stored_state(ray_instance: Any):
+    _check_resume("ray")
