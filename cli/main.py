@@ -174,8 +174,24 @@ def _cmd_provision(args: argparse.Namespace) -> int:
     from common.experiment import prepare
     from sim.provision import provision
 
-    files = provision(prepare(config_from_args(args)), args.out)
+    exp = prepare(config_from_args(args))
+    files = provision(exp, args.out)
     print(f"wrote {len(files)} client data files and config.json to {args.out}")
+    if args.fleet_broker:
+        from coordinator.run import provision_fleet
+
+        kit = provision_fleet(
+            exp,
+            args.out / "kit",
+            run=args.run,
+            broker_hosts=args.fleet_broker,
+            port=args.fleet_port or (8883 if not args.no_tls else 1883),
+            tls=not args.no_tls,
+            client_certificates=args.client_certificates,
+        )
+        print(f"wrote the fleet kit to {kit.root}: start mosquitto with `mosquitto -c {kit.mosquitto_conf}`,")
+        print(f"the coordinator with `--bundle {kit.coordinator_dir}`, each client with --bundle clients/<id> copied")
+        print(f"to its device ({kit.root / 'README.txt'} says what goes where; keep {kit.root / 'ca'} offline)")
     return 0
 
 
@@ -207,6 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["inprocess", "mqtt"],
         default="inprocess",
         help="inprocess: all clients in this process; mqtt: a coordinator and client processes over a broker",
+    )
+    p.add_argument(
+        "--executor",
+        choices=["auto", "sequential", "processes", "ray"],
+        default="auto",
+        help="who runs the clients' steps in process: auto (processes when two or more workers fit the cores), "
+        "sequential, processes (a worker pool), ray (a Ray cluster: pip install 'fedge[ray]'); same model either way",
+    )
+    p.add_argument("--workers", type=int, default=0, help="executor workers (0: one per core, at most the clients)")
+    p.add_argument(
+        "--threads-per-worker", type=int, default=1, help="torch threads of every client step (results depend on it)"
     )
     p.add_argument(
         "--broker",
@@ -270,6 +297,18 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--out", type=Path, required=True, help="directory for <client>.safetensors, shared and config")
+    p.add_argument(
+        "--fleet-broker",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="also write a secure fleet kit to OUT/kit for a broker that devices reach as HOST (repeat for more "
+        "names): per-device passwords, ACL, mosquitto.conf with TLS, a private CA; one bundle per device",
+    )
+    p.add_argument("--run", default="default", help="the run (federation) name the kit is for")
+    p.add_argument("--fleet-port", type=int, default=0, help="the broker's port (default: 8883, or 1883 with --no-tls)")
+    p.add_argument("--client-certificates", action="store_true", help="mutual TLS: a certificate for every device")
+    p.add_argument("--no-tls", action="store_true", help="passwords and ACL without TLS (a loopback laptop run only)")
     _add_config_flags(p)
     p.set_defaults(func=_cmd_provision)
 

@@ -7,18 +7,21 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from common.connection import add_connection_arguments, connection_from_args
 from fedge.config import RunConfig
+from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
 def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``fedge coordinator`` (the run's config flags are added by cli.main)."""
-    p.add_argument("--broker", required=True, help="mqtt://HOST:PORT of the broker")
+    add_connection_arguments(p)
     p.add_argument(
         "--run",
-        default="default",
-        help="the run (federation) name: topic prefix fedge/<run>/, same as the clients' --run",
+        default=None,
+        help="the run (federation) name: topic prefix fedge/<run>/, same as the clients' --run "
+        "(default: the bundle's, else 'default')",
     )
     p.add_argument(
         "--min-clients",
@@ -67,11 +70,18 @@ def run_coordinator_cli(
     def on_round(r: RoundRecord) -> None:
         print(f"{round_line(r)}  {r.wall_s:.1f} s", flush=True)
 
+    connection = connection_from_args(args)
+    bundle = connection.bundle
+    if bundle is not None and bundle.role != "coordinator":
+        raise ConfigError(f"{args.bundle} is client {bundle.client_id}'s bundle; the coordinator needs coordinator/")
+    if bundle is not None and args.run not in (None, bundle.run):
+        raise ConfigError(f"--run {args.run} differs from the bundle's run {bundle.run!r}")
     result = run_coordinator(
         config,
         run_dir,
-        broker=args.broker,
-        run=args.run,
+        broker=connection.address,
+        run=bundle.run if bundle is not None else (args.run or "default"),
+        provisioned=bundle.clients if bundle is not None else None,
         min_clients=args.min_clients,
         round_timeout=args.round_timeout,
         join_timeout=args.join_timeout,

@@ -102,7 +102,8 @@ class MqttTransport:
         subs = [(self.topics.all_statuses, 1), (self.topics.all_updates, 1)]
         if broker_counters:
             subs += [(f, 0) for f in SYS_FILTERS]  # QoS 0: acks for $SYS would blur the count they report
-        self.link = MqttLink(address, f"fedge-{run}-coordinator", subscriptions=subs)
+        # A fleet kit's user name is the client id the broker binds to the credential.
+        self.link = MqttLink(address, address.username or f"fedge-{run}-coordinator", subscriptions=subs)
 
     # --- lifecycle --------------------------------------------------------------------------------------------
 

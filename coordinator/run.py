@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +17,13 @@ from common.experiment import Experiment, prepare
 from common.rundir import RunResult
 from coordinator.broker_counters import compare_with_broker
 from coordinator.engine import RoundEngine
+from coordinator.fleet import FleetKit, FleetSpec, admit_provisioned, generate_fleet_kit
 from coordinator.mqtt import MAX_PAYLOAD_SLACK, MqttTransport
 from coordinator.resume import RunJournal
 from fedge.algorithms.base import Strategy
 from fedge.config import RunConfig
 from fedge.errors import FedgeError
+from fedge.messages import encode
 from fedge.protocol import BrokerAddress, ClientStatus
 from fedge.records import RoundRecord
 from fedge.wire import printable
@@ -58,8 +60,9 @@ def run_coordinator(
     config: RunConfig,
     run_dir: Path,
     *,
-    broker: str,
+    broker: str | BrokerAddress,
     run: str | None = None,
+    provisioned: Sequence[str] | None = None,
     min_clients: int | None = None,
     round_timeout: float = 300.0,
     join_timeout: float = 600.0,
@@ -72,7 +75,9 @@ def run_coordinator(
 ) -> RunResult:
     """Wait for clients on ``broker``, run ``config.rounds`` rounds over MQTT, write ``run_dir``.
 
+    ``broker``: a URL or an address with its login and TLS settings (e.g. from a fleet bundle).
     ``run`` names the federation (topic prefix and message run id; default: the run directory's name).
+    ``provisioned``: the client ids of the run's fleet kit; hellos of any other id are refused and never sampled.
     ``min_clients`` (default ``config.num_clients``) must be online before round 1. A client whose connection
     drops mid-round has ``rejoin_grace`` seconds to come back before it counts as dropped. ``abort`` is polled
     while waiting and returns a reason to give up (e.g. a client process died).
@@ -85,13 +90,16 @@ def run_coordinator(
     strategy = exp.strategy(run)
     test_x, test_y = exp.test_tensors()
     needed = min_clients if min_clients is not None else config.num_clients
-    address = BrokerAddress.parse(broker)
+    address = broker if isinstance(broker, BrokerAddress) else BrokerAddress.parse(broker)
+    admit = admission_rule(exp)
+    if provisioned is not None:
+        admit = admit_provisioned(provisioned, then=admit)
     transport = MqttTransport(
         address,
         run,
         round_timeout=round_timeout,
         rejoin_grace=rejoin_grace,
-        admit=admission_rule(exp),
+        admit=admit,
         broker_counters=broker_counters,
     )
     transport.max_payload = largest_update(strategy)
@@ -164,3 +172,30 @@ def _describe(s: ClientStatus) -> dict[str, Any]:
         **({"reason": printable(s.reason)} if s.reason else {}),
         **({"host": printable(s.extra["host"], 64)} if "host" in s.extra else {}),
     }
+
+
+def provision_fleet(
+    exp: Experiment,
+    out: Path,
+    *,
+    run: str,
+    broker_hosts: Sequence[str],
+    port: int = 8883,
+    tls: bool = True,
+    client_certificates: bool = False,
+) -> FleetKit:
+    """A fleet kit for ``exp``'s clients, its broker's message limit sized to this run's largest legitimate message."""
+    strategy = exp.strategy(run)
+    plan = strategy.configure(1, sorted(exp.parts))
+    planned = [len(encode(m)) for m in (plan.broadcast, *plan.tasks.values()) if m is not None]
+    largest = max([largest_update(strategy), *planned])
+    spec = FleetSpec(
+        run,
+        sorted(exp.parts),
+        tuple(broker_hosts),
+        largest,
+        port=port,
+        tls=tls,
+        client_certificates=client_certificates,
+    )
+    return generate_fleet_kit(spec, out)

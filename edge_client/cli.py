@@ -19,15 +19,26 @@ if TYPE_CHECKING:
     from edge_client.backends.executorch import ProgramSource
     from fedge.backend import TorchBackend
 
+from common.connection import add_connection_arguments, connection_from_args
+
 log = logging.getLogger(__name__)
 
 
 def add_client_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``fedge client``."""
-    p.add_argument("--broker", required=True, help="mqtt://HOST:PORT of the broker")
-    p.add_argument("--client-id", required=True, help="this client's id, e.g. c003 (unique in the run)")
+    add_connection_arguments(p)
+    p.add_argument(
+        "--client-id", default=None, help="this client's id, e.g. c003 (unique in the run; default: the bundle's)"
+    )
     p.add_argument("--data", required=True, help="client data file (.safetensors, see edge_client/data.py)")
-    p.add_argument("--run", default="default", help="the run (federation) name, the same as the coordinator's --run")
+    p.add_argument(
+        "--run",
+        default=None,
+        help="the run (federation) name, the coordinator's (default: the bundle's, else 'default')",
+    )
+    p.add_argument(
+        "--announce-host", action="store_true", help="put this machine's host name and process id in the hello"
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA when present: the Jetson path), cpu or cuda[:N]")
     p.add_argument(
         "--runtime",
@@ -80,8 +91,20 @@ def run_client(
     from edge_client.mqtt import MqttEdgeClient
     from fedge.backend import TorchBackend
     from fedge.errors import ConfigError
-    from fedge.protocol import BrokerAddress, check_name
+    from fedge.protocol import check_name
 
+    connection = connection_from_args(args)
+    bundle = connection.bundle
+    if bundle is not None:
+        if bundle.role != "client":
+            raise ConfigError(f"{args.bundle} is the coordinator's bundle; a client needs its own clients/<id>/")
+        for flag, given, own in (("--client-id", args.client_id, bundle.client_id), ("--run", args.run, bundle.run)):
+            if given not in (None, own):
+                raise ConfigError(f"{flag} {given} differs from the bundle's {own!r}")
+        args.client_id, args.run = bundle.client_id, bundle.run
+    if args.client_id is None:
+        raise ConfigError("say which client this is: --client-id ID, or --bundle DIR from a fleet kit")
+    args.run = args.run or "default"
     check_name(args.client_id, "client id")
     if args.threads < 0:
         raise ConfigError(f"--threads must be >= 0, got {args.threads}")
@@ -129,11 +152,12 @@ def run_client(
     server = MqttEdgeClient(
         EdgeClient(args.client_id, data, backend),
         info,
-        BrokerAddress.parse(args.broker),
+        connection.address,
         args.run,
         device=device,
         runtime=args.runtime,
         fail_at_round=args.fail_at_round,
+        announce_host=args.announce_host,
     )
 
     def _stop(signum: int, frame: FrameType | None) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from common.console import round_line
 from fedge.config import RunConfig
 from fedge.cost import format_bytes
+from fedge.errors import ConfigError
 from fedge.records import RoundRecord
 
 
@@ -43,13 +44,24 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
     if args.transport == "mqtt":
         from sim.laptop import run_over_mqtt
 
+        if args.executor not in ("auto", "sequential"):
+            raise ConfigError(f"--executor {args.executor} is for in-process runs; over MQTT every client is a process")
         result = run_over_mqtt(
             config, run_dir, broker=args.broker, device=args.device, on_round=on_round, resume=resume
         )
     else:
         from sim.run import run_inprocess
 
-        result = run_inprocess(config, run_dir, device=args.device, on_round=on_round, resume=resume)
+        result = run_inprocess(
+            config,
+            run_dir,
+            device=args.device,
+            on_round=on_round,
+            resume=resume,
+            executor=args.executor,
+            workers=args.workers,
+            threads_per_worker=args.threads_per_worker,
+        )
     bar.close()
     s = result.summary
     print(f"run directory: {result.path}")

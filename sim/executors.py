@@ -937,8 +937,16 @@ class ExecutorTransport:
     that held it died. Off, the clients' state lives only in the workers (memory for large FD/DS-FL runs).
     """
 
-    def __init__(self, executor: ClientExecutor, clients: Iterable[ClientId], *, keep_stores: bool = True) -> None:
+    def __init__(
+        self,
+        executor: ClientExecutor,
+        clients: Iterable[ClientId],
+        *,
+        keep_stores: bool = True,
+        declared: Mapping[ClientId, int] | None = None,
+    ) -> None:
         self.executor = executor
+        self.declared = dict(declared or {})  # each client's data size: the most num_examples it may report
         self._clients = sorted(clients)
         self._known = frozenset(self._clients)
         self.keep_stores = keep_stores
@@ -954,7 +962,9 @@ class ExecutorTransport:
             return out
         self._restore_states()
         rnd = next(iter(plan.tasks.values())).round
-        ctx = RoundContext(rnd, frozenset(plan.tasks), check, known=lambda c: c in self._known)
+        ctx = RoundContext(
+            rnd, frozenset(plan.tasks), check, known=lambda c: c in self._known, declared=self.declared.get
+        )
         blob = None
         if plan.broadcast is not None:
             blob = encode(plan.broadcast)

@@ -115,15 +115,21 @@ def client_processes(
     threads: int = 1,
     faults: Mapping[ClientId, int] | None = None,
     runtimes: Mapping[ClientId, str] | None = None,
+    bundles: Mapping[ClientId, Path] | None = None,
 ) -> Iterator[dict[ClientId, subprocess.Popen[bytes]]]:
-    """Start one ``fedge client`` process per data file; on exit stop them all (SIGTERM, then SIGKILL)."""
+    """Start one ``fedge client`` process per data file; on exit stop them all (SIGTERM, then SIGKILL).
+
+    ``bundles``: each client's fleet-kit bundle, which carries its login (no secret goes on a command line).
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: dict[ClientId, subprocess.Popen[bytes]] = {}
     logs: list[IO[bytes]] = []
     try:
         for cid, path in sorted(files.items()):
-            cmd = [sys.executable, "-m", "cli.main", "client", "--broker", broker, "--run", run]
-            cmd += ["--client-id", cid, "--data", str(path), "--device", device, "--threads", str(threads)]
+            cmd = [sys.executable, "-m", "cli.main", "client", "--broker", broker, "--run", run, "--client-id", cid]
+            if bundles is not None:
+                cmd += ["--bundle", str(bundles[cid])]
+            cmd += ["--data", str(path), "--device", device, "--threads", str(threads)]
             if faults and cid in faults:
                 cmd += ["--fail-at-round", str(faults[cid])]
             if runtimes and cid in runtimes:

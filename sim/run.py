@@ -12,9 +12,10 @@ from coordinator.resume import RunJournal
 from edge_client.client import EdgeClient
 from fedge.backend import Backend, TorchBackend
 from fedge.config import RunConfig
+from fedge.errors import ConfigError
 from fedge.records import RoundRecord
 from fedge.types import ClientId
-from sim.inprocess import InProcessTransport
+from sim.executors import ExecutorTransport, ExperimentClients, make_executor
 
 
 def run_inprocess(
@@ -26,6 +27,9 @@ def run_inprocess(
     experiment: Experiment | None = None,
     backend_for: Callable[[ClientId], Backend] | None = None,
     resume: bool = False,
+    executor: str = "sequential",
+    workers: int = 0,
+    threads_per_worker: int = 1,
 ) -> RunResult:
     """Run ``config`` with every client in this process and write ``run_dir``.
 
@@ -33,30 +37,53 @@ def run_inprocess(
     clients share one PyTorch backend, used in turn.
     ``resume``: continue the killed run in ``run_dir`` after its last completed round, from its journal (server and
     clients' state), with the same result bit for bit as a run that was never interrupted.
+    ``executor``: who runs the clients' steps (:mod:`sim.executors`): ``sequential`` in this process, ``processes``
+    (``workers`` processes), ``ray``, or ``auto``; every client step uses ``threads_per_worker`` torch threads, so all
+    executors give the same model bit for bit.
     """
     exp = experiment or prepare(config)
     config = exp.config  # resolved (e.g. DS-FL open-set sizes fitted to the dataset)
     run_id = run_dir.name
-    backend = TorchBackend(exp.model, exp.input_shape, exp.num_classes, device=device)  # one runtime, shared in turn
     open_x = exp.open_x()
-    clients = [
+    if backend_for is not None and executor not in ("sequential", "auto"):
+        raise ConfigError(f"clients with their own runtimes (a mixed fleet) run only sequentially, not on {executor!r}")
+    backend = TorchBackend(exp.model, exp.input_shape, exp.num_classes, device=device)  # one runtime, shared in turn
+    clients = (
         EdgeClient(c, exp.client_data(c, open_x), backend_for(c) if backend_for else backend) for c in sorted(exp.parts)
-    ]
+    )  # built only if the sequential executor is chosen
+    factory = None
+    if backend_for is None:
+        factory = ExperimentClients(
+            config, device, experiment=exp if experiment is not None or executor == "ray" else None
+        )
     strategy = exp.strategy(run_id)
     test_x, test_y = exp.test_tensors()
-    engine = RoundEngine(
-        config, strategy, InProcessTransport(clients), test_x, test_y, initial_bytes=exp.initial_bytes()
-    )
-    stores = {c.client_id: c.store for c in clients}
-    journal = RunJournal(run_dir, config, exp.partition_summary(), engine, resume=resume, stores=stores)
+    sizes = {c: len(idx) for c, idx in exp.parts.items()}
+    with make_executor(
+        executor,
+        workers,
+        factory,
+        clients=clients,
+        threads_per_worker=threads_per_worker,
+        max_parallel=config.clients_per_round,
+    ) as exe:
+        transport = ExecutorTransport(exe, sorted(exp.parts), declared=sizes)
+        engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
+        journal = RunJournal(run_dir, config, exp.partition_summary(), engine, resume=resume, stores=transport.stores)
 
-    def record(r: RoundRecord) -> None:
-        journal.round(r)
-        if on_round is not None:
-            on_round(r)
+        def record(r: RoundRecord) -> None:
+            journal.round(r)
+            if on_round is not None:
+                on_round(r)
 
-    history = engine.run(record)
-    extra = {"model": exp.model, "transport": "inprocess"}
+        history = engine.run(record)
+        extra = {
+            "model": exp.model,
+            "transport": "inprocess",
+            "executor": exe.name,
+            "workers": exe.workers,
+            "threads_per_worker": threads_per_worker,
+        }
     summary = journal.finish(
         strategy.global_weights(),
         initial_bytes=exp.initial_bytes(),

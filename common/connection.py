@@ -1,0 +1,70 @@
+"""How a role reaches its broker, from its command line: a fleet bundle, or a URL plus credentials and TLS files.
+
+Secrets never come from the command line: a password comes from a file (``--password-file``), the environment
+(``$FEDGE_MQTT_PASSWORD``) or a fleet bundle (:func:`common.mqtt.load_bundle`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.mqtt import Bundle, load_bundle, with_credentials
+from fedge.errors import ConfigError
+from fedge.protocol import BrokerAddress
+
+
+def add_connection_arguments(p: argparse.ArgumentParser, *, broker_required: bool = False) -> None:
+    """``--broker``, ``--bundle`` and the credential and TLS flags of a role."""
+    p.add_argument(
+        "--broker",
+        required=broker_required,
+        default=None,
+        help="mqtt://HOST:PORT, or mqtts://HOST[:PORT] for TLS (with --bundle: overrides the bundle's address)",
+    )
+    p.add_argument(
+        "--bundle",
+        type=Path,
+        default=None,
+        help="this device's directory of a fleet kit (fedge provision --fleet-broker): run, id, password, CA",
+    )
+    p.add_argument("--username", default=None, help="broker user name (or $FEDGE_MQTT_USERNAME)")
+    p.add_argument(
+        "--password-file",
+        type=Path,
+        default=None,
+        help="file whose first line is the password (or $FEDGE_MQTT_PASSWORD)",
+    )
+    p.add_argument("--ca-file", type=Path, default=None, help="mqtts: CA certificate to verify the broker with")
+    p.add_argument("--cert-file", type=Path, default=None, help="mqtts: client certificate (mutual TLS)")
+    p.add_argument("--key-file", type=Path, default=None, help="mqtts: the client certificate's key")
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Where to connect and as whom; ``bundle`` when a fleet kit's bundle said so."""
+
+    address: BrokerAddress
+    bundle: Bundle | None = None
+
+
+def connection_from_args(args: argparse.Namespace) -> Connection:
+    """The broker address (with login and TLS settings) the flags describe; ConfigError when they do not."""
+    if args.bundle is not None:
+        if args.username or args.password_file or args.ca_file or args.cert_file or args.key_file:
+            raise ConfigError("--bundle carries the login and TLS files; drop --username/--password-file/--*-file")
+        bundle = load_bundle(args.bundle, broker=args.broker)
+        return Connection(bundle.address, bundle)
+    if args.broker is None:
+        raise ConfigError("say where the broker is: --broker mqtt://HOST:PORT, or --bundle DIR from a fleet kit")
+    address = with_credentials(
+        BrokerAddress.parse(args.broker), username=args.username, password_file=args.password_file
+    )
+    tls_files = (args.ca_file, args.cert_file, args.key_file)
+    if any(f is not None for f in tls_files):
+        if not address.tls:
+            raise ConfigError("--ca-file/--cert-file/--key-file are for TLS: use an mqtts:// broker URL")
+        ca, cert, key = (str(f) if f is not None else None for f in tls_files)
+        address = address.with_tls(ca_file=ca, cert_file=cert, key_file=key)
+    return Connection(address)
