@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import IO
 
 from common.experiment import Experiment, prepare
+from common.mqtt import load_bundle
 from common.rundir import RunResult
-from coordinator.run import run_coordinator
+from coordinator.run import provision_fleet, run_coordinator
 from fedge.config import RunConfig
+from fedge.protocol import BrokerAddress
 from fedge.records import RoundRecord
 from fedge.types import ClientId
-from sim.brokers import embedded_broker, stop_process
+from sim.brokers import embedded_broker, free_port, stop_process
 from sim.provision import write_client_files
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,9 @@ def run_over_mqtt(
 ) -> RunResult:
     """Run ``config`` as a coordinator and ``config.num_clients`` client processes over a broker; write ``run_dir``.
 
-    ``broker``: ``mqtt://HOST:PORT`` of a running broker, or None for an embedded one on loopback.
+    ``broker``: ``mqtt://HOST:PORT`` of a running broker, or None for an embedded one on loopback, secured like a
+    deployment: a fleet kit generated for this run (one random password per process, the least-privilege ACL, client
+    ids bound to users; no TLS on loopback), so another local user cannot read or poison the run.
     ``client_faults``: client -> round; that client exits hard when its task of that round arrives (tests).
     ``client_runtimes``: client -> ``fedge client --runtime`` (torch, executorch, onnxruntime); default torch.
     ``client_threads``: torch CPU threads per client process (1 keeps N clients from oversubscribing the cores).
@@ -64,9 +68,20 @@ def run_over_mqtt(
     join_timeout = join_timeout if join_timeout is not None else 120.0 + 10.0 * config.num_clients
     counters = broker is not None if broker_counters is None else broker_counters
     with contextlib.ExitStack() as stack:
-        url = broker if broker is not None else stack.enter_context(embedded_broker())
         data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedge-clients-")))
         files = write_client_files(exp, data_dir)
+        bundles: dict[ClientId, Path] | None = None
+        address: str | BrokerAddress | None = broker
+        provisioned: tuple[ClientId, ...] | None = None
+        if broker is None:
+            port = free_port()
+            kit = provision_fleet(exp, data_dir / "kit", run=run, broker_hosts=["127.0.0.1"], port=port, tls=False)
+            url = stack.enter_context(embedded_broker(port, fleet=kit.broker_dir))
+            coordinator = load_bundle(kit.coordinator_dir, broker=url)
+            address, provisioned = coordinator.address, coordinator.clients
+            bundles = {c: kit.root / "clients" / c for c in files}
+        else:
+            url = broker
         procs = stack.enter_context(
             client_processes(
                 files,
@@ -77,6 +92,7 @@ def run_over_mqtt(
                 threads=client_threads,
                 faults=client_faults or {},
                 runtimes=client_runtimes or {},
+                bundles=bundles,
             )
         )
 
@@ -90,8 +106,9 @@ def run_over_mqtt(
         result = run_coordinator(
             config,
             run_dir,
-            broker=url,
+            broker=address if address is not None else url,
             run=run,
+            provisioned=provisioned,
             min_clients=config.num_clients,
             round_timeout=round_timeout,
             join_timeout=join_timeout,
