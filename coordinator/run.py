@@ -43,8 +43,9 @@ def admission_rule(exp: Experiment) -> Callable[[ClientStatus], str | None]:
             return f"input shape {list(s.input_shape)} differs from the run's {list(exp.input_shape)}"
         if s.num_classes and s.num_classes != exp.num_classes:
             return f"{s.num_classes} classes, the run has {exp.num_classes}"
-        if s.capabilities and algorithm not in s.capabilities:
-            return f"it cannot run {algorithm!r} (it knows {', '.join(s.capabilities)})"
+        if algorithm not in s.capabilities:  # e.g. an inference-only client in a training run: it would stall rounds
+            what = ", ".join(s.capabilities) or "no algorithm"
+            return f"its {s.runtime or 'unknown'} runtime cannot run {algorithm!r} (it can run {what})"
         own = exp.parts.get(s.client)
         if own is not None and s.dataset_size != len(own):
             # Its data size is its averaging weight: it must be the size of the data provisioned for it.

@@ -158,6 +158,7 @@ def run_client(
         runtime=args.runtime,
         fail_at_round=args.fail_at_round,
         announce_host=args.announce_host,
+        capabilities=runtime_capabilities(args.runtime, args.predict_only),
     )
 
     def _stop(signum: int, frame: FrameType | None) -> None:
@@ -168,6 +169,16 @@ def run_client(
     signal.signal(signal.SIGINT, _stop)
     server.serve(connect_timeout=args.connect_timeout)
     return 0
+
+
+def runtime_capabilities(runtime: str, predict_only: bool) -> tuple[str, ...]:
+    """The algorithms a client on ``runtime`` can really run, for its hello: an ONNX Runtime client cannot train, so
+    it runs none, or, predict-only, the output-sharing ones (FD and DS-FL) that it can serve from its deployed model."""
+    from fedge.algorithms import ALGORITHMS
+
+    if runtime != "onnxruntime":
+        return tuple(ALGORITHMS)
+    return tuple(name for name, spec in ALGORITHMS.items() if spec.exchange == "outputs") if predict_only else ()
 
 
 def _warm_up(backend: TorchBackend, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -57,9 +57,11 @@ class MqttEdgeClient:
         fail_at_round: int | None = None,
         keepalive: int = 30,
         announce_host: bool = False,
+        capabilities: tuple[str, ...] | None = None,
     ) -> None:
         """``announce_host``: put this machine's host name and process id in the hello (off by default: anyone who
-        may read statuses would learn them)."""
+        may read statuses would learn them). ``capabilities``: the algorithms this client's runtime can run (default
+        all); the coordinator refuses a client whose hello does not list the run's algorithm."""
         self.client = client
         self.topics = Topics(run)
         self.fail_at_round = fail_at_round
@@ -81,7 +83,7 @@ class MqttEdgeClient:
                 input_shape=info.input_shape,
                 num_classes=info.num_classes,
                 open_size=0 if client.data.open_x is None else len(client.data.open_x),
-                capabilities=tuple(ALGORITHMS),
+                capabilities=tuple(ALGORITHMS) if capabilities is None else capabilities,
                 extra={
                     "torch": torch.__version__,
                     **({"host": platform.node(), "pid": str(os.getpid())} if announce_host else {}),
