@@ -112,3 +112,15 @@ def test_a_client_step_on_cuda_matches_cpu() -> None:
         )
     for name, value in updates["cpu"].tensors.items():
         assert torch.allclose(value, updates["cuda"].tensors[name].cpu(), atol=1e-4), name
+
+
+@pytest.mark.parametrize("algorithm", ["fedprox", "scaffold"])
+def test_fedprox_and_scaffold_over_the_secured_embedded_broker_give_the_in_process_model(
+    algorithm: str, tmp_path: Path
+) -> None:
+    """FedProx's proximal term and SCAFFOLD's control variates (kept by each client process across rounds) over MQTT."""
+    config = RunConfig(algorithm=algorithm, **{**TINY, "rounds": 3})  # type: ignore[arg-type]
+    run_inprocess(config, tmp_path / "inprocess")
+    result = run_over_mqtt(config, tmp_path / "mqtt", broker=None, round_timeout=60)
+    assert_same_run(tmp_path / "inprocess", tmp_path / "mqtt")
+    assert result.summary["rejected"] == 0
