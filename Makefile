@@ -1,5 +1,5 @@
 # The two commands of the README, each doing all set-up from a fresh clone:
-#   make demo   a short FedNTD run on scikit-learn's bundled digits: accuracy and bytes per round, and a report
+#   make demo   FedAvg, FedNTD and DS-FL on scikit-learn's bundled digits over the embedded MQTT broker, one report
 #   make test   lint, type-check and the full test suite (installs mosquitto for the broker tests if missing)
 VENV ?= .venv
 PYTHON ?= python3
@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	@touch $@
 
 demo: install
-	$(BIN)/fedge sim --algorithm fedntd --dataset digits --rounds 20 --out runs --name demo
+	$(BIN)/fedge demo --out runs/demo
 
 mosquitto:
 	@bash scripts/install-mosquitto.sh
