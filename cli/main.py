@@ -208,6 +208,7 @@ def _cmd_provision(args: argparse.Namespace) -> int:
             port=args.fleet_port or (8883 if not args.no_tls else 1883),
             tls=not args.no_tls,
             client_certificates=args.client_certificates,
+            broker_config_dir=args.fleet_broker_dir,
         )
         print(f"wrote the fleet kit to {kit.root}: start mosquitto with `mosquitto -c {kit.mosquitto_conf}`,")
         print(f"the coordinator with `--bundle {kit.coordinator_dir}`, each client with --bundle clients/<id> copied")
@@ -338,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", default="default", help="the run (federation) name the kit is for")
     p.add_argument("--fleet-port", type=int, default=0, help="the broker's port (default: 8883, or 1883 with --no-tls)")
     p.add_argument("--client-certificates", action="store_true", help="mutual TLS: a certificate for every device")
+    p.add_argument(
+        "--fleet-broker-dir",
+        type=Path,
+        default=None,
+        help="where kit/broker/ will be on the broker host (mosquitto.conf names its files by absolute path)",
+    )
     p.add_argument("--no-tls", action="store_true", help="passwords and ACL without TLS (a loopback laptop run only)")
     _add_config_flags(p)
     p.set_defaults(func=_cmd_provision)

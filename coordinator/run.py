@@ -184,8 +184,12 @@ def provision_fleet(
     port: int = 8883,
     tls: bool = True,
     client_certificates: bool = False,
+    broker_config_dir: Path | None = None,
 ) -> FleetKit:
-    """A fleet kit for ``exp``'s clients, its broker's message limit sized to this run's largest legitimate message."""
+    """A fleet kit for ``exp``'s clients, its broker's message limit sized to this run's largest legitimate message.
+
+    ``broker_config_dir``: where the kit's ``broker/`` directory will be on the broker host (its mosquitto.conf names
+    its files by absolute path; default: where it is written)."""
     strategy = exp.strategy(run)
     plan = strategy.configure(1, sorted(exp.parts))
     planned = [len(encode(m)) for m in (plan.broadcast, *plan.tasks.values()) if m is not None]
@@ -199,4 +203,4 @@ def provision_fleet(
         tls=tls,
         client_certificates=client_certificates,
     )
-    return generate_fleet_kit(spec, out)
+    return generate_fleet_kit(spec, out, broker_config_dir=broker_config_dir)
