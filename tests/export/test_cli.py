@@ -20,7 +20,7 @@ def test_export_writes_checked_files_and_check_accepts_them(tmp_path: Path, caps
     files = sorted(p.name for p in out.iterdir())
     # The training program gets the one name clients look programs up by (fedge.programs.program_file_name).
     assert files == ["tiny_mlp-1x8x8-c10-ce-b16-v2.pte", "tiny_mlp.onnx", "tiny_mlp.pte", "weights.safetensors"]
-    assert "training parity on executorch ok" in printed and "logits parity on onnxruntime ok" in printed
+    assert "drift parity on executorch ok" in printed and "logits parity on onnxruntime ok" in printed
     assert f"{out / 'tiny_mlp.onnx'}" in printed and "bytes)" in printed  # sizes
 
     paths = [str(out / f) for f in files if f != "weights.safetensors"]

@@ -88,10 +88,14 @@ def loss_of(kind: str, prox_mu: float = 0.0) -> TrainingLoss:
 
 
 @functools.cache
-def training_program(name: str, kind: str, max_pool_workaround: bool = True, prox_mu: float = 0.0) -> bytes:
+def training_program(
+    name: str, kind: str, max_pool_workaround: bool = True, prox_mu: float = 0.0, lower: bool = True
+) -> bytes:
     """A training program exported without the parity gate (the tests run the checks themselves)."""
     from export.executorch import export_training
 
     spec = SPECS[name]
     loss = loss_of(kind, prox_mu)
-    return export_training(spec.build(seed=1), spec, loss, max_batch=16, max_pool_workaround=max_pool_workaround)
+    return export_training(
+        spec.build(seed=1), spec, loss, max_batch=16, max_pool_workaround=max_pool_workaround, lower=lower
+    )

@@ -1,0 +1,88 @@
+"""export.lowering: the rewritten model computes what the eager model computes, forward, backward and BN statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from export_support import SPECS
+from torch import nn
+
+from export.lowering import (
+    ChannelsLastMaxPool2d,
+    ChannelsLastSequential,
+    Conv2dAsMatmul,
+    MatmulLinear,
+    lower_for_training,
+)
+from fedge.models import exchanged_state
+from fedge.programs import ModelSpec
+
+MNIST_SHAPED = {
+    "dsfl_mnist_cnn": ModelSpec("dsfl_mnist_cnn", (1, 28, 28), 10),
+    "dsfl_fmnist_cnn": ModelSpec("dsfl_fmnist_cnn", (1, 28, 28), 10),
+    "fedavg_cnn": ModelSpec("fedavg_cnn", (3, 32, 32), 10),  # CIFAR-10's shape, three input channels
+}
+
+
+def _inputs(spec: ModelSpec, n: int) -> torch.Tensor:
+    x = spec.example(n, seed=3)
+    # MNIST-like: mostly background. Exact zeros after ReLU make tied max-pool windows, which must route like eager.
+    return torch.where(x > 0.5, x, torch.full_like(x, -0.4242)) if x.is_floating_point() else x
+
+
+@pytest.mark.parametrize("name", sorted(SPECS) + [f"{n}@full-size" for n in sorted(MNIST_SHAPED)])
+def test_a_lowered_model_trains_like_the_eager_one(name: str) -> None:
+    spec = SPECS[name] if name in SPECS else MNIST_SHAPED[name.removesuffix("@full-size")]
+    eager, twin = spec.build(seed=1).train(), spec.build(seed=1).train()
+    lowered = lower_for_training(twin)
+    assert list(lowered.state_dict()) == list(eager.state_dict())  # same names, same order: weights map one to one
+    assert all(a is b for a, b in zip(lowered.parameters(), twin.parameters(), strict=True))  # the same tensors
+
+    x = _inputs(spec, 12)
+    y = torch.arange(12) % spec.num_classes
+    for _ in range(3):  # three SGD steps: BN running statistics and weights must stay together
+        for model in (eager, lowered):
+            loss = nn.functional.cross_entropy(model(x), y)
+            model.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.05 * p.grad
+    got, expected = exchanged_state(twin), exchanged_state(eager)
+    for k, v in expected.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-4, atol=2e-5, msg=k)
+    eager.eval()
+    lowered.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(lowered(x), eager(x), rtol=1e-4, atol=2e-5)
+
+
+def test_convolutions_and_linear_layers_become_matrix_multiplies() -> None:
+    lowered = lower_for_training(MNIST_SHAPED["fedavg_cnn"].build(seed=0))
+    assert isinstance(lowered.features, ChannelsLastSequential)  # one NCHW <-> NHWC permute pair per block
+    assert isinstance(lowered.classifier[0], MatmulLinear)
+    lone = lower_for_training(nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh()))
+    assert isinstance(lone[0], Conv2dAsMatmul)  # a block with an unknown layer: convolutions lowered one by one
+    kept = lower_for_training(nn.Sequential(nn.Conv2d(2, 4, 3, groups=2)))
+    assert type(kept[0]) is nn.Conv2d  # grouped convolutions are kept as they are
+
+
+def test_max_pooling_routes_gradients_of_ties_to_the_first_element_like_max_pool2d() -> None:
+    x = torch.tensor([[1.0, 1.0, 0.0, 2.0], [1.0, 0.5, 2.0, 2.0], [0.0, 0.0, 3.0, -1.0], [0.0, 0.0, 3.0, 3.0]])
+    a = x[None, None].clone().requires_grad_()
+    b = x[None, :, :, None].clone().requires_grad_()  # NHWC, one channel
+    out_a = nn.functional.max_pool2d(a, 2, 2)
+    out_b = ChannelsLastMaxPool2d()(b)
+    torch.testing.assert_close(out_b[..., 0], out_a[0], rtol=0, atol=0)
+    weights = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    (out_a[0, 0] * weights).sum().backward()
+    (out_b[0, :, :, 0] * weights).sum().backward()
+    assert a.grad is not None and b.grad is not None
+    torch.testing.assert_close(b.grad[0, :, :, 0], a.grad[0, 0], rtol=0, atol=0)
+
+
+def test_lowering_leaves_the_input_model_as_it_was() -> None:
+    model = MNIST_SHAPED["dsfl_mnist_cnn"].build(seed=0)
+    before = [type(m) for m in model.modules()]
+    lower_for_training(model)
+    assert [type(m) for m in model.modules()] == before
