@@ -47,6 +47,7 @@ def test_a_lowered_model_trains_like_the_eager_one(name: str) -> None:
             loss.backward()
             with torch.no_grad():
                 for p in model.parameters():
+                    assert p.grad is not None
                     p -= 0.05 * p.grad
     got, expected = exchanged_state(twin), exchanged_state(eager)
     for k, v in expected.items():
@@ -59,12 +60,12 @@ def test_a_lowered_model_trains_like_the_eager_one(name: str) -> None:
 
 def test_convolutions_and_linear_layers_become_matrix_multiplies() -> None:
     lowered = lower_for_training(MNIST_SHAPED["fedavg_cnn"].build(seed=0))
-    assert isinstance(lowered.features, ChannelsLastSequential)  # one NCHW <-> NHWC permute pair per block
-    assert isinstance(lowered.classifier[0], MatmulLinear)
+    assert isinstance(lowered.get_submodule("features"), ChannelsLastSequential)  # one permute pair per block
+    assert isinstance(lowered.get_submodule("classifier.0"), MatmulLinear)
     lone = lower_for_training(nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh()))
-    assert isinstance(lone[0], Conv2dAsMatmul)  # a block with an unknown layer: convolutions lowered one by one
+    assert isinstance(lone.get_submodule("0"), Conv2dAsMatmul)  # a block with an unknown layer: convs one by one
     kept = lower_for_training(nn.Sequential(nn.Conv2d(2, 4, 3, groups=2)))
-    assert type(kept[0]) is nn.Conv2d  # grouped convolutions are kept as they are
+    assert type(kept.get_submodule("0")) is nn.Conv2d  # grouped convolutions are kept as they are
 
 
 def test_max_pooling_routes_gradients_of_ties_to_the_first_element_like_max_pool2d() -> None:
