@@ -32,6 +32,9 @@ _HELP = {
     "eval_samples": "evaluate on this many test samples (0 = all)",
     "open_size": "DS-FL unlabeled open set size I^o",
     "private_size": "labeled private set size I^p (0 = the rest; also for FL runs to compare with DS-FL)",
+    "upload_codec": "compression of client uploads: float32, float16, int8[:row|block=N,offset,stochastic], "
+    "topk:k=N|density=F (weights travel as deltas; top-k keeps error feedback)",
+    "broadcast_codec": "compression of the broadcast: float32, float16 (weights); also int8 / topk (soft labels)",
 }
 
 

@@ -29,7 +29,7 @@ from coordinator.replies import RoundContext, judge_reply
 from coordinator.transport import Exchange, ReplyCheck
 from fedge.algorithms.base import RoundPlan
 from fedge.errors import CodecError, TransportError
-from fedge.ledger import BROADCAST_CLIENT, LedgerEntry
+from fedge.ledger import BROADCAST_CLIENT, LedgerEntry, uncompressed_bytes
 from fedge.messages import Message, decode, encode
 from fedge.protocol import (
     BROADCAST_ROUND,
@@ -225,10 +225,8 @@ class MqttTransport:
             # The client missed the shared broadcast while away: send it its own copy on its task topic.
             self.link.publish(topic, state.broadcast, qos=self.qos)
             wire = delivery_wire_bytes(topic, len(state.broadcast), subscribers=1, qos=self.qos)
-            tensor_bytes = decode(state.broadcast, check_finite=False).tensor_bytes
-            out.entries.append(
-                LedgerEntry(state.rnd, "down", client, "broadcast", 1, tensor_bytes, len(state.broadcast), wire)
-            )
+            copy = decode(state.broadcast, check_finite=False)
+            out.entries.append(LedgerEntry.of(copy, "down", client, len(state.broadcast), 1, wire))
         payload = state.tasks[client]
         self.link.publish(topic, payload, qos=self.qos)
         state.sent_at[client] = time.monotonic()
@@ -255,6 +253,7 @@ class MqttTransport:
                 tensor_bytes=msg.tensor_bytes if msg is not None else 0,
                 payload_bytes=len(item.payload),
                 wire_bytes=delivery_wire_bytes(item.topic, len(item.payload), subscribers=1, qos=item.qos),
+                uncompressed_bytes=uncompressed_bytes(msg) if msg is not None else 0,
             )
         )
         if judged.rejection is not None:

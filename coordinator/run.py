@@ -160,8 +160,9 @@ def run_coordinator(
 
 def largest_update(strategy: Strategy) -> int:
     """Bytes of the largest legitimate update of this run: its tensors, their headers, and metadata slack."""
-    tensors = sum(math.prod(shape) * dtype.itemsize for shape, dtype in strategy.reply_tensors().values())
-    return tensors + 256 * len(strategy.reply_tensors()) + MAX_PAYLOAD_SLACK
+    wire = strategy.wire_reply_tensors()  # coded parts when the run compresses its uploads
+    tensors = sum(math.prod(shape) * dtype.itemsize for shape, dtype in wire.values())
+    return tensors + 256 * len(wire) + MAX_PAYLOAD_SLACK
 
 
 def _describe(s: ClientStatus) -> dict[str, Any]:

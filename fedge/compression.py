@@ -122,6 +122,52 @@ class Scheme:
                 parts.append(name if value is True else f"{name}={value}")
         return self.name + (f"({', '.join(parts)})" if parts else "")
 
+    @classmethod
+    def parse(cls, text: str, *, granularity: str = "tensor") -> Scheme:
+        """A scheme from its command-line form ``NAME[:OPTION,...]``, options being ``tensor``/``row``/``block=N``,
+        ``offset``, ``stochastic``, ``k=N``, ``density=F``, ``side=float16``; e.g. ``int8:row,offset``,
+        ``topk:density=0.01``, ``float16``. ``granularity`` is the default when the text names none."""
+        name, _, rest = text.strip().partition(":")
+        values: dict[str, object] = {"name": name.strip()}
+        if name.strip() in ("int8", "topk"):
+            values["granularity"] = granularity
+        for option in (o.strip() for o in rest.split(",") if o.strip()):
+            key, eq, raw = option.partition("=")
+            try:
+                if option in GRANULARITIES:
+                    values["granularity"] = option
+                elif option in ("offset", "stochastic") and not eq:
+                    values[option] = True
+                elif key == "block" and eq:
+                    values["granularity"], values["block"] = "block", int(raw)
+                elif key == "k" and eq:
+                    values["k"] = int(raw)
+                elif key == "density" and eq:
+                    values["density"] = float(raw)
+                elif key == "side" and eq:
+                    values["side"] = raw
+                else:
+                    raise ConfigError(f"unknown option {option!r}")
+            except ConfigError as exc:  # (a ValueError too: caught first)
+                raise ConfigError(
+                    f"compression {text!r}: {exc}; options: tensor, row, block=N, offset, stochastic, k=N, "
+                    "density=F, side=float16"
+                ) from None
+            except ValueError:
+                raise ConfigError(f"compression {text!r}: option {option!r} needs a number") from None
+        return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def text(self) -> str:
+        """The command-line form :meth:`parse` reads back."""
+        options = []
+        if self.name in ("int8", "topk"):
+            options.append(f"block={self.block}" if self.granularity == "block" else self.granularity)
+        options += [flag for flag in ("offset", "stochastic") if getattr(self, flag)]
+        options += [f"k={self.k}"] * (self.k > 0) + [f"density={self.density}"] * (self.density > 0)
+        options += [f"side={self.side}"] * (self.side != "float32")
+        return self.name + (":" + ",".join(options) if options else "")
+
     def to_meta(self, prefix: str = META_PREFIX) -> dict[str, str]:
         """The scheme as message metadata under ``prefix``: its name and every field that differs from the default
         (an absent field reads back as its default)."""

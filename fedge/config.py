@@ -66,6 +66,9 @@ class RunConfig:
     # same private set, so FL and DS-FL runs with one seed compare on identical client data.
     open_size: int = 20_000  # I^o, unlabeled open set carved out of the training data (DS-FL only)
     private_size: int = 0  # I^p, 0 = everything not in the open set
+    # Compression of what travels (fedge.compressed): NAME[:OPTION,...], e.g. int8:row,offset or topk:density=0.01.
+    upload_codec: str = "float32"
+    broadcast_codec: str = "float32"
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: Any = None  # the settings dataclass of ``algorithm``; None = its defaults
 
@@ -84,6 +87,9 @@ class RunConfig:
         _check(self.eval_every >= 1, "eval_every must be >= 1")
         _check(self.eval_samples >= 0, "eval_samples must be >= 0")
         _check(self.open_size >= 0 and self.private_size >= 0, "open_size and private_size must be >= 0")
+        from fedge.compressed import Compression
+
+        Compression.of(self)  # ConfigError for a scheme that does not parse or does not fit the algorithm
 
     @property
     def clients_per_round(self) -> int:

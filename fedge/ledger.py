@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
+from fedge.compressed import RAW_BYTES
 from fedge.messages import Message
 
 Direction = Literal["up", "down"]
@@ -37,6 +38,11 @@ class LedgerEntry:
     tensor_bytes: int
     payload_bytes: int
     wire_bytes: int = 0  # MQTT packets for all copies; 0 when the transport has no wire
+    uncompressed_bytes: int = -1  # tensor bytes had the tensors travelled as float32; -1: as tensor_bytes
+
+    def __post_init__(self) -> None:
+        if self.uncompressed_bytes < 0:
+            object.__setattr__(self, "uncompressed_bytes", self.tensor_bytes)
 
     @classmethod
     def of(
@@ -58,6 +64,7 @@ class LedgerEntry:
             tensor_bytes=message.tensor_bytes,
             payload_bytes=payload_bytes,
             wire_bytes=wire_bytes,
+            uncompressed_bytes=uncompressed_bytes(message),
         )
 
     def counted(self, level: str, accounting: Accounting) -> int:
@@ -67,6 +74,16 @@ class LedgerEntry:
             return value  # measured on the wire, already per real copy
         copies = self.recipients if (self.direction == "down" and accounting == "unicast") else 1
         return value * copies
+
+
+def uncompressed_bytes(message: Message) -> int:
+    """The float32 size a coded message declares (:data:`fedge.compressed.RAW_BYTES`), else its tensor bytes.
+
+    A peer's declaration only fills this informative column, bounded; every other count is measured."""
+    raw = message.params.get(RAW_BYTES, "")
+    if raw.isdigit() and len(raw) <= 15:
+        return int(raw)
+    return message.tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -152,6 +169,7 @@ def read_ledger_csv(path: str | Path) -> list[LedgerEntry]:
                     tensor_bytes=int(row["tensor_bytes"]),
                     payload_bytes=int(row["payload_bytes"]),
                     wire_bytes=int(row.get("wire_bytes") or 0),
+                    uncompressed_bytes=int(row.get("uncompressed_bytes") or row["tensor_bytes"]),
                 )
             )
     return out

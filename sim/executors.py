@@ -52,7 +52,7 @@ from fedge.algorithms.base import RoundPlan
 from fedge.backend import TorchBackend
 from fedge.config import RunConfig
 from fedge.errors import CodecError, ConfigError, FedgeError
-from fedge.ledger import BROADCAST_CLIENT, LedgerEntry
+from fedge.ledger import BROADCAST_CLIENT, LedgerEntry, uncompressed_bytes
 from fedge.messages import Message, decode, encode
 from fedge.protocol import error_message
 from fedge.records import ClientTiming, Drop
@@ -984,7 +984,8 @@ class ExecutorTransport:
             judged = judge_reply(reply_blob, client_id, ctx)
             kind = judged.message.kind if judged.message is not None else "invalid"
             tensor_bytes = judged.message.tensor_bytes if judged.message is not None else 0
-            out.entries.append(LedgerEntry(rnd, "up", client_id, kind, 1, tensor_bytes, len(reply_blob)))
+            raw = uncompressed_bytes(judged.message) if judged.message is not None else 0
+            out.entries.append(LedgerEntry(rnd, "up", client_id, kind, 1, tensor_bytes, len(reply_blob), 0, raw))
             if judged.accepted and judged.message is not None:
                 out.replies[client_id] = judged.message
                 out.timings.append(ClientTiming(client_id, result.compute_s, result.compute_s, result.cpu_s))

@@ -39,20 +39,26 @@ def get_algorithm(name: str) -> Algorithm:
 
 def make_strategy(config: object, context: ServerContext) -> Strategy:
     """The server half of ``config.algorithm``."""
+    from fedge.compressed import compressed
     from fedge.config import RunConfig
 
     assert isinstance(config, RunConfig)
-    return get_algorithm(config.algorithm).server(config, context)
+    return compressed(get_algorithm(config.algorithm).server(config, context), config)
 
 
 def run_client_step(
     task: Message, broadcast: Message | None, data: ClientData, backend: Backend, store: ClientStore
 ) -> Message:
-    """Dispatch a task to the client half of the algorithm it names."""
+    """Dispatch a task to the client half of the algorithm it names, decoding and encoding what the run compresses
+    (:mod:`fedge.compressed`): the client half sees float32 tensors only."""
     name = task.param("algorithm")
     if name not in ALGORITHMS:
         raise CodecError(f"task names unknown algorithm {name[:40]!r}; this client knows {', '.join(ALGORITHMS)}")
-    return ALGORITHMS[name].client.step(task, broadcast, data, backend, store)
+    from fedge.compressed import decode_broadcast, encode_update
+
+    plain = decode_broadcast(broadcast) if broadcast is not None else None
+    update = ALGORITHMS[name].client.step(task, plain, data, backend, store)
+    return encode_update(task, update, plain, store)
 
 
 __all__ = [

@@ -132,6 +132,9 @@ class Strategy(ABC):
     """The server half of an algorithm. Subclasses hold the global state and change it only in ``aggregate``."""
 
     report_type: ClassVar[type[UpdateReport]] = UpdateReport
+    reply_tolerance: float = 0.0
+    """Error per value in [0, 1] that the run's upload compression may add (:mod:`fedge.compressed`): checks of
+    probability rows allow it."""
 
     def __init__(self, config: RunConfig, context: ServerContext) -> None:
         self.config = config
@@ -156,6 +159,10 @@ class Strategy(ABC):
     @abstractmethod
     def reply_tensors(self) -> dict[str, TensorSpec]:
         """Name -> (shape, dtype) of the tensors a valid update carries."""
+
+    def wire_reply_tensors(self) -> dict[str, TensorSpec]:
+        """Name -> (shape, dtype) of what a valid update carries on the wire (coded parts when compressed)."""
+        return self.reply_tensors()
 
     def global_weights(self) -> StateDict | None:
         """The global model's weights, for algorithms that have one."""
