@@ -293,6 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-clients", type=int, default=100)
     p.add_argument("--open-per-round", type=int, default=1000)
     p.add_argument("--accounting", choices=["multicast", "unicast", "both"], default="multicast")
+    p.add_argument(
+        "--compress",
+        nargs="+",
+        metavar="SCHEME",
+        help="also price the paper tables with uploads and broadcast compressed by each scheme, e.g. "
+        "float16 int8:row,offset topk:k=1 (see --upload-codec of fedge sim)",
+    )
     p.add_argument("--markdown", type=Path, help="also write the table(s) to this Markdown file")
     p.set_defaults(func=_cmd_cost)
 

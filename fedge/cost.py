@@ -29,6 +29,7 @@ from typing import Literal, TypeAlias, get_args
 
 import torch
 
+from fedge import compression as cz
 from fedge.errors import ConfigError
 from fedge.models import build_model, num_exchanged_values, num_trainable_parameters
 
@@ -304,4 +305,77 @@ def cost_table_markdown(rows: Sequence[CostRow], *, layout: Literal["long", "pap
         if protocol:
             cols.append(format_bytes(r.protocol_total))
         lines.append("| " + " | ".join(cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# --- compressed transfers --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompressedRow:
+    """One method of one paper task under one compression scheme: coded tensor bytes per round and the ratio."""
+
+    task: str
+    method: str
+    upload: str  # the scheme's command-line form (fedge.compression.Scheme.text)
+    broadcast: str
+    bytes_up: int
+    bytes_down: int
+    float32_total: int  # the same round uncompressed (the paper's figure)
+
+    @property
+    def total(self) -> int:
+        return self.bytes_up + self.bytes_down
+
+
+def _exchanged_specs(task: PaperTask, method: str) -> dict[str, cz.TensorSpec]:
+    """The tensors one upload of ``method`` carries (float32), by name and shape."""
+    c = task.num_classes
+    if method == "fd":
+        return {"class_probs": cz.TensorSpec((c, c))}
+    if method == "dsfl":
+        return {"soft_labels": cz.TensorSpec((task.open_per_round, c))}
+    with torch.device("meta"):
+        model = build_model(task.model, input_shape=task.input_shape, num_classes=c)
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {k: cz.TensorSpec(tuple(v.shape), v.dtype) for k, v in state.items()}
+
+
+def compressed_costs(
+    schemes: Sequence[str], tasks: Sequence[PaperTask] = DSFL_PAPER_TASKS, accounting: str = "multicast"
+) -> list[CompressedRow]:
+    """DS-FL Tables I-II rows (FL, FD, DS-FL) with uploads and broadcast compressed by each of ``schemes``.
+
+    Outputs (FD, DS-FL) are compressed row by row, weights (FL) per tensor, as runs do (:mod:`fedge.compressed`);
+    a weight broadcast can only be float16, so FL's broadcast stays float32 under int8 and top-k. Bytes are those
+    of the coded tensors (codes, scales, offsets, indices, dropped masses), with the schemes' exact layouts.
+    """
+    rows = []
+    for text in schemes:
+        for task in tasks:
+            copies = _copies(accounting, task.num_clients)
+            for method in get_args(Method):
+                weights = method == "fl"
+                scheme = cz.Scheme.parse(text, granularity="tensor" if weights else "row")
+                down = scheme if not weights or scheme.name in ("float32", "float16") else cz.Scheme()
+                specs = _exchanged_specs(task, method)
+                up_bytes = task.num_clients * cz.coded_bytes(specs, scheme)
+                down_bytes = copies * cz.coded_bytes(specs, down)
+                raw = task.num_clients * cz.raw_bytes(specs) + copies * cz.raw_bytes(specs)
+                rows.append(CompressedRow(task.name, method, scheme.text, down.text, up_bytes, down_bytes, raw))
+    return rows
+
+
+def compressed_table_markdown(rows: Sequence[CompressedRow]) -> str:
+    """A Markdown table of compressed cost rows with the share of the uncompressed figure."""
+    lines = [
+        "| Task | Method | Upload | Broadcast | Upload bytes | Download bytes | Total | of float32 |",
+        "|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        share = f"{100.0 * r.total / r.float32_total:.1f}%" if r.float32_total else "-"
+        lines.append(
+            f"| {r.task} | {method_label(r.method)} | {r.upload} | {r.broadcast} | {format_bytes(r.bytes_up)} | "
+            f"{format_bytes(r.bytes_down)} | {format_bytes(r.total)} | {share} |"
+        )
     return "\n".join(lines) + "\n"

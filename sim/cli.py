@@ -121,6 +121,13 @@ def run_cost(args: argparse.Namespace) -> int:
                 f"## DS-FL Tables I and II from fedge's models ({acc})\n\n"
                 f"{cost_table_markdown(rows, layout='paper')}\n{cost_table_markdown(rows)}"
             )
+        if getattr(args, "compress", None):
+            from fedge.cost import compressed_costs, compressed_table_markdown
+
+            compressed = compressed_costs(["float32", *args.compress], accounting=acc)
+            out.append(
+                f"## DS-FL Tables I and II with compressed transfers ({acc})\n\n{compressed_table_markdown(compressed)}"
+            )
     text = "\n".join(out)
     print(text)
     if args.markdown:

@@ -140,3 +140,21 @@ def test_cost_table_markdown() -> None:
         "|---|---|---:|---:|---:|",
         "| t | FL | 8 B | 4 B | 12 B |",
     ]
+
+
+def test_compressed_costs_price_the_paper_tables_under_each_scheme() -> None:
+    from fedge.cost import DSFL_PAPER_TASKS, compressed_costs, compressed_table_markdown
+
+    rows = {(r.task, r.method, r.upload): r for r in compressed_costs(["float32", "int8:tensor", "topk:k=1"])}
+    base = rows[("MNIST", "dsfl", "float32")]
+    assert base.total == base.float32_total == 4_040_000  # DS-FL Table I: 4.0 MB
+    int8 = rows[("MNIST", "dsfl", "int8:tensor")]
+    assert int8.bytes_up == 100 * (1000 * 10 + 4)  # one byte per value plus one float32 scale per message
+    top1 = rows[("MNIST", "dsfl", "topk:row,k=1")]
+    assert top1.bytes_up == 100 * 1000 * (4 + 1 + 4)  # value, uint8 index, dropped mass per row
+    fl = rows[("MNIST", "fl", "int8:tensor")]
+    assert (
+        fl.broadcast == "float32" and fl.bytes_down == rows[("MNIST", "fl", "float32")].bytes_down
+    )  # weights: no int8 broadcast
+    assert len(rows) == 3 * 3 * len(DSFL_PAPER_TASKS)
+    assert "| MNIST | DS-FL | int8:tensor | int8:tensor |" in compressed_table_markdown(list(rows.values()))
