@@ -6,6 +6,7 @@ the Jetson path) and on exported programs (ExecuTorch, ONNX Runtime; see ``edge_
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
@@ -43,16 +44,35 @@ def resolve_device(device: str) -> torch.device:
 
 
 class TorchBackend:
-    """PyTorch eager execution on a CPU or CUDA device."""
+    """PyTorch eager execution on a CPU or CUDA device.
+
+    Convolutional models run channels-last (NHWC) on the CPU: oneDNN's convolutions are faster in that layout
+    (1.09-1.37x per client step on fedavg_cnn and dsfl_mnist_cnn at one thread, ``benchmarks/executors.py``). The
+    weights are the same; float summation order differs, so results move at round-off level (about 1e-6 after one
+    local epoch) against the default layout. ``channels_last=False`` keeps the default layout.
+    """
 
     runtime = "torch"
 
-    def __init__(self, model: str, input_shape: tuple[int, ...], num_classes: int, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        model: str,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        device: str = "cpu",
+        *,
+        channels_last: bool | None = None,
+    ) -> None:
         self.model_name = model
         self.input_shape = tuple(input_shape)
         self.num_classes = num_classes
         self.device = resolve_device(device)
         self.model = build_model(model, input_shape=self.input_shape, num_classes=num_classes, seed=0).to(self.device)
+        has_conv = any(isinstance(m, torch.nn.Conv2d) for m in self.model.modules())
+        if channels_last is None:
+            channels_last = has_conv and self.device.type == "cpu"
+        self.memory_format = torch.channels_last if channels_last and has_conv else torch.contiguous_format
+        self.model = self.model.to(memory_format=self.memory_format)  # type: ignore[call-overload]
 
     def set_weights(self, state: StateDict) -> None:
         load_exchanged_state(self.model, state)
@@ -65,7 +85,12 @@ class TorchBackend:
         return exchanged_state(fresh)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return predict_logits(self.model, x)
+        return predict_logits(self.model, self._layout(x))
 
     def train(self, request: TrainRequest) -> TrainStats:
-        return train(self.model, request)
+        return train(self.model, dataclasses.replace(request, x=self._layout(request.x)))
+
+    def _layout(self, x: torch.Tensor) -> torch.Tensor:
+        if self.memory_format is torch.contiguous_format or x.dim() != 4:
+            return x
+        return x.contiguous(memory_format=self.memory_format)
