@@ -9,14 +9,17 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from fedge.errors import ConfigError
 from fedge.programs import ModelSpec
 
 if TYPE_CHECKING:
     import torch
 
     from edge_client.backends.executorch import ProgramSource
+    from edge_client.data import ClientDataInfo
+    from fedge.algorithms.base import ClientData
     from fedge.backend import TorchBackend
 
 from common.connection import add_connection_arguments, connection_from_args
@@ -31,6 +34,13 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
         "--client-id", default=None, help="this client's id, e.g. c003 (unique in the run; default: the bundle's)"
     )
     p.add_argument("--data", required=True, help="client data file (.safetensors, see edge_client/data.py)")
+    p.add_argument(
+        "--run-config",
+        type=Path,
+        default=None,
+        help="the run's config.json, from which an on-device runtime prepares its training programs before the "
+        "hello (default: config.json beside --data, as `fedge provision` writes it)",
+    )
     p.add_argument(
         "--run",
         default=None,
@@ -90,7 +100,6 @@ def run_client(
     from edge_client.data import load_client_data
     from edge_client.mqtt import MqttEdgeClient
     from fedge.backend import TorchBackend
-    from fedge.errors import ConfigError
     from fedge.protocol import check_name
 
     connection = connection_from_args(args)
@@ -147,7 +156,8 @@ def run_client(
     )
     if isinstance(backend, TorchBackend):
         _warm_up(backend, data.x, data.y)
-    else:  # load (on first use: export and check) the program behind logits before the hello, not in round 1
+    else:  # load (on first use: export and check) the programs before the hello, not in a round
+        _prepare_programs(backend, args, data, info)
         backend.logits(data.x[:2])
     server = MqttEdgeClient(
         EdgeClient(args.client_id, data, backend),
@@ -169,6 +179,40 @@ def run_client(
     signal.signal(signal.SIGINT, _stop)
     server.serve(connect_timeout=args.connect_timeout)
     return 0
+
+
+def _prepare_programs(backend: Any, args: argparse.Namespace, data: ClientData, info: ClientDataInfo) -> None:
+    """Make or load every training program the run will need (:mod:`fedge.planning`), from the run's config."""
+    import time
+
+    from fedge.config import RunConfig
+    from fedge.planning import planned_trainings
+    from fedge.programs import TrainingLoss
+
+    path = args.run_config or Path(args.data).with_name("config.json")
+    prepare = getattr(backend, "prepare", None)
+    if prepare is None or args.predict_only:
+        return
+    if not path.is_file():
+        if args.run_config is not None:
+            raise ConfigError(f"--run-config {path} does not exist")
+        log.warning(
+            "no run config beside %s: training programs will be made when the first task needs them (in a round); "
+            "pass --run-config CONFIG.json to prepare them before the hello",
+            args.data,
+        )
+        return
+    config = RunConfig.from_json_file(path)
+    started = time.perf_counter()
+    plans = planned_trainings(config, args.client_id, data, info.model, info.input_shape)
+    for plan in plans:
+        prepare([TrainingLoss(plan.objective, plan.prox_mu)], plan.batch_size)
+    log.info(
+        "prepared %d training program(s) for %s in %.1f s, before the hello",
+        len(plans),
+        config.algorithm,
+        time.perf_counter() - started,
+    )
 
 
 def runtime_capabilities(runtime: str, predict_only: bool) -> tuple[str, ...]:

@@ -70,6 +70,8 @@ def run_over_mqtt(
     with contextlib.ExitStack() as stack:
         data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedge-clients-")))
         files = write_client_files(exp, data_dir)
+        # Beside the data files, as `fedge provision` writes it: on-device clients prepare their programs from it.
+        (data_dir / "config.json").write_text(config.to_json() + "\n")
         bundles: dict[ClientId, Path] | None = None
         address: str | BrokerAddress | None = broker
         provisioned: tuple[ClientId, ...] | None = None

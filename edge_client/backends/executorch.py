@@ -79,6 +79,7 @@ class ExecuTorchBackend:
         self._scratch = self.spec.build(seed=0)  # validates the spec and weights; never trained
         self._state: StateDict = exchanged_state(self._scratch)  # the same start as TorchBackend
         self._trainers: dict[tuple[TrainingLoss, int], PteTrainer] = {}
+        self._prepared = False  # set once programs were prepared before the hello: a later one is made in a round
         self._loaded: dict[tuple[TrainingLoss, int], int] = {}  # which version of the weights each holds
         self._version = 0
 
@@ -102,6 +103,13 @@ class ExecuTorchBackend:
 
     def train(self, request: TrainRequest) -> TrainStats:
         key = (TrainingLoss(request.objective, request.prox_mu), batch_bound(request.batch_size))
+        if self._prepared and key not in self._trainers:
+            log.warning(
+                "making the %s program (batch bound %d) now, in a round: it was not among those prepared from the "
+                "run config",
+                key[0].tag,
+                key[1],
+            )
         trainer = self._synced(key)
         stats = trainer.train(request)
         self._state = trainer.get_weights()
@@ -114,12 +122,14 @@ class ExecuTorchBackend:
         """Load the programs for ``losses`` now (before the client says hello) rather than in a round."""
         for loss in losses:
             self._synced((loss, batch_bound(batch_size)))
+        self._prepared = True
 
     def _synced(self, key: tuple[TrainingLoss, int]) -> PteTrainer:
         """The trainer for ``key``, holding the current weights."""
         trainer = self._trainers.get(key)
         if trainer is None:
             loss, bound = key
+
             trainer = self._trainers[key] = PteTrainer(self.programs.program(self.spec, loss, bound), source=loss.tag)
             self._loaded[key] = -1
         if self._loaded[key] != self._version:

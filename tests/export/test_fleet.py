@@ -98,3 +98,7 @@ def test_a_mixed_fleet_of_client_processes_over_the_broker_computes_the_all_pyto
     assert max_weight_diff(tmp_path / "mqtt", tmp_path / "torch") < 1e-5
     logs = {c: (tmp_path / "mqtt" / "logs" / f"{c}.log").read_text() for c in ("c000", "c001")}
     assert "(executorch runtime)" in logs["c001"] and "(torch runtime)" in logs["c000"]
+    # Every program the run needed was made (or loaded) from the run's config before the hello, none in a round.
+    expected = {"fedntd": 1, "dsfl": 2}[config.algorithm]  # FedNTD's loss; DS-FL's local CE and distillation
+    assert f"prepared {expected} training program(s) for {config.algorithm}" in logs["c001"]
+    assert "now, in a round" not in logs["c001"]
