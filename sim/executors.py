@@ -951,7 +951,13 @@ class ExecutorTransport:
         self._known = frozenset(self._clients)
         self.keep_stores = keep_stores
         self.stores: dict[ClientId, dict[str, torch.Tensor]] = {c: {} for c in self._clients} if keep_stores else {}
+        self._changed: set[ClientId] = set()
         self._started = False
+
+    def pop_changed(self) -> set[ClientId]:
+        """The clients whose store copy changed since the last call (what the journal must write again)."""
+        changed, self._changed = self._changed, set()
+        return changed
 
     def available_clients(self) -> Sequence[ClientId]:
         return self._clients
@@ -971,13 +977,17 @@ class ExecutorTransport:
             out.entries.append(LedgerEntry.of(plan.broadcast, "down", BROADCAST_CLIENT, len(blob), len(plan.tasks)))
         ordered = sorted(plan.tasks.items())
         jobs = [ClientJob(client_id, encode(task), blob, self.keep_stores) for client_id, task in ordered]
-        results = self.executor.run(jobs)
-        for (client_id, task), job, result in zip(ordered, jobs, results, strict=True):
+        results: list[ClientResult | None] = list(self.executor.run(jobs))
+        for i, ((client_id, task), job) in enumerate(zip(ordered, jobs, strict=True)):
+            result = results[i]
+            results[i] = None  # a 1,000-client round would otherwise hold every client's store twice until its end
+            assert result is not None
             out.entries.append(LedgerEntry.of(task, "down", client_id, len(job.task), 1))
             if result.state is not None and client_id in self.stores:
                 store = self.stores[client_id]
                 store.clear()
                 store.update(decode_state(result.state))
+                self._changed.add(client_id)
             reply_blob = result.reply
             if reply_blob is None:  # crashed or lost: recorded like a client that reported its failure
                 reply_blob = encode(error_message(task, printable(result.error or "no reply")))

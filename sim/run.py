@@ -69,7 +69,15 @@ def run_inprocess(
     ) as exe:
         transport = ExecutorTransport(exe, sorted(exp.parts), declared=sizes)
         engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
-        journal = RunJournal(run_dir, config, exp.partition_summary(), engine, resume=resume, stores=transport.stores)
+        journal = RunJournal(
+            run_dir,
+            config,
+            exp.partition_summary(),
+            engine,
+            resume=resume,
+            stores=transport.stores,
+            changed=transport.pop_changed,
+        )
 
         def record(r: RoundRecord) -> None:
             journal.round(r)

@@ -184,3 +184,23 @@ def test_a_killed_fedge_sim_process_resumes_to_the_same_model(tmp_path: Path) ->
     assert main(["sim", *flags, "--out", str(tmp_path / "ref")]) == 0
     (reference,) = (tmp_path / "ref").iterdir()
     assert_same_result(reference, killed)  # run ids (directory names) differ, in time only: same payload bytes
+
+
+def test_client_stores_are_journaled_per_client_and_only_when_they_changed(tmp_path: Path) -> None:
+    cfg = config("fd", rounds=3)
+    exp = prepare(cfg)
+    run_dir = tmp_path / "run"
+    with pytest.raises(Interrupted):
+        run_inprocess(cfg, run_dir, experiment=exp, on_round=interrupt_after(2))
+    journal = json.loads((run_dir / JOURNAL).read_text())
+    files = journal["values"]["client_files"]
+    sampled = [json.loads(line)["sampled"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # Each client's file is from the last round it was sampled in: stores of clients that sat out were not rewritten.
+    for client, name in files.items():
+        last = max(r for r, clients in enumerate(sampled, 1) if client in clients)
+        assert name == f"{client}-{last:06d}.safetensors"
+    assert sorted(p.name for p in (run_dir / "clients").iterdir()) == sorted(files.values())  # superseded: deleted
+    assert set(files) == set().union(*map(set, sampled))
+    assert not any(k.startswith("client/") for k in load_file(run_dir / journal["tensors"]))  # not in the big file
+    run_inprocess(cfg, run_dir, experiment=exp, resume=True)
+    assert not (run_dir / "clients").exists()  # a finished run keeps no client stores
