@@ -125,11 +125,13 @@ def onnx_model(
         return data
     directory = cache_dir if cache_dir is not None else default_cache_dir()
     shape = "x".join(str(d) for d in spec.input_shape)
-    path = directory / f"{spec.name}-{shape}-c{spec.num_classes}-v{FORMAT_VERSION}-{toolchain_tag('onnx')}.onnx"
+    from export.onnx import DEFAULT_OPSET, export_onnx
+
+    # The opset is in the name: a file cached by an older default (opset 20, IR 10) is not what old runtimes load.
+    name = f"{spec.name}-{shape}-c{spec.num_classes}-op{DEFAULT_OPSET}-v{FORMAT_VERSION}-{toolchain_tag('onnx')}"
+    path = directory / f"{name}.onnx"
 
     def make() -> bytes:
-        from export.onnx import export_onnx
-
         return export_onnx(spec.build(seed=0), spec)
 
     try:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from export.onnx import DEFAULT_OPSET, MIN_OPSET, ONNXRUNTIME_RELEASES, onnx_target
 from fedge.errors import ConfigError, ExportError
 from fedge.objectives import objective_kinds
 from fedge.types import StateDict
@@ -49,7 +50,27 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beta", type=float, default=1.0, help="distillation weight baked into ntd programs")
     p.add_argument("--gamma", type=float, default=1.0, help="FD regularizer weight baked into fd programs")
     p.add_argument("--prox-mu", type=float, default=0.0, help="FedProx: bake the proximal term mu into the programs")
-    p.add_argument("--max-batch", type=int, default=64, help="largest batch the .pte programs accept")
+    p.add_argument(
+        "--max-batch",
+        nargs="+",
+        type=int,
+        default=list(default_batch_bounds()),
+        help="batch bounds of the .pte programs (recorded in each file; ExecuTorch plans memory for them). pte-train "
+        "writes one program per bound and loss; clients look up the bound of their batch size, the next power of "
+        "two and at least 64, so the default covers local training (batch 50 -> 64) and DS-FL distillation (batch "
+        "100 -> 128). The inference .pte takes the largest; runners split larger batches",
+    )
+    p.add_argument(
+        "--opset",
+        type=int,
+        default=DEFAULT_OPSET,
+        help="ONNX opset of the .onnx file: the newest the oldest onnxruntime you deploy implements. The file "
+        "declares the IR version that runtime loads: "
+        + "; ".join(
+            f"{t.opset}: IR {t.ir_version} (onnxruntime {t.min_onnxruntime}+)" for t in map(onnx_target, _opsets())
+        )
+        + ". The default loads on JetPack 5/6's onnxruntime 1.16 and 1.17, which refuse IR 10",
+    )
     p.add_argument("--no-xnnpack", action="store_true", help="inference .pte on portable kernels only")
     p.add_argument("--out", type=Path, default=Path("exports"), help="output directory")
     sub = p.add_subparsers(dest="export_command", metavar="check")
@@ -62,6 +83,20 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"reference weights (none: {WEIGHTS_FILE} beside each file, if present)",
     )
+
+
+def _opsets() -> range:
+    return range(MIN_OPSET, ONNXRUNTIME_RELEASES[-1][1] + 1)
+
+
+def default_batch_bounds() -> tuple[int, ...]:
+    """The program batch bounds clients look up for the default batch sizes: local training and DS-FL distillation."""
+    from edge_client.backends.executorch import batch_bound
+    from fedge.algorithms.dsfl import DSFLSettings
+    from fedge.config import TrainConfig
+
+    sizes = (TrainConfig().batch_size, DSFLSettings().distill_batch_size)
+    return tuple(sorted({batch_bound(b) for b in sizes}))
 
 
 def run_export_cli(args: argparse.Namespace) -> int:
@@ -92,25 +127,30 @@ def _input_shape(model: str, text: str | None) -> tuple[int, ...]:
         raise ConfigError(f"--input-shape must be comma-separated integers, got {text!r}") from None
 
 
-def _export(args: argparse.Namespace) -> int:
-    from export.parity import check_bytes, require
-    from fedge.cost import format_bytes
-    from fedge.models import exchanged_state, load_exchanged_state
+@dataclasses.dataclass(frozen=True)
+class ExportJob:
+    """One file a ``fedge export`` call writes."""
+
+    format: str  # one of FORMATS
+    name: str  # the file name; a training program's is the one clients look up (fedge.programs.program_file_name)
+    loss: TrainingLoss | None  # training programs only
+    max_batch: int  # batch bound of a .pte (ignored for ONNX, whose batch dimension is unbounded)
+
+
+def export_jobs(args: argparse.Namespace) -> tuple[ModelSpec, list[ExportJob]]:
+    """The model and the files of a ``fedge export`` call, validated and named; nothing is exported."""
     from fedge.objectives import OBJECTIVES, make_objective
     from fedge.programs import ModelSpec, TrainingLoss, program_file_name
 
     if not args.model:
         raise ConfigError("fedge export needs --model (or the subcommand `check FILE...`)")
-    if args.max_batch < 1:
-        raise ConfigError(f"--max-batch must be >= 1, got {args.max_batch}")
+    bounds: list[int] = sorted(set(args.max_batch))
+    if bounds[0] < 1:
+        raise ConfigError(f"--max-batch must be >= 1, got {bounds[0]}")
+    if "onnx" in args.format:
+        onnx_target(args.opset)  # refuse an unsupported opset before exporting anything
     spec = ModelSpec(args.model, _input_shape(args.model, args.input_shape), args.num_classes)
-    model = spec.build(seed=args.seed)
-    if args.weights is not None:
-        load_exchanged_state(model, _load_weights(args.weights))
-    weights = exchanged_state(model)
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    jobs: list[tuple[str, str, TrainingLoss | None]] = []
+    jobs: list[ExportJob] = []
     for fmt in args.format:
         if fmt == "pte-train":
             for kind in args.objective:
@@ -118,18 +158,34 @@ def _export(args: argparse.Namespace) -> int:
                 fields = {f.name for f in dataclasses.fields(OBJECTIVES[kind])}
                 objective = make_objective(kind, {k: repr(float(v)) for k, v in given.items() if k in fields})
                 loss = TrainingLoss(objective, float(args.prox_mu))
-                # The one naming scheme clients look programs up by (fedge.programs.program_file_name).
-                jobs.append((fmt, program_file_name(spec, loss, args.max_batch), loss))
+                jobs.extend(ExportJob(fmt, program_file_name(spec, loss, bound), loss, bound) for bound in bounds)
         else:
-            jobs.append((fmt, f"{spec.name}.{'onnx' if fmt == 'onnx' else 'pte'}", None))
+            # One inference file, at the largest bound: it serves every batch size the training programs do.
+            jobs.append(ExportJob(fmt, f"{spec.name}.{'onnx' if fmt == 'onnx' else 'pte'}", None, bounds[-1]))
+    return spec, jobs
+
+
+def _export(args: argparse.Namespace) -> int:
+    from export.parity import check_bytes, require
+    from fedge.cost import format_bytes
+    from fedge.models import exchanged_state, load_exchanged_state
+
+    spec, jobs = export_jobs(args)
+    model = spec.build(seed=args.seed)
+    if args.weights is not None:
+        load_exchanged_state(model, _load_weights(args.weights))
+    weights = exchanged_state(model)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
 
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / WEIGHTS_FILE))
     refused = 0
-    for fmt, name, job_loss in jobs:
-        data = _make(fmt, model, spec, job_loss, args)
-        reports = check_bytes(data, fmt, weights, source=name)
+    for job in jobs:
+        name = job.name
+        data = _make(job, model, spec, args)
+        reports = check_bytes(data, job.format, weights, source=name)
         for r in reports:
             print(f"  {r}")
         try:
@@ -143,19 +199,19 @@ def _export(args: argparse.Namespace) -> int:
     return 1 if refused else 0
 
 
-def _make(fmt: str, model: nn.Module, spec: ModelSpec, loss: TrainingLoss | None, args: argparse.Namespace) -> bytes:
-    if fmt == "onnx":
+def _make(job: ExportJob, model: nn.Module, spec: ModelSpec, args: argparse.Namespace) -> bytes:
+    if job.format == "onnx":
         from export.onnx import export_onnx
 
-        return export_onnx(model, spec)
-    if fmt == "pte":
+        return export_onnx(model, spec, opset=args.opset)
+    if job.format == "pte":
         from export.executorch import export_inference
 
-        return export_inference(model, spec, xnnpack=not args.no_xnnpack, max_batch=args.max_batch)
+        return export_inference(model, spec, xnnpack=not args.no_xnnpack, max_batch=job.max_batch)
     from export.executorch import export_training
 
-    assert loss is not None  # pte-train jobs always carry one
-    return export_training(model, spec, loss, max_batch=args.max_batch)
+    assert job.loss is not None  # pte-train jobs always carry one
+    return export_training(model, spec, job.loss, max_batch=job.max_batch)
 
 
 def _check(files: list[Path], weights_path: Path | None) -> int:

@@ -49,7 +49,7 @@ from fedge.programs import (
 )
 
 if TYPE_CHECKING:
-    from executorch.exir import EdgeProgramManager
+    from executorch.exir import ExecutorchProgramManager
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +108,9 @@ def export_inference(
 ) -> bytes:
     """An inference ``.pte`` (eval mode, weights baked in) with a dynamic batch dimension up to ``max_batch``.
 
-    XNNPACK's channels-last pass in ExecuTorch 1.4.1 narrows the batch range of convolution models (to 15 on
-    ``fedavg_cnn``, whatever bound was asked for); such a model is exported again with the narrowed bound, which is
-    what the file records, and :class:`edge_client.backends.runners.PteRunner` splits larger batches.
+    The bound is what the file records (``fedge_meta``) and what ExecuTorch plans memory for;
+    :class:`edge_client.backends.runners.PteRunner` splits larger batches. Should lowering still narrow it (see
+    :func:`_lower_inference`), the model is exported again with the narrowed bound, so the record stays true.
     """
     was_training = model.training
     model.eval()
@@ -119,13 +119,12 @@ def export_inference(
         "pte", spec, weights=tuple(shapes), shapes=shapes, max_batch=max_batch, extra={"xnnpack": str(xnnpack)}
     )
     try:
-        edge = _lower_inference(model, spec, meta, xnnpack)
-        bound = _batch_upper_bound(edge.exported_program())
+        manager = _lower_inference(model, spec, meta, xnnpack)
+        bound = _batch_upper_bound(manager.exported_program())
         if bound < max_batch:
-            log.info("%s: XNNPACK lowering narrowed the batch bound from %d to %d", spec.name, max_batch, bound)
+            log.warning("%s: lowering narrowed the batch bound from %d to %d", spec.name, max_batch, bound)
             meta = dataclasses.replace(meta, max_batch=bound)
-            edge = _lower_inference(model, spec, meta, xnnpack)
-        manager = edge.to_executorch()
+            manager = _lower_inference(model, spec, meta, xnnpack)
     except Exception as exc:  # torch.export and ExecuTorch raise many types; name the model and stage
         raise ExportError(f"ExecuTorch inference export of {spec.name} failed: {type(exc).__name__}: {exc}") from exc
     finally:
@@ -133,16 +132,23 @@ def export_inference(
     return bytes(manager.buffer)
 
 
-def _lower_inference(model: nn.Module, spec: ModelSpec, meta: ProgramMeta, xnnpack: bool) -> EdgeProgramManager:
+def _lower_inference(model: nn.Module, spec: ModelSpec, meta: ProgramMeta, xnnpack: bool) -> ExecutorchProgramManager:
     from executorch.exir import to_edge_transform_and_lower
 
-    ep = torch.export.export(model, (spec.example(2),), dynamic_shapes={"x": {0: _batch_dim(meta.max_batch)}})
     partitioner = []
     if xnnpack:
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
         partitioner = [XnnpackPartitioner()]
-    return to_edge_transform_and_lower(ep, partitioner=partitioner, constant_methods={META_METHOD: meta.to_json()})
+    # Passes after torch.export re-trace convolutions with fake tensors, whose shape rule asks PyTorch which CPU
+    # kernel eager mode would pick. That choice reads the batch size (oneDNN and NNPACK take batches of 16 and up), so
+    # traced at the example batch of 2 it records the guard "batch < 16", and the program was planned for batch 15
+    # whatever bound was asked (ExecuTorch 1.4.1, torch 2.13). With both kernel families off while exporting, the
+    # choice never reads the batch size; the program runs XNNPACK's (or the portable) kernels either way.
+    with torch.backends.mkldnn.flags(enabled=False), torch.backends.nnpack.flags(enabled=False):
+        ep = torch.export.export(model, (spec.example(2),), dynamic_shapes={"x": {0: _batch_dim(meta.max_batch)}})
+        edge = to_edge_transform_and_lower(ep, partitioner=partitioner, constant_methods={META_METHOD: meta.to_json()})
+        return edge.to_executorch()
 
 
 def _batch_upper_bound(ep: ExportedProgram) -> int:

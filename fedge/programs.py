@@ -19,7 +19,9 @@ method, in order: ``x``, ``y``, the objective's inputs (:attr:`Objective.inputs`
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,3 +204,19 @@ def program_file_name(spec: ModelSpec, loss: TrainingLoss, max_batch: int) -> st
     """
     shape = "x".join(str(d) for d in spec.input_shape)
     return f"{spec.name}-{shape}-c{spec.num_classes}-{loss.tag}-b{max_batch}-v{FORMAT_VERSION}.pte"
+
+
+def export_command(spec: ModelSpec, loss: TrainingLoss, max_batch: int, out: str) -> str:
+    """The ``fedge export`` command that writes ``program_file_name(spec, loss, max_batch)`` into ``out``.
+
+    What a client without the exporters prints for a missing program: every part of the name is spelled out (input
+    shape, classes, the loss's hyperparameters), since ``fedge export``'s defaults (the papers' input shapes) need not
+    be the run's.
+    """
+    argv = ["fedge", "export", "--model", spec.name, "--input-shape", ",".join(str(d) for d in spec.input_shape)]
+    argv += ["--num-classes", str(spec.num_classes), "--format", "pte-train", "--objective", loss.objective.kind]
+    for f in dataclasses.fields(loss.objective):
+        argv += [f"--{f.name}", repr(getattr(loss.objective, f.name))]
+    if loss.prox_mu:
+        argv += ["--prox-mu", repr(loss.prox_mu)]
+    return shlex.join([*argv, "--max-batch", str(max_batch), "--out", out])

@@ -23,7 +23,7 @@ from edge_client.backends.runners import PteTrainer
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.errors import ConfigError
 from fedge.models import exchanged_state, load_exchanged_state
-from fedge.programs import ModelSpec, TrainingLoss, program_file_name
+from fedge.programs import ModelSpec, TrainingLoss, export_command, program_file_name
 from fedge.training import TrainRequest, TrainStats
 from fedge.types import StateDict
 
@@ -59,9 +59,8 @@ class ProgramDirectory:
         path = self.directory / program_file_name(spec, loss, max_batch)
         if not path.is_file():
             raise ConfigError(
-                f"no training program {path.name} in {self.directory}; export it with `fedge export --model "
-                f"{spec.name} --format pte-train --objective {loss.objective.kind} --max-batch {max_batch} --out "
-                f"{self.directory}`"
+                f"no training program {path.name} in {self.directory}; export it with "
+                f"`{export_command(spec, loss, max_batch, str(self.directory))}`"
             )
         return path.read_bytes()
 
