@@ -5,7 +5,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck install mosquitto bench clean
+.PHONY: demo test lint typecheck install mosquitto bench clean ort-training
 
 install: $(VENV)/.installed
 
@@ -13,6 +13,16 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,export,ray]'
+	@touch $@
+
+# The onnxruntime-training client runtime lives in its own venv: the package owns the same onnxruntime/ folder as
+# onnxruntime (in .venv) and needs onnx 1.17.0. No `export` extra here (it would pull onnxruntime). docs/on_device.md
+ORT_VENV ?= .venv-ort-training
+ort-training: $(ORT_VENV)/.installed
+
+$(ORT_VENV)/.installed: pyproject.toml constraints-ort-training.txt
+	$(PYTHON) -m venv $(ORT_VENV)
+	$(ORT_VENV)/bin/pip install -q -c constraints-ort-training.txt onnxruntime-training onnx -e .
 	@touch $@
 
 demo: install
@@ -29,11 +39,11 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-test: install mosquitto lint typecheck
+test: install ort-training mosquitto lint typecheck
 	$(BIN)/pytest -q
 
 bench: install
 	$(BIN)/python benchmarks/local_training.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(ORT_VENV) runs .pytest_cache .mypy_cache .ruff_cache

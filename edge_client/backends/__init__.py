@@ -1,4 +1,4 @@
-"""Client runtimes: PyTorch (CPU/CUDA), ExecuTorch training programs, ONNX Runtime (inference only).
+"""Client runtimes: PyTorch (CPU/CUDA), ExecuTorch training programs, ONNX Runtime (inference, and training).
 
 :func:`make_backend` is what ``fedge client --runtime`` calls. What each runtime can do:
 
@@ -8,6 +8,8 @@ runtime       trains (FedAvg/NTD/LSD/CAD, FD, DS-FL)      logits / evaluation
 torch         yes (CPU or CUDA, eager)                    yes
 executorch    yes (training programs, portable kernels)   yes (the programs' eval method)
 onnxruntime   no; FD/DS-FL predict-only with ``skip``     yes (weights replaced by name)
+onnxruntime-  yes (ORT training artifacts; own venv,      yes (the artifacts' eval model)
+training      ``make ort-training``)
 ============  ==========================================  ==========================================
 """
 
@@ -20,8 +22,9 @@ from fedge.errors import ConfigError
 
 if TYPE_CHECKING:
     from edge_client.backends.executorch import ProgramSource
+    from edge_client.backends.ort_training import ArtifactSource
 
-RUNTIMES = ("torch", "executorch", "onnxruntime")
+RUNTIMES = ("torch", "executorch", "onnxruntime", "onnxruntime-training")
 
 
 def make_backend(
@@ -36,12 +39,15 @@ def make_backend(
     onnx_source: str = "ONNX model",
     predict_only: bool = False,
     threads: int = 0,
+    ort_artifacts: ArtifactSource | None = None,
 ) -> Backend:
     """The backend for ``runtime`` holding ``model``.
 
     ``programs``: where an executorch client finds its training programs (default: the program directory,
     ``$FEDGE_PROGRAM_CACHE`` or ``~/.cache/fedge/programs``). ``onnx_model``: the ``.onnx`` an onnxruntime client
     serves. ``predict_only``: an onnxruntime client that skips training (FD/DS-FL uploads from its deployed model).
+    ``ort_artifacts``: where an onnxruntime-training client finds its training artifacts (default: the program
+    directory).
     """
     if runtime not in RUNTIMES:
         raise ConfigError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
@@ -55,6 +61,16 @@ def make_backend(
         )
     if runtime == "torch":
         return TorchBackend(model, input_shape, num_classes, device=device)
+    if runtime == "onnxruntime-training":
+        try:
+            from edge_client.backends.ort_training import OrtTrainingBackend
+
+            return OrtTrainingBackend(model, input_shape, num_classes, artifacts=ort_artifacts, threads=threads)
+        except ImportError as exc:
+            raise ConfigError(
+                f"the onnxruntime-training runtime runs in its own environment: `make ort-training`, then "
+                f"`.venv-ort-training/bin/fedge client ...` ({exc})"
+            ) from exc
     try:
         if runtime == "executorch":
             from edge_client.backends.executorch import ExecuTorchBackend

@@ -15,10 +15,9 @@ participant. What it can do:
 With the default ``train_policy="refuse"`` a training task raises :class:`ConfigError`, which makes the client drop
 out of that round with the reason logged (as a client that cannot compute its task does).
 
-On-device training with ONNX: ``onnxruntime-training`` (1.19.2, the last release) can train with a custom loss, but
-it ships the same ``onnxruntime`` Python package (never install both in one environment), needs ``onnx==1.17.0``
-and its SGD has no momentum; it would live in a separate environment with its own client process (see
-docs/on_device.md).
+On-device training with ONNX is the ``onnxruntime-training`` runtime (:mod:`edge_client.backends.ort_training`), in a
+separate environment with its own client process: that package ships the same ``onnxruntime`` Python package (never
+install both in one environment) and needs ``onnx==1.17.0`` (docs/on_device.md).
 """
 
 from __future__ import annotations

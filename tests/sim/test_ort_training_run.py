@@ -1,0 +1,83 @@
+"""FedNTD over real brokers with `fedge client --runtime onnxruntime-training` processes, which run in the separate
+`.venv-ort-training` (``make ort-training``), make their parity-checked artifacts before the hello, and end with the
+global model of the all-PyTorch run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mqtt_support import mosquitto_url  # noqa: F401 - pytest fixture
+from safetensors.torch import load_file
+
+from common.experiment import prepare
+from edge_client.backends.cache_dir import CACHE_ENV
+from fedge.backend import TorchBackend
+from fedge.config import RunConfig, TrainConfig
+from sim.laptop import run_over_mqtt
+from sim.run import run_inprocess
+
+ORT_PYTHON = Path(__file__).resolve().parents[2] / ".venv-ort-training" / "bin" / "python"
+
+pytestmark = [
+    pytest.mark.broker,
+    pytest.mark.skipif(not ORT_PYTHON.exists(), reason=f"{ORT_PYTHON} is absent: install it with `make ort-training`"),
+]
+
+
+def fedntd(model: str) -> RunConfig:
+    train = TrainConfig(local_epochs=1, momentum=0.9, weight_decay=1e-5)
+    return RunConfig(algorithm="fedntd", dataset="digits", model=model, num_clients=3, rounds=2, train=train)
+
+
+def max_weight_diff(a: Path, b: Path) -> float:
+    wa, wb = load_file(a / "global_model.safetensors"), load_file(b / "global_model.safetensors")
+    assert wa.keys() == wb.keys()
+    return max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+
+
+def run_with_ort_clients(
+    config: RunConfig, run_dir: Path, broker: str | None, ort_clients: tuple[str, ...], cache: Path
+) -> None:
+    result = run_over_mqtt(
+        config,
+        run_dir,
+        broker=broker,
+        round_timeout=180,
+        client_runtimes=dict.fromkeys(ort_clients, "onnxruntime-training"),
+        client_pythons=dict.fromkeys(ort_clients, str(ORT_PYTHON)),
+    )
+    assert all(r.replied == ("c000", "c001", "c002") for r in result.rounds)
+    for client in ort_clients:
+        log = (run_dir / "logs" / f"{client}.log").read_text()
+        assert "(onnxruntime-training runtime)" in log
+        assert "prepared 1 training program(s) for fedntd" in log  # before the hello, from the run's config
+    assert any(cache.glob("*-ntd-tau1-beta1-b0-v2.ort-training"))
+
+
+def test_a_mixed_fleet_with_onnxruntime_training_clients_gives_the_all_pytorch_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tiny_mlp, one PyTorch and two ORT training clients, over the embedded broker (secured by a fleet kit)."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "artifacts"))  # the ORT clients make their artifacts here
+    config = fedntd("tiny_mlp")
+    run_with_ort_clients(config, tmp_path / "mqtt", None, ("c001", "c002"), tmp_path / "artifacts")
+    run_inprocess(config, tmp_path / "torch")
+    assert max_weight_diff(tmp_path / "mqtt", tmp_path / "torch") < 1e-5
+
+
+def test_onnxruntime_training_clients_over_mosquitto_give_the_all_pytorch_cnn(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    mosquitto_url: str,  # noqa: F811
+) -> None:
+    """fedavg_cnn, every client on ORT training, over mosquitto."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "artifacts"))
+    config = fedntd("fedavg_cnn")
+    run_with_ort_clients(config, tmp_path / "mqtt", mosquitto_url, ("c000", "c001", "c002"), tmp_path / "artifacts")
+    # PyTorch clients run convolutions channels-last on the CPU (another summation order, ~1e-6 per epoch); the ORT
+    # graph computes in the default layout, so that is the PyTorch run it is compared with.
+    exp = prepare(config)
+    backend = TorchBackend("fedavg_cnn", exp.input_shape, exp.num_classes, channels_last=False)
+    run_inprocess(config, tmp_path / "torch", backend_for=lambda client: backend)
+    assert max_weight_diff(tmp_path / "mqtt", tmp_path / "torch") < 1e-5
