@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ class Experiment:
     parts: dict[ClientId, np.ndarray]  # indices into ``train``
     open_indices: np.ndarray | None  # DS-FL's unlabeled open set, indices into ``train``
     eval_indices: np.ndarray  # indices into ``test`` used for evaluation
+    _test: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_classes(self) -> int:
@@ -53,7 +54,14 @@ class Experiment:
         return torch.from_numpy(self.train.x[self.open_indices])
 
     def test_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.from_numpy(self.test.x[self.eval_indices]), torch.from_numpy(self.test.y[self.eval_indices])
+        """The evaluation set, built once and shared: every FD client holds it, and 1,000 copies of MNIST's test set
+        would take 31 GB."""
+        if self._test is None:
+            self._test = (
+                torch.from_numpy(self.test.x[self.eval_indices]),
+                torch.from_numpy(self.test.y[self.eval_indices]),
+            )
+        return self._test
 
     def client_data(self, client: ClientId, open_x: torch.Tensor | None = None) -> ClientData:
         idx = self.parts[client]

@@ -33,7 +33,7 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -170,6 +170,11 @@ class ClientExecutor(Protocol):
         """Each job's result, in the order of ``jobs`` (client ids must be distinct)."""
         ...
 
+    def stream(self, jobs: Sequence[ClientJob]) -> Iterator[ClientResult]:
+        """:meth:`run`'s results one by one, as soon as the executor can give them (the transport handles each
+        before the next: a round of 1,000 stateful clients never holds all their returned states at once)."""
+        ...
+
     def load_states(self, states: Mapping[ClientId, bytes]) -> None:
         """Give clients their stored state (:func:`encode_state`; a resumed run, or one a dead worker lost) before
         the next round; each then stays with the worker that holds it."""
@@ -195,6 +200,13 @@ _Self = TypeVar("_Self", bound="_Closing")
 
 class _Closing:
     """Context-manager plumbing shared by the executors."""
+
+    def run(self, jobs: Sequence[ClientJob]) -> list[ClientResult]:
+        raise NotImplementedError
+
+    def stream(self, jobs: Sequence[ClientJob]) -> Iterator[ClientResult]:
+        """All results of one :meth:`run` (executors that run clients side by side finish them together)."""
+        yield from self.run(jobs)
 
     def close(self) -> None:
         """Nothing to stop."""
@@ -320,6 +332,20 @@ class SequentialExecutor(_Closing):
             return [self._host.run(job, (self._batch, id(job.broadcast)))[0] for job in jobs]
         finally:
             torch.set_num_threads(previous)
+
+    def stream(self, jobs: Sequence[ClientJob]) -> Iterator[ClientResult]:
+        """One client at a time: each result is handed over before the next client runs."""
+        _check_unique(jobs)
+        self._batch += 1
+        batch = self._batch
+        for job in jobs:
+            previous = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+            try:
+                result = self._host.run(job, (batch, id(job.broadcast)))[0]
+            finally:
+                torch.set_num_threads(previous)
+            yield result
 
 
 class _Assignment:
@@ -977,11 +1003,8 @@ class ExecutorTransport:
             out.entries.append(LedgerEntry.of(plan.broadcast, "down", BROADCAST_CLIENT, len(blob), len(plan.tasks)))
         ordered = sorted(plan.tasks.items())
         jobs = [ClientJob(client_id, encode(task), blob, self.keep_stores) for client_id, task in ordered]
-        results: list[ClientResult | None] = list(self.executor.run(jobs))
-        for i, ((client_id, task), job) in enumerate(zip(ordered, jobs, strict=True)):
-            result = results[i]
-            results[i] = None  # a 1,000-client round would otherwise hold every client's store twice until its end
-            assert result is not None
+        # One result at a time: a 1,000-client round would otherwise hold every client's returned store at once.
+        for (client_id, task), job, result in zip(ordered, jobs, self.executor.stream(jobs), strict=True):
             out.entries.append(LedgerEntry.of(task, "down", client_id, len(job.task), 1))
             if result.state is not None and client_id in self.stores:
                 store = self.stores[client_id]
