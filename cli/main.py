@@ -125,6 +125,19 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
     return config_from_args(args)
 
 
+def _packet_limit(text: str) -> Any:
+    from common.connection import packet_limit_arg  # imported on use: the MQTT client is not needed to parse
+
+    return packet_limit_arg(text)
+
+
+def _packet_size(text: str) -> int:
+    limit = _packet_limit(text)
+    if not isinstance(limit, int):
+        raise argparse.ArgumentTypeError(f"{text!r}: give the broker's limit in bytes, e.g. 1MB")
+    return limit
+
+
 def _cmd_sim(args: argparse.Namespace) -> int:
     from sim.cli import run_sim
 
@@ -184,6 +197,10 @@ def _cmd_client(args: argparse.Namespace) -> int:
 
     if args.runtime == "torch":
         return run_client(args)
+    if args.runtime == "onnxruntime-training":  # in .venv-ort-training: makes (and checks) artifacts before the hello
+        from export.ort_training import ArtifactCache
+
+        return run_client(args, ort_artifacts=ArtifactCache(args.program_cache))
     # On a workstation the exporters are installed: a missing program is exported (and parity-checked) first.
     from export.cache import ExportingSource, onnx_model
 
@@ -212,6 +229,7 @@ def _cmd_provision(args: argparse.Namespace) -> int:
             tls=not args.no_tls,
             client_certificates=args.client_certificates,
             broker_config_dir=args.fleet_broker_dir,
+            max_packet_size=args.fleet_max_packet_size,
         )
         print(f"wrote the fleet kit to {kit.root}: start mosquitto with `mosquitto -c {kit.mosquitto_conf}`,")
         print(f"the coordinator with `--bundle {kit.coordinator_dir}`, each client with --bundle clients/<id> copied")
@@ -263,6 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--broker",
         default=None,
         help="with --transport mqtt: mqtt://HOST:PORT of an existing broker (default: an embedded broker on loopback)",
+    )
+    p.add_argument(
+        "--max-packet-size",
+        type=_packet_limit,
+        default="auto",
+        metavar="auto|off|BYTES",
+        help="with --transport mqtt: the largest MQTT packet the coordinator and clients publish; larger messages "
+        "travel as chunks (auto: the broker's announced limit, else none; off: never chunk)",
     )
     p.add_argument("--no-report", action="store_true", help="skip the Markdown report and plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -356,6 +382,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="where kit/broker/ will be on the broker host (mosquitto.conf names its files by absolute path)",
     )
     p.add_argument("--no-tls", action="store_true", help="passwords and ACL without TLS (a loopback laptop run only)")
+    p.add_argument(
+        "--fleet-max-packet-size",
+        type=_packet_size,
+        default=None,
+        metavar="BYTES",
+        help="the broker's max_packet_size (e.g. 1MB); the coordinator and clients learn it from the broker and send "
+        "larger messages as chunks (default: sized to the run's largest message, nothing chunked)",
+    )
     _add_config_flags(p)
     p.set_defaults(func=_cmd_provision)
 

@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.mqtt import Bundle, load_bundle, with_credentials
+from common.mqtt import Bundle, PacketLimit, load_bundle, parse_packet_limit, with_credentials
 from fedge.errors import ConfigError
 from fedge.protocol import BrokerAddress
 
@@ -39,6 +39,22 @@ def add_connection_arguments(p: argparse.ArgumentParser, *, broker_required: boo
     p.add_argument("--ca-file", type=Path, default=None, help="mqtts: CA certificate to verify the broker with")
     p.add_argument("--cert-file", type=Path, default=None, help="mqtts: client certificate (mutual TLS)")
     p.add_argument("--key-file", type=Path, default=None, help="mqtts: the client certificate's key")
+    p.add_argument(
+        "--max-packet-size",
+        type=packet_limit_arg,
+        default="auto",
+        metavar="auto|off|BYTES",
+        help="the largest MQTT packet to publish; larger messages travel as chunks. auto: the limit the broker "
+        "announces (MQTT 5 CONNACK), else none; BYTES (e.g. 1MB): at most that; off: never chunk",
+    )
+
+
+def packet_limit_arg(text: str) -> PacketLimit:
+    """``--max-packet-size``'s argparse type: :func:`common.mqtt.parse_packet_limit`, its error as argparse's."""
+    try:
+        return parse_packet_limit(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -47,6 +63,7 @@ class Connection:
 
     address: BrokerAddress
     bundle: Bundle | None = None
+    max_packet_size: PacketLimit = "auto"
 
 
 def connection_from_args(args: argparse.Namespace) -> Connection:
@@ -55,7 +72,7 @@ def connection_from_args(args: argparse.Namespace) -> Connection:
         if args.username or args.password_file or args.ca_file or args.cert_file or args.key_file:
             raise ConfigError("--bundle carries the login and TLS files; drop --username/--password-file/--*-file")
         bundle = load_bundle(args.bundle, broker=args.broker)
-        return Connection(bundle.address, bundle)
+        return Connection(bundle.address, bundle, args.max_packet_size)
     if args.broker is None:
         raise ConfigError("say where the broker is: --broker mqtt://HOST:PORT, or --bundle DIR from a fleet kit")
     address = with_credentials(
@@ -67,4 +84,4 @@ def connection_from_args(args: argparse.Namespace) -> Connection:
             raise ConfigError("--ca-file/--cert-file/--key-file are for TLS: use an mqtts:// broker URL")
         ca, cert, key = (str(f) if f is not None else None for f in tls_files)
         address = address.with_tls(ca_file=ca, cert_file=cert, key_file=key)
-    return Connection(address)
+    return Connection(address, max_packet_size=args.max_packet_size)

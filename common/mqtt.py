@@ -19,6 +19,14 @@ would say so (mosquitto 2.0.11 answers such a PUBLISH with PUBACK 0x87 "Not auth
 its wire-byte formulas are 3.1.1's and the embedded amqtt broker speaks nothing newer. mosquitto 2.0 also grants
 every SUBSCRIBE and applies its ACL on delivery instead, so a denied subscription is silent there too; amqtt answers
 it with SUBACK 0x80, which :meth:`MqttLink.start` reports.
+
+Packet limits: a broker may refuse packets above a size (mosquitto's ``max_packet_size``, EMQX's 1 MB default) and
+closes the connection of a client that sends one. Only MQTT 5 lets a broker say its limit (CONNACK Maximum Packet
+Size), so before its 3.1.1 connection :meth:`MqttLink.start` asks with one short MQTT 5 CONNECT (same client id,
+login and TLS; no will, no subscriptions; a 3.1.1-only broker such as amqtt answers "unsupported protocol version"
+and the limit stays unknown). :meth:`MqttLink.send` then splits a message that would not fit into chunks
+(:mod:`fedge.chunking`), and :meth:`MqttLink.publish` refuses a packet the broker announced it would refuse
+(:class:`PacketTooLarge`) instead of being disconnected and resending it after every reconnect.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import socket
 import ssl
 import threading
@@ -39,6 +48,7 @@ from typing import Any, Literal
 
 import paho.mqtt.client as paho
 
+from fedge import chunking
 from fedge.errors import ConfigError, TransportError
 from fedge.protocol import PUBACK_BYTES, BrokerAddress, check_name, publish_packet_bytes
 
@@ -52,6 +62,42 @@ PASSWORD_ENV = "FEDGE_MQTT_PASSWORD"  # the password, when no credential file is
 USERNAME_ENV = "FEDGE_MQTT_USERNAME"
 BUNDLE_FILE = "bundle.json"  # in each directory of a fleet kit: who this device is and how it reaches the broker
 BUNDLE_FORMAT = 1
+PROBE_TIMEOUT_S = 1.5
+"""How long the MQTT 5 probe waits for its CONNACK before the limit counts as unknown. An MQTT 5 broker answers in
+milliseconds; a 3.1.1-only one usually closes the connection at once, but amqtt behind TLS does neither, so every
+connection to it pays this once."""
+MIN_PACKET_SIZE = 1024
+"""The smallest packet limit fedge accepts: a hello (~500 bytes) must travel whole, and a chunk needs its header."""
+
+PacketLimit = int | Literal["auto", "off"]
+"""The largest MQTT packet to send: ``auto`` (the broker's announced limit, else none), a number of bytes (capped by
+the broker's announced limit), or ``off`` (never chunk; a message the broker would refuse is an error)."""
+
+
+class PacketTooLarge(TransportError):
+    """A message does not fit the broker's packet limit and chunking is off (or the packet is not chunkable)."""
+
+
+def parse_packet_limit(text: str) -> PacketLimit:
+    """``auto``, ``off`` or a number of bytes (``1000000``, ``1MB``, ``256kB``, ``1MiB``), as a CLI takes it."""
+    value = text.strip().lower()
+    if value in ("auto", "off"):
+        return value  # type: ignore[return-value]  # one of the two literals
+    units = {"kib": 1024, "mib": 1 << 20, "kb": 1000, "mb": 1_000_000, "b": 1, "k": 1000, "m": 1_000_000}
+    number, scale = value, 1
+    for unit, factor in units.items():
+        if value.endswith(unit):
+            number, scale = value[: -len(unit)], factor
+            break
+    try:
+        size = int(float(number) * scale) if number.strip() else -1
+    except (ValueError, OverflowError):
+        size = -1
+    if size < MIN_PACKET_SIZE:
+        raise ConfigError(
+            f"max packet size {text!r}: use auto, off, or a number of bytes >= {MIN_PACKET_SIZE} (e.g. 1MB)"
+        )
+    return size
 
 
 @dataclass(frozen=True)
@@ -93,7 +139,10 @@ class MqttLink:
         on_ready: Callable[[MqttLink], None] | None = None,
         keepalive: int = 30,
         backoff: tuple[float, float] = (0.2, 10.0),
+        max_packet_size: PacketLimit = "auto",
     ) -> None:
+        if isinstance(max_packet_size, int) and max_packet_size < MIN_PACKET_SIZE:
+            raise ConfigError(f"max packet size must be >= {MIN_PACKET_SIZE} bytes, got {max_packet_size}")
         self.address = address
         self.client_id = client_id
         self.keepalive = keepalive
@@ -115,6 +164,9 @@ class MqttLink:
         self.connections = 0  # successful connections, so reconnects = connections - 1
         self.bytes_out = 0  # PUBLISH and PUBACK bytes this side wrote (by the MQTT 3.1.1 formulas)
         self.bytes_in = 0
+        self.max_packet_size = max_packet_size
+        self.broker_max_packet_size: int | None = None  # announced in an MQTT 5 CONNACK (see _probe_limit)
+        self.chunked = 0  # messages sent as chunks
 
         # MQTT 3.1.1: the byte formulas of fedge.protocol are for it, and amqtt speaks nothing newer.
         self._client = paho.Client(
@@ -149,8 +201,12 @@ class MqttLink:
         """Connect (retrying until ``timeout``), subscribe, and start the network thread."""
         deadline = time.monotonic() + timeout
         delay = self._backoff[0]
+        probed = False
         while True:
             try:
+                if not probed:  # before our own connection: a broker that binds ids to users would replace it
+                    self.broker_max_packet_size = self._probe_limit(min(PROBE_TIMEOUT_S, deadline - time.monotonic()))
+                    probed = True
                 self._client.connect(self.address.host, self.address.port, keepalive=self.keepalive)
                 break
             except ssl.SSLError as exc:  # an OSError too, but one that waiting cannot fix
@@ -211,8 +267,49 @@ class MqttLink:
 
     # --- traffic ----------------------------------------------------------------------------------------------
 
+    @property
+    def packet_limit(self) -> int | None:
+        """The largest packet :meth:`send` publishes: the configured limit capped by the broker's; None: no limit."""
+        if self.max_packet_size == "off":
+            return None
+        broker = self.broker_max_packet_size
+        if self.max_packet_size == "auto":
+            return broker
+        return self.max_packet_size if broker is None else min(self.max_packet_size, broker)
+
+    def chunk_bytes(self, topic: str, qos: int = 1) -> int | None:
+        """The largest payload of one PUBLISH on ``topic`` within :attr:`packet_limit`; None: no limit."""
+        limit = self.packet_limit
+        return None if limit is None else chunking.largest_payload(topic, limit, qos=qos)
+
+    def send(self, topic: str, payload: bytes, *, qos: int = 1) -> list[int]:
+        """Publish a message, as chunks when it does not fit :attr:`packet_limit`; the payload size of each PUBLISH.
+
+        The sizes are what the byte ledger counts: chunk headers included. Never retained (a broker keeps only the
+        last retained message of a topic, so a chunked one could not be read back).
+        """
+        limit = self.chunk_bytes(topic, qos)
+        if limit is None or len(payload) <= limit:
+            self.publish(topic, payload, qos=qos)
+            return [len(payload)]
+        # A random id: a restarted sender must not reuse the id of a message still being reassembled.
+        parts = chunking.split(payload, limit, secrets.randbits(64))
+        for part in parts:
+            self.publish(topic, part, qos=qos)
+        self.chunked += 1
+        log.debug("sent %d bytes to %s as %d chunks of <= %d bytes", len(payload), topic, len(parts), limit)
+        return [len(part) for part in parts]
+
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> paho.MQTTMessageInfo:
-        """Queue a message; paho sends it now or after the next reconnect (QoS > 0)."""
+        """Queue one PUBLISH; paho sends it now or after the next reconnect (QoS > 0).
+
+        :class:`PacketTooLarge` when it exceeds the broker's announced limit or the configured one: the broker would
+        close the connection and paho would resend the packet after every reconnect, forever.
+        """
+        size = publish_packet_bytes(topic, len(payload), qos)
+        limits = [x for x in (self.broker_max_packet_size, self.max_packet_size) if isinstance(x, int)]
+        if limits and size > min(limits):
+            raise PacketTooLarge(self._too_large(topic, size, min(limits)))
         info = self._client.publish(topic, payload, qos=qos, retain=retain)
         if info.rc not in (paho.MQTT_ERR_SUCCESS, paho.MQTT_ERR_NO_CONN):
             raise TransportError(f"publishing {len(payload)} bytes to {topic!r} failed: {paho.error_string(info.rc)}")
@@ -227,6 +324,19 @@ class MqttLink:
         if self.connected:
             self._client.subscribe(topic, qos)
 
+    def _too_large(self, topic: str, size: int, limit: int) -> str:
+        whose = (
+            "the broker's maximum packet size (announced in its MQTT 5 CONNACK)"
+            if limit == self.broker_max_packet_size
+            else "the configured --max-packet-size"
+        )
+        fix = (
+            "chunking is off (--max-packet-size off): leave it at auto to send large messages in chunks"
+            if self.max_packet_size == "off"
+            else "send it with MqttLink.send, which chunks it"
+        )
+        return f"a {size:,}-byte packet on {topic} exceeds {whose} of {limit:,} bytes; {fix}"
+
     def get(self, timeout: float | None = None) -> Inbound | None:
         """The next received message, or None after ``timeout`` seconds."""
         try:
@@ -235,6 +345,48 @@ class MqttLink:
             return None
 
     # --- paho thread ------------------------------------------------------------------------------------------
+
+    def _probe_limit(self, timeout: float) -> int | None:
+        """The broker's Maximum Packet Size from an MQTT 5 CONNACK; None if it announces none or speaks only 3.1.1.
+
+        Raises what connecting raises (unreachable, TLS failures), for :meth:`start` to retry or report; any other
+        failure (a refused login, no answer) leaves the limit unknown, and the real connection reports it.
+        """
+        probe = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=paho.MQTTv5)
+        if self.address.username is not None:
+            probe.username_pw_set(self.address.username, self.address.password)
+        if self.address.tls:
+            probe.tls_set_context(tls_context(self.address))
+        answer: dict[str, Any] = {}
+
+        def on_connect(client: paho.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+            answer["ok"] = not reason.is_failure
+            answer["limit"] = getattr(props, "MaximumPacketSize", None)
+
+        def on_disconnect(client: paho.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+            answer.setdefault("ok", False)
+
+        probe.on_connect, probe.on_disconnect = on_connect, on_disconnect
+        probe.connect(self.address.host, self.address.port, keepalive=max(self.keepalive, 5))
+        try:
+            deadline = time.monotonic() + max(timeout, 0.1)
+            while "ok" not in answer and time.monotonic() < deadline:
+                if probe.loop(timeout=0.05) != paho.MQTT_ERR_SUCCESS:
+                    break  # the broker closed the connection: it does not speak MQTT 5, or refused us
+        finally:
+            with contextlib.suppress(Exception):  # the broker may have closed the connection already
+                probe.disconnect()
+                probe.loop(timeout=0.05)  # writes the DISCONNECT, then closes the socket
+            sock = probe.socket()
+            if sock is not None:  # no answer in time: close it ourselves
+                with contextlib.suppress(OSError):
+                    sock.close()
+        limit = answer.get("limit") if answer.get("ok") else None
+        if isinstance(limit, int) and limit > 0:
+            log.info("broker %s announces a maximum packet size of %d bytes", self.address, limit)
+            return limit
+        log.debug("broker %s announced no packet limit (%s)", self.address, answer or "no MQTT 5 CONNACK")
+        return None
 
     def _network_loop(self) -> None:
         delay = self._backoff[0]

@@ -89,6 +89,7 @@ def run_coordinator_cli(
         broker_counters=args.broker_counters != "off",
         on_round=on_round,
         resume=resume,
+        max_packet_size=connection.max_packet_size,
     )
     s = result.summary
     if s.get("final_accuracy") is not None:

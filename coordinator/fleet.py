@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from common.mqtt import BUNDLE_FILE, BUNDLE_FORMAT
+from common.mqtt import BUNDLE_FILE, BUNDLE_FORMAT, MIN_PACKET_SIZE
 from coordinator.broker_counters import SYS_FILTERS
 from coordinator.presence import Admit
 from fedge.errors import ConfigError
@@ -77,7 +77,8 @@ def fleet_username(run: str, client: str | None) -> str:
 class FleetSpec:
     """What a fleet kit is made for. ``max_message_bytes`` is the payload size of the run's largest legitimate
     message (the encoded task, broadcast or update with the full model); the broker closes the connection of anyone
-    who sends a bigger one."""
+    who sends a bigger one. With ``chunk_packet_size`` the broker's limit is that many bytes instead: it announces
+    it to MQTT 5 clients (CONNACK Maximum Packet Size), and fedge's roles send larger messages as chunks."""
 
     run: str
     clients: Sequence[str]  # kept as a tuple
@@ -90,6 +91,7 @@ class FleetSpec:
     cert_days: int = 365
     headroom: float = 0.10  # on top of the largest message: metadata varies by a few bytes per round
     sys_interval: int = 10  # seconds between the broker's $SYS counter updates
+    chunk_packet_size: int | None = None  # mosquitto's max_packet_size when messages travel as chunks
 
     def __post_init__(self) -> None:
         for attr in ("clients", "broker_hosts"):  # accept any sequence, but never one string as many names
@@ -115,6 +117,8 @@ class FleetSpec:
             raise ConfigError(f"broker port must be in 1..65535, got {self.port}")
         if self.client_certificates and not self.tls:
             raise ConfigError("client certificates need TLS")
+        if self.chunk_packet_size is not None and self.chunk_packet_size < MIN_PACKET_SIZE:
+            raise ConfigError(f"a chunk packet size must be >= {MIN_PACKET_SIZE} bytes, got {self.chunk_packet_size}")
         if self.cert_days < 1 or self.headroom < 0 or self.sys_interval < 1:
             raise ConfigError("cert_days and sys_interval must be >= 1 and headroom >= 0")
 
@@ -124,8 +128,10 @@ class FleetSpec:
 
     @property
     def max_packet_size(self) -> int:
-        """mosquitto's ``max_packet_size``: a QoS-1 PUBLISH of the largest message on the longest topic, plus
-        headroom."""
+        """mosquitto's ``max_packet_size``: ``chunk_packet_size`` when set, else a QoS-1 PUBLISH of the largest
+        message on the longest topic, plus headroom."""
+        if self.chunk_packet_size is not None:
+            return self.chunk_packet_size
         longest = max((self.topics.task(c) for c in self.clients), key=len)
         return int(publish_packet_bytes(longest, self.max_message_bytes, 1) * (1 + self.headroom)) + 1
 
@@ -223,8 +229,18 @@ def mosquitto_conf(spec: FleetSpec, broker_dir: Path) -> str:
         f"acl_file {d / 'acl'}",
         "# Clients use clean sessions and announce themselves after every (re)connect: nothing must survive a restart.",
         "persistence false",
-        f"# The largest legitimate packet: a {spec.max_message_bytes}-byte message plus {spec.headroom:.0%} headroom;",
-        "# a bigger one closes the sender's connection before the broker buffers it.",
+        *(
+            [
+                f"# The largest legitimate packet: a {spec.max_message_bytes}-byte message plus {spec.headroom:.0%} "
+                "headroom;",
+                "# a bigger one closes the sender's connection before the broker buffers it.",
+            ]
+            if spec.chunk_packet_size is None
+            else [
+                "# The largest packet: MQTT 5 clients learn it from the CONNACK, and fedge sends larger messages as",
+                "# chunks; a bigger packet closes the sender's connection before the broker buffers it.",
+            ]
+        ),
         f"max_packet_size {spec.max_packet_size}",
         "# A round queues one task per client at once, and the coordinator gets every update at once.",
         f"max_queued_messages {max(1000, 4 * len(spec.clients))}",

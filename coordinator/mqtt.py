@@ -11,6 +11,13 @@ Who is online and admitted lives in :mod:`coordinator.presence`, the broker's by
 :mod:`coordinator.broker_counters`. Wire bytes of each ledger entry are computed with the MQTT 3.1.1 formulas of
 :mod:`fedge.protocol`: the publisher's PUBLISH and PUBACK plus one PUBLISH and PUBACK per copy the broker delivers
 (per online client for a broadcast, one for a task, one for an update to this coordinator).
+
+Messages larger than the link's packet limit travel as chunks (:mod:`fedge.chunking`) both ways; a ledger entry
+counts all of a message's chunks, headers included, at payload and wire level. Incoming chunks are judged by the
+reply policy before any memory is spent on them (:func:`coordinator.replies.judge_chunk`: known and sampled sender,
+declared size within the run's largest update), then collected by one :class:`~fedge.chunking.Reassembler` per round,
+whose budgets are one largest update per sampled client. What is still incomplete when the round ends is dropped,
+counted as an ``incomplete`` ledger entry, and named in that client's drop reason.
 """
 
 from __future__ import annotations
@@ -22,11 +29,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from common.mqtt import Inbound, MqttLink
+from common.mqtt import Inbound, MqttLink, PacketLimit
 from coordinator.broker_counters import SYS_FILTERS, SYS_TOPICS, BrokerCounters, SysCounterReader
 from coordinator.presence import Admit, Presence
-from coordinator.replies import RoundContext, judge_reply
+from coordinator.replies import RoundContext, judge_chunk, judge_reply, reject
 from coordinator.transport import Exchange, ReplyCheck
+from fedge import chunking
 from fedge.algorithms.base import RoundPlan
 from fedge.errors import CodecError, TransportError
 from fedge.ledger import BROADCAST_CLIENT, LedgerEntry, uncompressed_bytes
@@ -42,11 +50,24 @@ from fedge.protocol import (
 )
 from fedge.records import ClientTiming, Drop
 from fedge.types import ClientId
+from fedge.wire import printable
 
 log = logging.getLogger(__name__)
 
 MAX_PAYLOAD_SLACK = 64 * 1024
 """Bytes of metadata a legitimate update may carry beyond its tensors (header, fields, transport timings)."""
+
+_ROUND_ENDED = "the round ended"
+MAX_REFUSED_MEMO = 4096
+"""Refused chunked messages remembered per round, so that their further chunks are counted without a rejection each."""
+
+
+@dataclass
+class _Partial:
+    """Bytes of the chunks of one incoming message so far, for its ledger entry."""
+
+    payload_bytes: int = 0
+    wire_bytes: int = 0
 
 
 @dataclass
@@ -58,8 +79,12 @@ class _Round:
     tasks: dict[ClientId, bytes]  # encoded tasks, kept for resends
     broadcast: bytes | None
     out: Exchange
+    reassembly: chunking.Reassembler
     sent_at: dict[ClientId, float] = field(default_factory=dict)
     offline: dict[ClientId, tuple[float, str]] = field(default_factory=dict)  # client -> (since, last will's reason)
+    partial: dict[tuple[str, int], _Partial] = field(default_factory=dict)  # (client, message id) being reassembled
+    refused: dict[tuple[str, int], None] = field(default_factory=dict)  # chunked messages refused, oldest first
+    incomplete: dict[ClientId, str] = field(default_factory=dict)  # client -> why its chunked reply never completed
 
     @property
     def rnd(self) -> int:
@@ -80,7 +105,10 @@ class MqttTransport:
         broker_counters: bool = False,
         connect_timeout: float = 30.0,
         qos: int = 1,
+        max_packet_size: PacketLimit = "auto",
     ) -> None:
+        """``max_packet_size``: the largest MQTT packet to publish (see :class:`common.mqtt.MqttLink`); larger
+        messages travel as chunks."""
         if round_timeout <= 0:
             raise TransportError(f"round timeout must be > 0 s, got {round_timeout}")
         if qos != 1:
@@ -98,12 +126,18 @@ class MqttTransport:
         self.max_payload = 0  # bytes; set from the strategy's reply tensors by :meth:`exchange`
         # Messages on update topics while no round is open (before round 1, between rounds): counted, never kept.
         self.outside_rounds = {"messages": 0, "bytes": 0}
+        self.reassembly_peak = 0  # the most bytes chunked replies held at once, in any round
         self._opened_at = 0.0
         subs = [(self.topics.all_statuses, 1), (self.topics.all_updates, 1)]
         if broker_counters:
             subs += [(f, 0) for f in SYS_FILTERS]  # QoS 0: acks for $SYS would blur the count they report
         # A fleet kit's user name is the client id the broker binds to the credential.
-        self.link = MqttLink(address, address.username or f"fedge-{run}-coordinator", subscriptions=subs)
+        self.link = MqttLink(
+            address,
+            address.username or f"fedge-{run}-coordinator",
+            subscriptions=subs,
+            max_packet_size=max_packet_size,
+        )
 
     # --- lifecycle --------------------------------------------------------------------------------------------
 
@@ -171,17 +205,15 @@ class MqttTransport:
             max_payload=self.max_payload,
             session=self.session,
         )
-        state = _Round(ctx, time.monotonic(), {}, None, out)
+        state = _Round(ctx, time.monotonic(), {}, None, out, self._reassembler(len(plan.tasks)))
         if plan.broadcast is not None:
             stamped = replace(plan.broadcast, transport={SESSION: self.session})
             state.broadcast = encode(stamped)
             topic = self.topics.broadcast
-            self.link.publish(topic, state.broadcast, qos=self.qos)
-            wire = delivery_wire_bytes(
-                topic, len(state.broadcast), subscribers=len(self.presence.online()), qos=self.qos
-            )
+            sizes = self.link.send(topic, state.broadcast, qos=self.qos)
+            wire = _wire_bytes(topic, sizes, subscribers=len(self.presence.online()), qos=self.qos)
             out.entries.append(
-                LedgerEntry.of(plan.broadcast, "down", BROADCAST_CLIENT, len(state.broadcast), len(plan.tasks), wire)
+                LedgerEntry.of(plan.broadcast, "down", BROADCAST_CLIENT, sum(sizes), len(plan.tasks), wire)
             )
         for client, task in sorted(plan.tasks.items()):
             meta = {SESSION: self.session}
@@ -205,10 +237,13 @@ class MqttTransport:
                 self._on_update(item, state)
 
         elapsed = time.monotonic() - state.started
+        self._dropped_chunks(state, state.reassembly.drop_all(time.monotonic(), _ROUND_ENDED))
         for client in sorted(plan.tasks):
             if client in out.replies:
                 continue
             why = ctx.failed.get(client) or f"silent past the {self.round_timeout:g} s deadline"
+            if client in state.incomplete and client not in ctx.failed:
+                why = f"{state.incomplete[client]} by the {self.round_timeout:g} s deadline"
             after = elapsed
             if client in state.offline and client not in ctx.failed:
                 since, will = state.offline[client]
@@ -223,16 +258,26 @@ class MqttTransport:
         out = state.out
         if resend and state.broadcast is not None:
             # The client missed the shared broadcast while away: send it its own copy on its task topic.
-            self.link.publish(topic, state.broadcast, qos=self.qos)
-            wire = delivery_wire_bytes(topic, len(state.broadcast), subscribers=1, qos=self.qos)
+            sizes = self.link.send(topic, state.broadcast, qos=self.qos)
+            wire = _wire_bytes(topic, sizes, subscribers=1, qos=self.qos)
             copy = decode(state.broadcast, check_finite=False)
-            out.entries.append(LedgerEntry.of(copy, "down", client, len(state.broadcast), 1, wire))
+            out.entries.append(LedgerEntry.of(copy, "down", client, sum(sizes), 1, wire))
         payload = state.tasks[client]
-        self.link.publish(topic, payload, qos=self.qos)
+        sizes = self.link.send(topic, payload, qos=self.qos)
         state.sent_at[client] = time.monotonic()
         subscribers = 1 if self.presence.is_online(client) else 0
-        wire = delivery_wire_bytes(topic, len(payload), subscribers=subscribers, qos=self.qos)
-        out.entries.append(LedgerEntry.of(task, "down", client, len(payload), 1, wire))
+        wire = _wire_bytes(topic, sizes, subscribers=subscribers, qos=self.qos)
+        out.entries.append(LedgerEntry.of(task, "down", client, sum(sizes), 1, wire))
+
+    def _reassembler(self, sampled: int) -> chunking.Reassembler:
+        """This round's reassembly, its memory bounded by one largest legitimate update per sampled client."""
+        if not self.max_payload:  # no largest update known (a bare transport): the module's defaults
+            return chunking.Reassembler(timeout_s=self.round_timeout)
+        # A message is charged its size, one byte per chunk (a chunk holds at least one byte) and a fixed overhead.
+        per_sender = 2 * self.max_payload + chunking.ENTRY_OVERHEAD
+        return chunking.Reassembler(
+            max_bytes=per_sender * max(sampled, 1), max_sender_bytes=per_sender, timeout_s=self.round_timeout
+        )
 
     def _on_update(self, item: Inbound, state: _Round) -> None:
         try:
@@ -241,7 +286,71 @@ class MqttTransport:
             log.warning("round %d: ignoring a message on an unexpected topic: %s", state.rnd, exc)
             return
         assert client is not None  # update topics always name a client
-        judged = judge_reply(item.payload, client, state.ctx)
+        wire = delivery_wire_bytes(item.topic, len(item.payload), subscribers=1, qos=item.qos)
+        if chunking.is_chunk(item.payload):
+            self._on_chunk(client, item, wire, state)
+            return
+        self._on_reply(client, item.payload, item.received_at, _Partial(len(item.payload), wire), state)
+
+    def _on_chunk(self, client: ClientId, item: Inbound, wire: int, state: _Round) -> None:
+        """One chunk: judged by the reply policy, then collected; its message is judged whole once complete."""
+        size = len(item.payload)
+        header, refusal = judge_chunk(item.payload, client, state.ctx)
+        key = (client, header.message_id) if header is not None else None
+        if key is not None and key in state.refused:  # more of a message already refused: counted, not judged again
+            state.out.entries.append(_chunk_entry(state.rnd, client, "invalid", size, wire))
+            return
+        if refusal is not None:
+            state.out.rejections.append(reject(state.ctx, client, *refusal))
+            if key is not None:
+                self._remember_refused(state, key)
+            state.out.entries.append(_chunk_entry(state.rnd, client, "invalid", size, wire))
+            return
+        assert key is not None  # a chunk whose header does not parse is always refused
+        now = time.monotonic()
+        verdict = state.reassembly.add(client, item.payload, now, deadline=state.started + self.round_timeout)
+        self.reassembly_peak = max(self.reassembly_peak, state.reassembly.held_bytes)
+        self._dropped_chunks(state, state.reassembly.expire(now))  # messages this one evicted
+        if verdict.status in ("partial", "complete"):
+            counted = state.partial.setdefault(key, _Partial())
+            counted.payload_bytes += size
+            counted.wire_bytes += wire
+            if verdict.payload is not None:  # complete
+                self._on_reply(client, verdict.payload, item.received_at, state.partial.pop(key), state)
+            return
+        # Not part of a message: a duplicate, or refused (budget, a message already closed, disagreeing chunks, or
+        # the last chunk of a message whose hash differs, which takes the message's bytes along).
+        counted = state.partial.pop(key, _Partial()) if verdict.cause == "hash" else _Partial()
+        state.out.entries.append(
+            _chunk_entry(state.rnd, client, "invalid", counted.payload_bytes + size, counted.wire_bytes + wire)
+        )
+        category = "duplicate" if verdict.status == "duplicate" else "oversize" if verdict.cause == "budget" else ""
+        state.out.rejections.append(reject(state.ctx, client, category or "unparseable", f"chunk: {verdict.reason}"))
+        if key not in state.partial:  # nothing of it is being collected: its further chunks need no verdict each
+            self._remember_refused(state, key)
+
+    def _dropped_chunks(self, state: _Round, dropped: list[chunking.Dropped]) -> None:
+        """Ledger entries for messages given up incomplete; the reason for their senders' drops."""
+        for d in dropped:
+            counted = state.partial.pop((d.sender, d.message_id), _Partial())
+            state.out.entries.append(
+                _chunk_entry(state.rnd, d.sender, "incomplete", counted.payload_bytes, counted.wire_bytes)
+            )
+            why = f"incomplete reply: {d.received} of {d.count} chunks"
+            if d.reason != _ROUND_ENDED:  # e.g. evicted by a newer message of the same sender
+                why += f" ({d.reason})"
+            state.incomplete[d.sender] = why
+            log.warning("round %d: %s: %s", state.rnd, printable(d.sender, 40), why)
+
+    @staticmethod
+    def _remember_refused(state: _Round, key: tuple[str, int]) -> None:
+        state.refused[key] = None
+        while len(state.refused) > MAX_REFUSED_MEMO:
+            del state.refused[next(iter(state.refused))]
+
+    def _on_reply(self, client: ClientId, payload: bytes, received_at: float, counted: _Partial, state: _Round) -> None:
+        """A whole message (one PUBLISH or reassembled chunks): judged, counted, kept if valid."""
+        judged = judge_reply(payload, client, state.ctx)
         msg = judged.message
         state.out.entries.append(
             LedgerEntry(
@@ -251,8 +360,8 @@ class MqttTransport:
                 kind=msg.kind if msg is not None else "invalid",
                 recipients=1,
                 tensor_bytes=msg.tensor_bytes if msg is not None else 0,
-                payload_bytes=len(item.payload),
-                wire_bytes=delivery_wire_bytes(item.topic, len(item.payload), subscribers=1, qos=item.qos),
+                payload_bytes=counted.payload_bytes,
+                wire_bytes=counted.wire_bytes,
                 uncompressed_bytes=uncompressed_bytes(msg) if msg is not None else 0,
             )
         )
@@ -262,11 +371,12 @@ class MqttTransport:
         assert msg is not None
         state.out.replies[client] = msg
         state.offline.pop(client, None)  # e.g. its connection dropped after it published
+        state.incomplete.pop(client, None)  # an earlier attempt that was given up does not matter any more
         sent = state.sent_at.get(client, state.started)
         state.out.timings.append(
             ClientTiming(
                 client,
-                item.received_at - sent,
+                received_at - sent,
                 _seconds(msg.transport.get(COMPUTE_S)),
                 _seconds(msg.transport.get(COMPUTE_CPU_S)),
             )
@@ -331,6 +441,16 @@ class MqttTransport:
         if self.sys.fresh_at <= asked:
             return None
         return self.sys.snapshot()
+
+
+def _wire_bytes(topic: str, sizes: list[int], *, subscribers: int, qos: int) -> int:
+    """Wire bytes of one message sent as PUBLISH packets of these payload sizes (one size: not chunked)."""
+    return sum(delivery_wire_bytes(topic, size, subscribers=subscribers, qos=qos) for size in sizes)
+
+
+def _chunk_entry(rnd: int, client: ClientId, kind: str, payload_bytes: int, wire_bytes: int) -> LedgerEntry:
+    """A ledger entry for chunk bytes that never became a judged message: refused, or incomplete at the end."""
+    return LedgerEntry(rnd, "up", client, kind, 1, 0, payload_bytes, wire_bytes, uncompressed_bytes=0)
 
 
 def _seconds(raw: str | None) -> float:

@@ -1,9 +1,11 @@
 """The one policy that judges what a client sends in a round, for every transport.
 
 :func:`judge_reply` takes the raw bytes a client sent and decides: accept the update, or reject it with a category and
-a reason. Everything a peer controls is checked here or in the strategy's :meth:`~fedge.algorithms.base.Strategy.
-check_reply` (which it calls), and every exception that decoding or checking hostile bytes can raise is caught here
-and becomes a rejection, so no message can crash the coordinator. Reasons quote a peer's text only after
+a reason. A message that travels in chunks (:mod:`fedge.chunking`) meets :func:`judge_chunk` at each chunk, before
+any memory is spent on reassembling it, and :func:`judge_reply` once it is whole. Everything a peer controls is
+checked here or in the strategy's :meth:`~fedge.algorithms.base.Strategy.check_reply` (which it calls), and every
+exception that decoding or checking hostile bytes can raise is caught here and becomes a rejection, so no message can
+crash the coordinator. Reasons quote a peer's text only after
 :func:`fedge.wire.printable` made it short and free of control characters.
 """
 
@@ -14,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.transport import ReplyCheck
-from fedge.errors import FedgeError
+from fedge.chunking import ChunkHeader, parse_header
+from fedge.errors import CodecError, FedgeError
 from fedge.messages import Message, decode
 from fedge.protocol import ERROR, SESSION
 from fedge.records import Rejection
@@ -33,7 +36,7 @@ CATEGORIES = (
     "duplicate",  # already answered this round
     "client failed",  # the client reported that it could not do its task
     "invalid",  # the strategy's rules: kind, run, tensors, shapes, dtypes, non-finite values, bounded numbers
-    "oversize",  # larger than the largest legitimate message of the run: dropped unread
+    "oversize",  # larger than the largest legitimate message of the run, or than its reassembly budget: dropped unread
 )
 
 
@@ -71,11 +74,11 @@ def judge_reply(payload: bytes, sender: ClientId, ctx: RoundContext) -> Judgemen
     """
     if ctx.max_payload and len(payload) > ctx.max_payload:
         detail = f"{len(payload):,} bytes, the largest legitimate message of this run is {ctx.max_payload:,}"
-        return Judgement(None, _reject(ctx, sender, "oversize", detail))
+        return Judgement(None, reject(ctx, sender, "oversize", detail))
     try:
         msg = decode(payload, check_finite=False)  # non-finite values are judged with the tensors' rules
     except Exception as exc:  # any defect of hostile bytes, whatever the library raised
-        return Judgement(None, _reject(ctx, sender, "unparseable", exc))
+        return Judgement(None, reject(ctx, sender, "unparseable", exc))
     try:
         verdict = _judge(msg, sender, ctx)
     except Exception as exc:  # the strategy's rules met something they did not expect: still a rejection
@@ -88,7 +91,31 @@ def judge_reply(payload: bytes, sender: ClientId, ctx: RoundContext) -> Judgemen
     if verdict is None:
         ctx.replied.add(sender)
         return Judgement(msg, None)
-    return Judgement(msg, _reject(ctx, sender, *verdict))
+    return Judgement(msg, reject(ctx, sender, *verdict))
+
+
+def judge_chunk(chunk: bytes, sender: ClientId, ctx: RoundContext) -> tuple[ChunkHeader | None, tuple[str, str] | None]:
+    """The chunk's header, and (category, reason) when the message it belongs to must be refused unread.
+
+    The checks a whole reply meets first that need no payload: a well-formed header, a known and sampled sender that
+    has not answered yet, and a declared size within the run's largest legitimate update (``oversize`` before a byte
+    of it is held). The caller records the refusal with :func:`reject`, once per message.
+    """
+    try:
+        header = parse_header(chunk)
+    except CodecError as exc:
+        return None, ("unparseable", f"chunk: {exc}")
+    who = printable(sender, 40)
+    if not ctx.known(sender):
+        return header, ("unknown client", f"{who!r} is not a client of this run")
+    if sender not in ctx.sampled:
+        return header, ("not sampled", f"{who!r} has no task in round {ctx.rnd}")
+    if sender in ctx.replied or sender in ctx.failed:
+        return header, ("duplicate", f"{who!r} already answered round {ctx.rnd}")
+    if ctx.max_payload and header.total > ctx.max_payload:
+        detail = f"a chunked message of {header.total:,} bytes, the largest legitimate message is {ctx.max_payload:,}"
+        return header, ("oversize", detail)
+    return header, None
 
 
 def _judge(msg: Message, sender: ClientId, ctx: RoundContext) -> tuple[str, str] | None:
@@ -121,7 +148,8 @@ def _judge(msg: Message, sender: ClientId, ctx: RoundContext) -> tuple[str, str]
     return None
 
 
-def _reject(ctx: RoundContext, sender: ClientId, category: str, detail: object) -> Rejection:
+def reject(ctx: RoundContext, sender: ClientId, category: str, detail: object) -> Rejection:
+    """A logged rejection of ``sender``'s message, its peer-controlled text made printable."""
     text = printable(str(detail))
     log.warning("round %d: rejected a message from %s: %s: %s", ctx.rnd, printable(sender, 40), category, text)
     return Rejection(printable(sender, 64), category, text)

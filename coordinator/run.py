@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from common.experiment import Experiment, prepare
+from common.mqtt import PacketLimit
 from common.rundir import RunResult
 from coordinator.broker_counters import compare_with_broker
 from coordinator.engine import RoundEngine
@@ -73,6 +74,7 @@ def run_coordinator(
     experiment: Experiment | None = None,
     abort: Callable[[], str | None] | None = None,
     resume: bool = False,
+    max_packet_size: PacketLimit = "auto",
 ) -> RunResult:
     """Wait for clients on ``broker``, run ``config.rounds`` rounds over MQTT, write ``run_dir``.
 
@@ -84,6 +86,8 @@ def run_coordinator(
     while waiting and returns a reason to give up (e.g. a client process died).
     ``resume``: continue the killed run in ``run_dir`` after its last completed round, from its journal. The new
     coordinator is a new session: clients drop their own state and answer the interrupted round again.
+    ``max_packet_size``: the largest MQTT packet to publish (``auto``: the broker's announced limit, else none;
+    ``off``: never chunk); larger messages travel as chunks.
     """
     exp = experiment or prepare(config)
     config = exp.config
@@ -102,6 +106,7 @@ def run_coordinator(
         rejoin_grace=rejoin_grace,
         admit=admit,
         broker_counters=broker_counters,
+        max_packet_size=max_packet_size,
     )
     transport.max_payload = largest_update(strategy)
     engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
@@ -143,6 +148,12 @@ def run_coordinator(
         "outside_rounds": dict(transport.outside_rounds),  # messages on update topics while no round was open
         "statuses_ignored": transport.presence.ignored,  # hellos beyond the client or rate limits
         "wire_bytes": wire,
+        # The packet limit this coordinator sent within (None: none), the broker's own (MQTT 5 CONNACK), and how
+        # many of its messages travelled as chunks.
+        "max_packet_size": transport.link.packet_limit,
+        "broker_max_packet_size": transport.link.broker_max_packet_size,
+        "chunked_messages_sent": transport.link.chunked,
+        "reassembly_peak_bytes": transport.reassembly_peak,
     }
     if journal.resumed_after:
         extra["resumed_after"] = journal.resumed_after
@@ -186,8 +197,10 @@ def provision_fleet(
     tls: bool = True,
     client_certificates: bool = False,
     broker_config_dir: Path | None = None,
+    max_packet_size: int | None = None,
 ) -> FleetKit:
-    """A fleet kit for ``exp``'s clients, its broker's message limit sized to this run's largest legitimate message.
+    """A fleet kit for ``exp``'s clients, its broker's message limit sized to this run's largest legitimate message,
+    or ``max_packet_size`` bytes, to which the roles then chunk larger messages.
 
     ``broker_config_dir``: where the kit's ``broker/`` directory will be on the broker host (its mosquitto.conf names
     its files by absolute path; default: where it is written)."""
@@ -203,5 +216,6 @@ def provision_fleet(
         port=port,
         tls=tls,
         client_certificates=client_certificates,
+        chunk_packet_size=max_packet_size,
     )
     return generate_fleet_kit(spec, out, broker_config_dir=broker_config_dir)

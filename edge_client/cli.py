@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from edge_client.backends.executorch import ProgramSource
+    from edge_client.backends.ort_training import ArtifactSource
     from edge_client.data import ClientDataInfo
     from fedge.algorithms.base import ClientData
     from fedge.backend import TorchBackend
@@ -53,8 +54,9 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--runtime",
         default="torch",
-        choices=["torch", "executorch", "onnxruntime"],
-        help="torch, executorch (training programs) or onnxruntime (inference only); see docs/on_device.md",
+        choices=["torch", "executorch", "onnxruntime", "onnxruntime-training"],
+        help="torch, executorch (training programs), onnxruntime (inference only) or onnxruntime-training (its own "
+        "venv: make ort-training); see docs/on_device.md",
     )
     p.add_argument(
         "--program-cache",
@@ -86,6 +88,7 @@ def run_client(
     *,
     programs: ProgramSource | None = None,
     onnx_model: Callable[[ModelSpec], tuple[bytes, str]] | None = None,
+    ort_artifacts: ArtifactSource | None = None,
 ) -> int:
     """Load the data, build the runtime, serve until SIGTERM/SIGINT.
 
@@ -133,6 +136,10 @@ def run_client(
         from edge_client.backends.executorch import ProgramDirectory
 
         programs = ProgramDirectory(args.program_cache)
+    if args.runtime == "onnxruntime-training" and ort_artifacts is None:
+        from edge_client.backends.ort_training import ArtifactDirectory
+
+        ort_artifacts = ArtifactDirectory(args.program_cache)
     backend = make_backend(
         args.runtime,
         info.model,
@@ -144,6 +151,7 @@ def run_client(
         onnx_source=model_source,
         predict_only=args.predict_only,
         threads=args.threads,
+        ort_artifacts=ort_artifacts,
     )
     device = str(getattr(backend, "device", "cpu"))
     log.info(
@@ -169,6 +177,7 @@ def run_client(
         fail_at_round=args.fail_at_round,
         announce_host=args.announce_host,
         capabilities=runtime_capabilities(args.runtime, args.predict_only),
+        max_packet_size=connection.max_packet_size,
     )
 
     def _stop(signum: int, frame: FrameType | None) -> None:

@@ -5,6 +5,10 @@ status topic (with a last will that says "offline"). For each task it runs :meth
 client half as the in-process simulator — and publishes the update. A task that needs its round's broadcast waits
 for it (the two travel on different topics, so they may arrive in either order). Its :class:`EdgeClient` object, and
 with it the client's own state (FD/DS-FL local models), lives as long as the process, across reconnects.
+
+Messages larger than the link's packet limit travel as chunks both ways (:mod:`fedge.chunking`): the client
+reassembles what arrives on each of its two topics within a byte budget, and :meth:`MqttLink.send` chunks its
+update. With chunking off, an update the broker would refuse is answered with an error message saying so.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import time
 
 import torch
 
-from common.mqtt import MqttLink, Will
+from common.mqtt import Inbound, MqttLink, PacketLimit, PacketTooLarge, Will
 from edge_client.client import EdgeClient
 from edge_client.data import ClientDataInfo
+from fedge import chunking
 from fedge.algorithms import ALGORITHMS
 from fedge.errors import CodecError, ConfigError
 from fedge.messages import BROADCAST, TASK, Message, decode, encode
@@ -40,6 +45,10 @@ log = logging.getLogger(__name__)
 
 FAULT_EXIT_CODE = 70  # what a client started with fail_at_round exits with (tests look for it)
 _KEEP_BROADCASTS = 4  # rounds of broadcasts kept while their tasks may still come
+MAX_INBOUND_BYTES = 256 << 20
+"""The largest chunked message a client reassembles per topic (its task topic, the broadcast): 20x the largest
+model fedge has (Reuters, 20.8 MB); a coordinator's chunks beyond it are dropped with a logged reason."""
+REASSEMBLY_TIMEOUT_S = 600.0  # a chunked message still incomplete after this long is dropped (its round is over)
 
 
 class MqttEdgeClient:
@@ -58,10 +67,12 @@ class MqttEdgeClient:
         keepalive: int = 30,
         announce_host: bool = False,
         capabilities: tuple[str, ...] | None = None,
+        max_packet_size: PacketLimit = "auto",
     ) -> None:
         """``announce_host``: put this machine's host name and process id in the hello (off by default: anyone who
         may read statuses would learn them). ``capabilities``: the algorithms this client's runtime can run (default
-        all); the coordinator refuses a client whose hello does not list the run's algorithm."""
+        all); the coordinator refuses a client whose hello does not list the run's algorithm. ``max_packet_size``:
+        the largest MQTT packet to publish (:class:`common.mqtt.MqttLink`); a larger update travels as chunks."""
         self.client = client
         self.topics = Topics(run)
         self.fail_at_round = fail_at_round
@@ -71,6 +82,11 @@ class MqttEdgeClient:
         self._session: str | None = None  # the coordinator run being served
         self._done: set[int] = set()  # rounds of this session already answered: QoS 1 may deliver twice
         self.updates_sent = 0
+        self._reassembly = chunking.Reassembler(
+            max_bytes=2 * (MAX_INBOUND_BYTES + chunking.MAX_CHUNKS + chunking.ENTRY_OVERHEAD),
+            max_sender_bytes=MAX_INBOUND_BYTES + chunking.MAX_CHUNKS + chunking.ENTRY_OVERHEAD,
+            timeout_s=REASSEMBLY_TIMEOUT_S,
+        )
         cid = client.client_id
         self._hello = encode_status(
             ClientStatus(
@@ -99,6 +115,7 @@ class MqttEdgeClient:
             will=Will(self.topics.status(cid), will),
             on_ready=self._announce,  # after every (re)connect: the coordinator learns we are back
             keepalive=keepalive,
+            max_packet_size=max_packet_size,
         )
 
     def _announce(self, link: MqttLink) -> None:
@@ -115,10 +132,21 @@ class MqttEdgeClient:
         try:
             while not self._stop.is_set():
                 item = self.link.get(timeout=0.2)
+                for dropped in self._reassembly.expire(time.monotonic()):
+                    log.warning(
+                        "dropped a chunked message on %s: %d of %d chunks (%s)",
+                        dropped.sender,
+                        dropped.received,
+                        dropped.count,
+                        dropped.reason,
+                    )
                 if item is None:
                     continue
+                payload = self._whole(item)
+                if payload is None:
+                    continue
                 try:
-                    msg = decode(item.payload)
+                    msg = decode(payload)
                 except CodecError as exc:
                     log.warning("ignoring an unreadable message on %s: %s", item.topic, exc)
                     continue
@@ -132,6 +160,15 @@ class MqttEdgeClient:
             # An empty retained message deletes the hello: this client left on purpose (the will is for crashes).
             self.link.close(final=[(self.topics.status(self.client.client_id), b"", True)])
             log.info("client %s stopped after %d updates", self.client.client_id, self.updates_sent)
+
+    def _whole(self, item: Inbound) -> bytes | None:
+        """The message ``item`` is, or completes; None while chunks are missing or when one is refused."""
+        if not chunking.is_chunk(item.payload):
+            return item.payload
+        verdict = self._reassembly.add(item.topic, item.payload, time.monotonic())
+        if verdict.status == "rejected":
+            log.warning("ignoring a chunk on %s: %s", item.topic, verdict.reason)
+        return verdict.payload
 
     def _on_broadcast(self, msg: Message) -> None:
         if msg.run != self.topics.run:
@@ -187,14 +224,23 @@ class MqttEdgeClient:
             COMPUTE_CPU_S: repr(time.process_time() - cpu_started),
             SESSION: task.transport.get(SESSION, ""),  # a resumed coordinator refuses replies to its predecessor
         }
-        self._send(task, dataclasses.replace(update, transport=timing))
-        self.updates_sent += 1
+        if self._send(task, dataclasses.replace(update, transport=timing)):
+            self.updates_sent += 1
 
-    def _send(self, task: Message, reply: Message) -> None:
+    def _send(self, task: Message, reply: Message) -> bool:
+        """Publish ``reply`` to ``task``; False when it could not go out and an error message went instead."""
         self._done.add(task.round)
         payload = encode(reply)
-        self.link.publish(self.topics.update(self.client.client_id), payload, qos=1)
-        log.info("round %d: sent %s (%d bytes)", task.round, reply.kind, len(payload))
+        topic = self.topics.update(self.client.client_id)
+        try:
+            sizes = self.link.send(topic, payload, qos=1)
+        except PacketTooLarge as exc:  # chunking is off and the broker would refuse it: tell the coordinator why
+            log.error("round %d: cannot send the %s: %s", task.round, reply.kind, exc)
+            self.link.publish(topic, encode(error_message(task, str(exc))), qos=1)
+            return False
+        chunks = f" in {len(sizes)} chunks" if len(sizes) > 1 else ""
+        log.info("round %d: sent %s (%d bytes%s)", task.round, reply.kind, len(payload), chunks)
+        return True
 
 
 def _wanted_broadcast(task: Message) -> tuple[str, int] | None:

@@ -51,6 +51,9 @@ ENTRY_OVERHEAD = 1024
 """Bytes a pending message is charged for its bookkeeping, on top of its payload and one byte per chunk."""
 
 Status = Literal["partial", "complete", "duplicate", "rejected"]
+Cause = Literal["", "header", "closed", "budget", "mismatch", "hash"]
+"""Why a chunk was rejected: a bad header, a message already closed, a byte budget, a chunk disagreeing with its
+message's earlier chunks, or a reassembled message whose hash differs; empty unless rejected."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,7 @@ class Verdict:
     message_id: int | None = None
     payload: bytes | None = None
     reason: str = ""
+    cause: Cause = ""
 
 
 @dataclass(frozen=True)
@@ -281,23 +285,25 @@ class Reassembler:
         try:
             header = parse_header(chunk)
         except CodecError as exc:
-            return Verdict("rejected", sender, reason=str(exc))
+            return Verdict("rejected", sender, reason=str(exc), cause="header")
         key = (sender, header.message_id)
         closed = self._closed.get((sender, header.message_id, header.digest))
         if closed is not None:
-            status: Status = "duplicate" if closed[1] == "delivered" else "rejected"
-            return Verdict(status, sender, header.message_id, reason=f"message already {closed[1]}")
+            if closed[1] == "delivered":
+                return Verdict("duplicate", sender, header.message_id, reason="message already delivered")
+            return Verdict("rejected", sender, header.message_id, reason=f"message already {closed[1]}", cause="closed")
         entry = self._pending.get(key)
         if entry is None:
             refusal = self._admit(sender, header, now)
             if refusal:
-                return Verdict("rejected", sender, header.message_id, reason=refusal)
+                return Verdict("rejected", sender, header.message_id, reason=refusal, cause="budget")
             # The size was bounded by the budgets just now: allocating it is safe.
             expires = now + self.timeout_s if deadline is None else deadline
             entry = _Pending(header, expires, bytearray(header.total), bytearray(header.count))
             self._hold(key, entry)
         elif header != ChunkHeader(header.message_id, header.index, *_shape(entry.header)):
-            return Verdict("rejected", sender, header.message_id, reason="chunk disagrees with earlier chunks")
+            reason = "chunk disagrees with earlier chunks"
+            return Verdict("rejected", sender, header.message_id, reason=reason, cause="mismatch")
         if entry.seen[header.index]:
             return Verdict("duplicate", sender, header.message_id, reason=f"chunk {header.index} already held")
         start = header.index * header.slice_bytes
@@ -309,7 +315,8 @@ class Reassembler:
         self._release(key)
         if hashlib.sha256(entry.buffer).digest() != header.digest:
             self._close(key, header.digest, now, "rejected (SHA-256 mismatch)")
-            return Verdict("rejected", sender, header.message_id, reason="SHA-256 of the reassembled message differs")
+            reason = "SHA-256 of the reassembled message differs"
+            return Verdict("rejected", sender, header.message_id, reason=reason, cause="hash")
         self._close(key, header.digest, now, "delivered")
         return Verdict("complete", sender, header.message_id, payload=bytes(entry.buffer))
 
@@ -318,6 +325,12 @@ class Reassembler:
         self._expire(now)
         dropped, self._dropped = self._dropped, []
         return dropped
+
+    def drop_all(self, now: float, reason: str) -> list[Dropped]:
+        """Drop every pending message (e.g. when its round is over); return them with any dropped before."""
+        for key in list(self._pending):
+            self._drop(key, now, reason)
+        return self.expire(now)
 
     def _expire(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:

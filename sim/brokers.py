@@ -217,8 +217,13 @@ def find_mosquitto() -> str:
 
 
 @contextlib.contextmanager
-def mosquitto_broker(port: int | None = None, *, sys_interval: int = 1, binary: str | None = None) -> Iterator[str]:
-    """A private mosquitto on 127.0.0.1:PORT with anonymous access and $SYS byte counters; stopped by PID."""
+def mosquitto_broker(
+    port: int | None = None, *, sys_interval: int = 1, binary: str | None = None, max_packet_size: int | None = None
+) -> Iterator[str]:
+    """A private mosquitto on 127.0.0.1:PORT with anonymous access and $SYS byte counters; stopped by PID.
+
+    ``max_packet_size``: the largest packet it accepts (it closes the connection of a client sending a larger one and
+    announces the limit to MQTT 5 clients), as EMQX's 1 MB default; None: no limit."""
     exe = binary or find_mosquitto()
     port = port or free_port()
     with tempfile.TemporaryDirectory(prefix="fedge-mosquitto-") as tmp:
@@ -232,6 +237,7 @@ def mosquitto_broker(port: int | None = None, *, sys_interval: int = 1, binary: 
             "set_tcp_nodelay true\n"  # else a message sent right after a PUBACK waits 40 ms for a delayed ACK
             "log_dest stderr\n"
             "log_type error\nlog_type warning\nlog_type notice\n"
+            + (f"max_packet_size {max_packet_size}\n" if max_packet_size else "")
         )
         log_path = Path(tmp) / "mosquitto.log"
         with open(log_path, "w") as log_file:

@@ -47,7 +47,13 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
         if args.executor not in ("auto", "sequential"):
             raise ConfigError(f"--executor {args.executor} is for in-process runs; over MQTT every client is a process")
         result = run_over_mqtt(
-            config, run_dir, broker=args.broker, device=args.device, on_round=on_round, resume=resume
+            config,
+            run_dir,
+            broker=args.broker,
+            device=args.device,
+            on_round=on_round,
+            resume=resume,
+            max_packet_size=args.max_packet_size,
         )
     else:
         from sim.run import run_inprocess

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from common.experiment import Experiment, prepare
-from common.mqtt import load_bundle
+from common.mqtt import PacketLimit, load_bundle
 from common.rundir import RunResult
 from coordinator.run import provision_fleet, run_coordinator
 from fedge.config import RunConfig
@@ -41,12 +41,14 @@ def run_over_mqtt(
     on_round: Callable[[RoundRecord], None] | None = None,
     client_faults: Mapping[ClientId, int] | None = None,
     client_runtimes: Mapping[ClientId, str] | None = None,
+    client_pythons: Mapping[ClientId, str] | None = None,
     round_timeout: float = 300.0,
     join_timeout: float | None = None,
     client_threads: int = 1,
     broker_counters: bool | None = None,
     experiment: Experiment | None = None,
     resume: bool = False,
+    max_packet_size: PacketLimit = "auto",
 ) -> RunResult:
     """Run ``config`` as a coordinator and ``config.num_clients`` client processes over a broker; write ``run_dir``.
 
@@ -55,10 +57,13 @@ def run_over_mqtt(
     ids bound to users; no TLS on loopback), so another local user cannot read or poison the run.
     ``client_faults``: client -> round; that client exits hard when its task of that round arrives (tests).
     ``client_runtimes``: client -> ``fedge client --runtime`` (torch, executorch, onnxruntime); default torch.
+    ``client_pythons``: client -> the Python that runs it (e.g. ``.venv-ort-training/bin/python`` for
+    onnxruntime-training); default this one.
     ``client_threads``: torch CPU threads per client process (1 keeps N clients from oversubscribing the cores).
     ``broker_counters``: read the broker's $SYS byte counters (default: when ``broker`` is given).
     ``resume``: continue the killed run in ``run_dir`` (see :func:`coordinator.run.run_coordinator`); the client
     processes are new, so clients that keep state (SCAFFOLD, FD, DS-FL) start theirs afresh.
+    ``max_packet_size``: the coordinator's and every client's ``--max-packet-size`` (larger messages are chunked).
     """
     exp = experiment or prepare(config)
     config = exp.config
@@ -95,6 +100,8 @@ def run_over_mqtt(
                 faults=client_faults or {},
                 runtimes=client_runtimes or {},
                 bundles=bundles,
+                pythons=client_pythons,
+                max_packet_size=max_packet_size,
             )
         )
 
@@ -119,6 +126,7 @@ def run_over_mqtt(
             experiment=exp,
             abort=dead_client,
             resume=resume,
+            max_packet_size=max_packet_size,
         )
     return result
 
@@ -135,17 +143,21 @@ def client_processes(
     faults: Mapping[ClientId, int] | None = None,
     runtimes: Mapping[ClientId, str] | None = None,
     bundles: Mapping[ClientId, Path] | None = None,
+    pythons: Mapping[ClientId, str] | None = None,
+    max_packet_size: PacketLimit = "auto",
 ) -> Iterator[dict[ClientId, subprocess.Popen[bytes]]]:
     """Start one ``fedge client`` process per data file; on exit stop them all (SIGTERM, then SIGKILL).
 
     ``bundles``: each client's fleet-kit bundle, which carries its login (no secret goes on a command line).
+    ``pythons``: the Python executable of some clients (default: this one).
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: dict[ClientId, subprocess.Popen[bytes]] = {}
     logs: list[IO[bytes]] = []
     try:
         for cid, path in sorted(files.items()):
-            cmd = [sys.executable, "-m", "cli.main", "client", "--broker", broker, "--run", run, "--client-id", cid]
+            python = (pythons or {}).get(cid, sys.executable)
+            cmd = [python, "-m", "cli.main", "client", "--broker", broker, "--run", run, "--client-id", cid]
             if bundles is not None:
                 cmd += ["--bundle", str(bundles[cid])]
             cmd += ["--data", str(path), "--device", device, "--threads", str(threads)]
@@ -153,6 +165,8 @@ def client_processes(
                 cmd += ["--fail-at-round", str(faults[cid])]
             if runtimes and cid in runtimes:
                 cmd += ["--runtime", runtimes[cid]]
+            if max_packet_size != "auto":
+                cmd += ["--max-packet-size", str(max_packet_size)]
             fh = open(log_dir / f"{cid}.log", "wb")  # noqa: SIM115 - closed in finally, after the process
             logs.append(fh)
             procs[cid] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
