@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -159,8 +160,12 @@ def embedded_broker(
     holder: dict[str, Broker] = {}
 
     def quiet_resets(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        # amqtt lets the reset of a connection it refused reach asyncio, which would print a traceback for it.
-        if isinstance(context.get("exception"), (ConnectionResetError, BrokenPipeError)):
+        # amqtt lets the reset of a connection it refused reach asyncio, which would print a traceback for it: every
+        # fedge client's MQTT 5 probe (common.mqtt) is such a connection, closed before amqtt's own close.
+        exc = context.get("exception")
+        if isinstance(exc, (ConnectionResetError, BrokenPipeError)) or (
+            isinstance(exc, OSError) and exc.errno in (errno.ENOTCONN, errno.EPIPE, errno.ECONNRESET)
+        ):
             log.debug("embedded broker: a client dropped its connection: %s", context.get("exception"))
             return
         loop.default_exception_handler(context)
