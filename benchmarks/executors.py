@@ -245,8 +245,17 @@ class Timed:
     start_s: float = 0.0
 
 
-def bench_setup(name: str, config: RunConfig, paths: list[str], rounds: int) -> list[Timed]:
-    """Alternate ``rounds`` rounds over every path; returns the paths with their round times."""
+def bench_setup(
+    name: str,
+    config: RunConfig,
+    paths: list[str],
+    rounds: int,
+    workers: tuple[int, ...] = (1, 2),
+    device: str = "cpu",
+) -> list[Timed]:
+    """Alternate ``rounds`` rounds over every path; returns the paths with their round times.
+
+    ``device`` is where fedge's clients compute (the plain loop stays on the CPU: it is the CPU baseline)."""
     t = time.perf_counter()
     exp = prepare(config)
     print(
@@ -254,22 +263,26 @@ def bench_setup(name: str, config: RunConfig, paths: list[str], rounds: int) -> 
         f"prepared in {time.perf_counter() - t:.1f} s"
     )
     default_threads = torch.get_num_threads()
-    factory = ExperimentClients(exp.config)
+    factory = ExperimentClients(exp.config, device=device)
+    on = "" if device == "cpu" else f", {device}"
 
-    def engine(executor: str, workers: int, threads: int) -> Callable[[], EnginePath]:
-        return lambda: EnginePath(exp, make_executor(executor, workers, factory, threads_per_worker=threads))
+    def engine(executor: str, n: int, threads: int) -> Callable[[], EnginePath]:
+        gpus = 1.0 / n if executor == "ray" and device != "cpu" else 0.0  # ray: the workers share the GPU
+        return lambda: EnginePath(
+            exp, make_executor(executor, n, factory, threads_per_worker=threads, gpus_per_worker=gpus)
+        )
 
     todo: list[Timed] = []
     if "plain" in paths:
         todo.append(Timed(f"plain loop ({default_threads} threads)", lambda: PlainLoop(exp)))
     if "sequential" in paths:
-        todo.append(Timed("sequential, 1 thread", engine("sequential", 1, 1)))
+        todo.append(Timed(f"sequential, 1 thread{on}", engine("sequential", 1, 1)))
         if default_threads > 1:
-            todo.append(Timed(f"sequential, {default_threads} threads", engine("sequential", 1, default_threads)))
+            todo.append(Timed(f"sequential, {default_threads} threads{on}", engine("sequential", 1, default_threads)))
     for executor in ("processes", "ray"):
         if executor in paths:
-            for workers in (1, 2):
-                todo.append(Timed(f"{executor}, {workers} worker(s) x 1 thread", engine(executor, workers, 1)))
+            for n in workers:
+                todo.append(Timed(f"{executor}, {n} worker(s) x 1 thread{on}", engine(executor, n, 1)))
     try:
         for p in todo:
             started = time.perf_counter()
@@ -408,10 +421,13 @@ def main() -> None:
     p.add_argument("--skip-startup", action="store_true")
     p.add_argument("--skip-arithmetic", action="store_true")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument("--workers", default="1,2", help="worker counts for processes and ray (e.g. 1,2,4,8,16)")
+    p.add_argument("--device", default="cpu", help="where fedge's clients compute: cpu or cuda (the plain loop: cpu)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rounds = args.rounds or (3 if args.quick else 4)
     paths = args.paths.split(",")
+    workers = tuple(int(n) for n in args.workers.split(","))
     configs = setups(args.data_dir, args.quick)
     print(
         f"torch {torch.__version__}, {usable_cores()} usable cores, torch default {torch.get_num_threads()} threads; "
@@ -424,13 +440,15 @@ def main() -> None:
         import ray
 
         started = time.perf_counter()
-        # Logical CPUs: the 1- and 2-actor paths coexist (one computes at a time), so 3 actors must fit.
-        ray.init(num_cpus=max(3, usable_cores()), include_dashboard=False, log_to_driver=False)
+        # Logical CPUs: every path's actors coexist (one path computes at a time), so all of them must fit.
+        ray.init(num_cpus=max(sum(workers), usable_cores()), include_dashboard=False, log_to_driver=False)
         results["ray_init_s"] = time.perf_counter() - started
         print(f"ray {ray.__version__}: ray.init {results['ray_init_s']:.1f} s")
     try:
         for name in args.setups.split(","):
-            results[name] = report(name, bench_setup(name, configs[name], paths, rounds))
+            results[name] = report(
+                name, bench_setup(name, configs[name], paths, rounds, workers=workers, device=args.device)
+            )
     finally:
         if "ray" in paths:
             ray.shutdown()

@@ -24,6 +24,8 @@ client steps with the same ``threads_per_worker`` (default 1), and all of them g
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import math
 import multiprocessing as mp
@@ -218,6 +220,61 @@ class _Closing:
         self.close()
 
 
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None off glibc (macOS, musl)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+_TRIM_SLACK_BYTES = 256 << 20
+"""How far the resident set may grow past its size after the last trim before the next one."""
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident set size from /proc (Linux), else None."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _FreeMemoryRelease:
+    """Gives the pages of freed heap memory back to the OS when the resident set has grown by a slack (glibc).
+
+    Why: a worker keeps every client's store (a few MB each) for the whole run, and allocates and frees training
+    activations between them. glibc raises its mmap threshold to the largest block freed (up to 32 MB), so after the
+    first step those activations come from the heap too, and the long-lived stores scattered through it keep freed
+    pages resident: a 200-client DS-FL run grew by ~8 MB per client step in its second round (3.7 GB after two rounds
+    instead of 1.8). ``malloc_trim(0)`` returns every free page (madvise) without moving anything; done after every
+    step it cost ~30% of the step time (the next step faults its activation pages in again), so it runs only when
+    the resident set grew by :data:`_TRIM_SLACK_BYTES` since the last trim.
+    """
+
+    def __init__(self) -> None:
+        self.baseline = _resident_bytes() or 0
+
+    def __call__(self) -> None:
+        if _MALLOC_TRIM is None:
+            return
+        rss = _resident_bytes()
+        if rss is None or rss - self.baseline < _TRIM_SLACK_BYTES:
+            return
+        _MALLOC_TRIM(0)
+        self.baseline = _resident_bytes() or rss
+
+
+release_free_memory = _FreeMemoryRelease()
+
+
 class _ClientHost:
     """The clients one worker owns, built on first use, and the round's decoded broadcast.
 
@@ -261,6 +318,7 @@ class _ClientHost:
                 reply_blob = encode(reply)
         # The store goes back whatever happened, so the coordinator's copy always equals the worker's.
         state = encode_state(client.store) if job.return_state else None
+        release_free_memory()
         return ClientResult(job.client_id, reply_blob, error, compute, cpu, state), bool(client.store)
 
     def load_state(self, client_id: ClientId, blob: bytes) -> None:
