@@ -75,9 +75,16 @@ def test_onnxruntime_training_clients_over_mosquitto_give_the_all_pytorch_cnn(
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "artifacts"))
     config = fedntd("fedavg_cnn")
     run_with_ort_clients(config, tmp_path / "mqtt", mosquitto_url, ("c000", "c001", "c002"), tmp_path / "artifacts")
-    # PyTorch clients run convolutions channels-last on the CPU (another summation order, ~1e-6 per epoch); the ORT
-    # graph computes in the default layout, so that is the PyTorch run it is compared with.
+    # PyTorch clients run convolutions channels-last on the CPU by default, the ORT graph in the default layout: two
+    # float32 summation orders. Usually the runs agree to ~1e-8 after these steps (the note of issue 10), but where a
+    # max-pool window is nearly tied, round-off picks a different maximum and float32 runs part by ~1e-5: on a 2-core
+    # AMD EPYC the two PyTorch layouts end 2.5e-5 apart and ORT 2.5e-5 / 2.9e-5 from them. So the bound is 1e-5, or
+    # twice how far the two all-PyTorch runs are from each other on this machine when that is more; a wrong gradient,
+    # momentum or weight decay is off by orders of magnitude more.
     exp = prepare(config)
-    backend = TorchBackend("fedavg_cnn", exp.input_shape, exp.num_classes, channels_last=False)
-    run_inprocess(config, tmp_path / "torch", backend_for=lambda client: backend)
-    assert max_weight_diff(tmp_path / "mqtt", tmp_path / "torch") < 1e-5
+    for layout in ("contiguous", "channels_last"):
+        backend = TorchBackend("fedavg_cnn", exp.input_shape, exp.num_classes, channels_last=layout == "channels_last")
+        run_inprocess(config, tmp_path / layout, backend_for=lambda client, b=backend: b)
+    pytorch_spread = max_weight_diff(tmp_path / "contiguous", tmp_path / "channels_last")
+    diff = max_weight_diff(tmp_path / "mqtt", tmp_path / "contiguous")
+    assert diff < max(1e-5, 2 * pytorch_spread), (diff, pytorch_spread)
