@@ -76,9 +76,9 @@ def test_onnxruntime_training_clients_over_mosquitto_give_the_all_pytorch_cnn(
     config = fedntd("fedavg_cnn")
     run_with_ort_clients(config, tmp_path / "mqtt", mosquitto_url, ("c000", "c001", "c002"), tmp_path / "artifacts")
     # PyTorch clients run convolutions channels-last on the CPU by default, the ORT graph in the default layout: two
-    # float32 summation orders. Usually the runs agree to ~1e-8 after these steps (the note of issue 10), but where a
-    # max-pool window is nearly tied, round-off picks a different maximum and float32 runs part by ~1e-5: on a 2-core
-    # AMD EPYC the two PyTorch layouts end 2.5e-5 apart and ORT 2.5e-5 / 2.9e-5 from them. So the bound is 1e-5, or
+    # float32 summation orders. ORT and default-layout PyTorch have ended 1.5e-8 apart, but where a max-pool window
+    # is nearly tied, round-off picks a different maximum and float32 runs part by ~1e-5: on a 2-core AMD EPYC the
+    # two PyTorch layouts end 2.5e-5 apart and ORT 2.5e-5 / 2.9e-5 from them. So the bound is 1e-5, or
     # twice how far the two all-PyTorch runs are from each other on this machine when that is more; a wrong gradient,
     # momentum or weight decay is off by orders of magnitude more.
     exp = prepare(config)
