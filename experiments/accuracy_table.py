@@ -3,49 +3,37 @@
 The READMEs compare runs at fixed rounds against a paper's table; this script is how those rows are made, so that
 they can be re-made from the committed metrics.jsonl files rather than typed by hand.
 
-Usage: python experiments/accuracy_table.py RUN_DIR... [--rounds 5,10,20,50,100,150,200] [--thresholds 90,95,97,98]
+Usage: .venv/bin/python experiments/accuracy_table.py RUN_DIR... [--rounds 5,10,50] [--thresholds 90,95]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 from pathlib import Path
 
-
-def load_evaluations(run: Path) -> list[dict]:
-    """The rounds of a run's metrics.jsonl that carry a test evaluation, in round order."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return sorted((r for r in rows if r.get("accuracy") is not None), key=lambda r: r["round"])
+from fedge.errors import FedgeError
+from sim.report import load_run
 
 
-def run_label(run: Path) -> str:
-    config = json.loads((run / "config.json").read_text())
-    algorithm = config.get("algorithm", "?")
-    partition = config.get("partition", "")
-    return f"{algorithm} ({partition})" if partition else algorithm
-
-
-def table_row(run: Path, rounds: list[int], thresholds: list[float]) -> list[str]:
-    evaluations = load_evaluations(run)
+def table_row(run_dir: Path, rounds: list[int], thresholds: list[float]) -> list[str]:
+    run = load_run(run_dir)  # the loader `fedge report` uses: clear errors, the report's labels
+    evaluations = [r for r in run.rounds if r.accuracy is not None]
     if not evaluations:
-        raise SystemExit(f"{run}: no evaluated round in metrics.jsonl (is the run started?)")
-    by_round = {r["round"]: r for r in evaluations}
-    accuracies = [r["accuracy"] for r in evaluations]
-    cells = [run_label(run)]
-    cells += [f"{100 * by_round[n]['accuracy']:.2f}" if n in by_round else "" for n in rounds]
+        raise FedgeError(f"{run_dir}: no evaluated round in metrics.jsonl yet")
+    by_round = {r.round: r.accuracy for r in evaluations}
+    accuracies = [r.accuracy for r in evaluations]
+    cells = [run.label]
+    cells += [f"{100 * by_round[n]:.2f}" if n in by_round else "" for n in rounds]
     cells.append(f"{100 * max(accuracies):.2f}")
     cells.append(f"{100 * statistics.fmean(accuracies[-5:]):.2f}")
-    reached = []
-    for threshold in thresholds:
-        first = next((r["round"] for r in evaluations if 100 * r["accuracy"] >= threshold), None)
-        reached.append(str(first) if first is not None else "-")
-    cells.append(" / ".join(reached))
-    forgetting = [r["forgetting"] for r in evaluations if r.get("forgetting") is not None]
-    cells.append(f"{evaluations[-1].get('forgetting', float('nan')):.4f}")
+    firsts = [next((str(r.round) for r in evaluations if 100 * r.accuracy >= t), "-") for t in thresholds]
+    cells.append(" / ".join(firsts))
+    forgetting = [r.forgetting for r in evaluations if r.forgetting is not None]
+    cells.append(f"{forgetting[-1]:.4f}" if forgetting else "")
     cells.append(f"{statistics.fmean(forgetting):.4f}" if forgetting else "")
-    cells.append(str(evaluations[-1]["round"]))
+    cells.append(str(evaluations[-1].round))
     return cells
 
 
@@ -61,8 +49,11 @@ def main() -> None:
     header += [f"rounds to {' / '.join(f'{t:g}' for t in thresholds)}%", "F (last)", "F (mean)", "last round"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for run in args.runs:
-        print("| " + " | ".join(table_row(run, rounds, thresholds)) + " |")
+    try:
+        for run in args.runs:
+            print("| " + " | ".join(table_row(run, rounds, thresholds)) + " |")
+    except FedgeError as exc:
+        sys.exit(f"error: {exc}")
 
 
 if __name__ == "__main__":
