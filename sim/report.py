@@ -54,6 +54,7 @@ class Run:
     rounds: list[RoundRecord]
     summary: dict[str, Any]
     ledger: list[LedgerEntry] | None  # None when the run has no ledger.csv
+    finished: bool = True  # False: no summary.json (the run was stopped, or is still running)
 
     def series(self, key: str, x_key: str = "round") -> tuple[list[float], list[float]]:
         """(x, y) over the rounds that recorded the metric ``key`` (a metrics.jsonl name)."""
@@ -104,7 +105,7 @@ def load_run(path: str | Path) -> Run:
             f"{p}: metrics.jsonl or summary.json is not valid JSON ({exc}); is the run corrupted?"
         ) from exc
     ledger = read_ledger_csv(p / "ledger.csv") if (p / "ledger.csv").is_file() else None
-    return Run(p, run_label(config), config, rounds, summary, ledger)
+    return Run(p, run_label(config), config, rounds, summary, ledger, finished=(p / "summary.json").is_file())
 
 
 def write_report(run_dirs: Sequence[Path], out_dir: Path, *, accounting: str = "multicast") -> Path:
@@ -146,12 +147,19 @@ def _context(runs: Sequence[Run]) -> str:
 # ---------------------------------------------------------------------------------------------------------- Markdown
 
 
+def _provenance(run: Run) -> str:
+    """How the run ran, or how far it got when it has no summary.json (which records the transport)."""
+    if not run.finished:
+        last = run.rounds[-1].round if run.rounds else 0
+        return f"unfinished ({last} of {run.config.rounds} rounds recorded, no summary.json: stopped or still running)"
+    return f"{run.summary.get('transport', 'unknown')} transport"
+
+
 def _markdown(runs: Sequence[Run], out: Path, plots: dict[str, str], accounting: str) -> str:
     parts = [f"# fedge report: {', '.join(r.label for r in runs)}\n"]
     parts.append(
         "\n".join(
-            f"- **{r.label}**: [`{_rel(r.path, out)}`]({_rel(r.path, out)}), {r.summary.get('transport', 'unknown')}"
-            f" transport, seed {r.config.seed}"
+            f"- **{r.label}**: [`{_rel(r.path, out)}`]({_rel(r.path, out)}), {_provenance(r)}, seed {r.config.seed}"
             for r in runs
         )
     )

@@ -161,7 +161,7 @@ def test_report_overlays_runs(tmp_path):
     ):
         assert_png(out / f"{name}.png")
         assert f"]({name}.png)" in text
-    assert "](../../fedntd)" in text  # the run directories, relative to the report
+    assert "](../../fedntd), inprocess transport, seed 0" in text  # the run directories, relative to the report
 
 
 def test_unicast_accounting_and_no_entropy(tmp_path):
@@ -207,6 +207,7 @@ def test_run_without_ledger_or_summary(tmp_path):
     (run / "summary.json").unlink()  # an interrupted run: read_run summarizes the rounds itself
     text = write_report([run], tmp_path / "out").read_text()
     assert "no ledger.csv" in text and "91.00%" in text
+    assert "unfinished (3 of 3 rounds recorded, no summary.json" in text and "unknown transport" not in text
     assert "| tensor | 440.0 kB | 120.0 kB | 480.0 kB | 560.0 kB | 920.0 kB | — |" in text
 
 
