@@ -28,7 +28,8 @@ def table_row(run_dir: Path, rounds: list[int], thresholds: list[float]) -> list
     cells += [f"{100 * by_round[n]:.2f}" if n in by_round else "" for n in rounds]
     cells.append(f"{100 * max(accuracies):.2f}")
     cells.append(f"{100 * statistics.fmean(accuracies[-5:]):.2f}")
-    firsts = [next((str(r.round) for r in evaluations if 100 * r.accuracy >= t), "-") for t in thresholds]
+    # accuracy >= t / 100, as the report's ComU@x compares: 100 * 0.29 is 28.999999999999996, 29 / 100 is 0.29
+    firsts = [next((str(r.round) for r in evaluations if r.accuracy >= t / 100), "-") for t in thresholds]
     cells.append(" / ".join(firsts))
     forgetting = [r.forgetting for r in evaluations if r.forgetting is not None]
     cells.append(f"{forgetting[-1]:.4f}" if forgetting else "")
