@@ -1,8 +1,9 @@
 """The ``fedge`` command: one entry point, a subcommand per role.
 
 The top layer: the only package that reaches into every role (``sim``, ``coordinator``, ``edge_client``,
-``export``). It imports them lazily, so ``fedge --help`` stays fast and a coordinator-only or client-only install
-needs only its own role.
+``export``). It imports them lazily, so a coordinator-only or client-only install needs only its own role. The
+flags are built from the algorithm registry, whose modules import torch: ``fedge --help`` pays torch's import
+(~2-3 s on a laptop CPU); keeping each algorithm's settings beside its code was worth more than a faster help text.
 """
 
 from __future__ import annotations
