@@ -292,7 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
         "travel as chunks (auto: the broker's announced limit, else none; off: never chunk)",
     )
     p.add_argument("--no-report", action="store_true", help="skip the Markdown report and plots")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no per-round lines and no progress bar (the bar is drawn only when stderr is a terminal)",
+    )
     p.add_argument(
         "--resume",
         type=Path,

@@ -16,8 +16,8 @@ run() {  # name, then flags; skips a run that finished, resumes one that was kil
   local name=$1; shift
   local existing; existing=$(ls -d "$OUT"/*-"$name" 2>/dev/null | head -1 || true)
   if [[ -n $existing && -f $existing/summary.json ]]; then echo "done already: $existing"; return; fi
-  if [[ -n $existing ]]; then "$FEDGE" sim --resume "$existing" --executor "$EXECUTOR" --quiet; return; fi
-  "$FEDGE" sim --name "$name" --out "$OUT" --executor "$EXECUTOR" --quiet --seed 0 "$@"
+  if [[ -n $existing ]]; then "$FEDGE" sim --resume "$existing" --executor "$EXECUTOR"; return; fi
+  "$FEDGE" sim --name "$name" --out "$OUT" --executor "$EXECUTOR" --seed 0 "$@"
 }
 if [[ $PART == dsfl || $PART == all ]]; then
   dsfl=(--algorithm dsfl --aggregation era --dataset mnist --data-dir "$DATA" --model dsfl_mnist_cnn --num-clients 10

@@ -30,8 +30,8 @@ for method in $METHODS; do
   if [[ -n $existing && -f $existing/summary.json ]]; then
     echo "done already: $existing"
   elif [[ -n $existing ]]; then
-    "$FEDGE" sim --resume "$existing" "${runner[@]}" --quiet
+    "$FEDGE" sim --resume "$existing" "${runner[@]}"
   else
-    "$FEDGE" sim "${flags[@]}" --name "$name" "${common[@]}" "${runner[@]}" --out "$OUT" --quiet
+    "$FEDGE" sim "${flags[@]}" --name "$name" "${common[@]}" "${runner[@]}" --out "$OUT"
   fi
 done

@@ -22,12 +22,12 @@ for partition in $PARTITIONS; do
     if [[ -n $existing && -f $existing/summary.json ]]; then
       echo "done already: $existing"
     elif [[ -n $existing ]]; then
-      "$FEDGE" sim --resume "$existing" --executor "$EXECUTOR" --quiet
+      "$FEDGE" sim --resume "$existing" --executor "$EXECUTOR"
     else
       "$FEDGE" sim --algorithm "$algorithm" --name "$name" --dataset mnist --data-dir "$DATA" --model fedavg_cnn \
         --num-clients 100 --client-fraction 0.1 --partition "$partition" --shards-per-client 2 \
         --dirichlet-alpha 0.1 --local-epochs 3 --batch-size 50 --lr 0.01 --momentum 0.9 --rounds "$ROUNDS" \
-        --seed 0 --eval-every 5 --executor "$EXECUTOR" --out "$OUT" --quiet "${extra[@]}"
+        --seed 0 --eval-every 5 --executor "$EXECUTOR" --out "$OUT" "${extra[@]}"
     fi
   done
 done

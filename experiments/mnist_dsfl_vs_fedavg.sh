@@ -11,7 +11,7 @@ DATA=${FEDGE_DATA:-../shared/data/mnist}
 common=(--dataset mnist --data-dir "$DATA" --model dsfl_mnist_cnn --num-clients 20 --client-fraction 1.0
         --partition shards --shards-per-client 2 --local-epochs 1 --batch-size 100 --lr 0.1 --momentum 0
         --lr-decay 1.0 --weight-decay 0 --open-size 20000 --private-size 20000 --open-per-round 1000
-        --distill-epochs 1 --distill-lr 0.1 --distill-batch-size 100 --rounds "$ROUNDS" --seed 0 --out "$OUT" --quiet)
+        --distill-epochs 1 --distill-lr 0.1 --distill-batch-size 100 --rounds "$ROUNDS" --seed 0 --out "$OUT")
 fedge sim --algorithm dsfl --aggregation era --name dsfl-era "${common[@]}"
 fedge sim --algorithm dsfl --aggregation sa --name dsfl-sa "${common[@]}"
 fedge sim --algorithm fedavg --name fedavg "${common[@]}"

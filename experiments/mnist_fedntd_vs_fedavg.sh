@@ -8,7 +8,7 @@ OUT=${2:-runs/mnist-fedntd}
 DATA=${FEDGE_DATA:-../shared/data/mnist}
 common=(--dataset mnist --data-dir "$DATA" --model fedavg_cnn --num-clients 100 --client-fraction 0.1
         --partition shards --shards-per-client 2 --local-epochs 3 --batch-size 50 --lr 0.01 --momentum 0.9
-        --rounds "$ROUNDS" --seed 0 --out "$OUT" --quiet)
+        --rounds "$ROUNDS" --seed 0 --out "$OUT")
 fedge sim --algorithm fedavg --name fedavg "${common[@]}"
 fedge sim --algorithm fedntd --name fedntd "${common[@]}"
 fedge report "$OUT"/*-fedavg "$OUT"/*-fedntd --out "$OUT/report"

@@ -10,6 +10,6 @@ OUT=${2:-runs/mnist-fl-baselines}
 DATA=${FEDGE_DATA:-../shared/data/mnist}
 common=(--dataset mnist --data-dir "$DATA" --model fedavg_cnn --num-clients 100 --client-fraction 0.1
         --partition shards --shards-per-client 2 --local-epochs 3 --batch-size 50 --lr 0.01 --momentum 0.9
-        --rounds "$ROUNDS" --seed 0 --out "$OUT" --quiet)
+        --rounds "$ROUNDS" --seed 0 --out "$OUT")
 fedge sim --algorithm fedprox --prox-mu 0.1 --name fedprox "${common[@]}"
 fedge sim --algorithm scaffold --name scaffold "${common[@]}"

@@ -20,11 +20,13 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
 
     resume = args.resume is not None
     run_dir = args.resume if resume else new_run_dir(args.out, config, args.name)
+    # Redirected to a log, a bar is a stream of carriage returns: draw it on terminals only; the per-round lines
+    # go to both, flushed, so a run of hours can be followed with `tail -f`.
     bar = tqdm(
         total=config.rounds,
         desc=f"{config.algorithm} on {config.dataset}",
         unit="round",
-        disable=args.quiet,
+        disable=args.quiet or not sys.stderr.isatty(),
         file=sys.stderr,
         dynamic_ncols=True,
     )
@@ -37,9 +39,9 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
             + f"round {format_bytes(b.tensor['multicast'])} cum {format_bytes(b.cum_tensor['multicast'])}"
         )
         bar.update(1)
-        if args.quiet:
-            return
-        bar.write(round_line(r))
+        if not args.quiet:
+            bar.write(f"{round_line(r)}  {r.wall_s:.1f} s", file=sys.stdout)
+            sys.stdout.flush()
 
     if args.transport == "mqtt":
         from sim.laptop import run_over_mqtt

@@ -30,10 +30,20 @@ def test_sim_writes_a_run_directory_with_report(tmp_path: Path, capsys):
     assert code == 0
     (run,) = tmp_path.iterdir()
     out = capsys.readouterr().out
-    assert str(run) in out and "final accuracy" in out
+    assert str(run) in out and "final accuracy" in out and "round   1" not in out  # --quiet: no per-round lines
     assert json.loads((run / "config.json").read_text())["num_clients"] == 4
     assert (run / "report.md").exists() and (run / "accuracy_vs_bytes.png").exists()
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_sim_logs_one_line_per_round_and_no_bar_when_output_is_not_a_terminal(tmp_path: Path, capsys):
+    flags = ["--dataset", "synthetic", "--model", "tiny_mlp", "--num-clients", "4", "--rounds", "3"]
+    assert main(["sim", *flags, "--partition", "iid", "--out", str(tmp_path), "--no-report"]) == 0
+    captured = capsys.readouterr()
+    rounds = [line for line in captured.out.splitlines() if line.startswith("round ")]
+    assert [line.split()[1] for line in rounds] == ["1", "2", "3"]
+    assert all("acc" in line and line.endswith(" s") for line in rounds)  # accuracy and the round's wall time
+    assert "\r" not in captured.err and "round/s" not in captured.err  # no tqdm bar in a log file
 
 
 def test_flags_override_a_config_file(tmp_path: Path):
