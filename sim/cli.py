@@ -32,6 +32,8 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
     )
 
     def on_round(r: RoundRecord) -> None:
+        if resume and bar.n == 0:  # count (and time) a resumed run from the journal's round, not from 0
+            bar.initial = bar.n = bar.last_print_n = r.round - 1
         acc = r.accuracy
         b = r.bytes
         bar.set_postfix_str(
