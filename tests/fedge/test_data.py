@@ -22,7 +22,8 @@ from fedge.data import (
 )
 from fedge.errors import ConfigError, DatasetError
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"  # the project's sibling folder, there in CI too
+SHARED_DATA = SHARED / "data"
 IDX_NAMES = (
     "train-images-idx3-ubyte.gz",
     "train-labels-idx1-ubyte.gz",
@@ -82,10 +83,16 @@ def cifar_records(labels: list[int], seed: int) -> tuple[bytes, np.ndarray]:
 # --------------------------------------------------------------------------------------------------- real datasets
 
 
+def _require_real_data(name: str) -> None:
+    """Skip only outside a checkout with ../shared; where ../shared exists, missing data is a failure, not a skip."""
+    if not SHARED.is_dir():
+        pytest.skip(f"{SHARED} (the real datasets) is not next to this checkout")
+    assert (SHARED_DATA / name).is_dir(), f"{SHARED_DATA / name} is missing"
+
+
 @pytest.fixture(scope="module")
 def mnist() -> tuple[Dataset, Dataset, float]:
-    if not (SHARED_DATA / "mnist").is_dir():
-        pytest.skip(f"real MNIST not found at {SHARED_DATA / 'mnist'}")
+    _require_real_data("mnist")
     start = time.perf_counter()
     train, test = load_mnist(SHARED_DATA / "mnist")
     return train, test, time.perf_counter() - start
@@ -93,8 +100,7 @@ def mnist() -> tuple[Dataset, Dataset, float]:
 
 @pytest.fixture(scope="module")
 def fashion_mnist() -> tuple[Dataset, Dataset]:
-    if not (SHARED_DATA / "fashion_mnist").is_dir():
-        pytest.skip(f"real Fashion-MNIST not found at {SHARED_DATA / 'fashion_mnist'}")
+    _require_real_data("fashion_mnist")
     return load_fashion_mnist(SHARED_DATA / "fashion_mnist")
 
 
