@@ -22,11 +22,13 @@ class StubClient:
         self.data = ClientData(x=torch.zeros(3, 2), y=torch.zeros(3, dtype=torch.long), num_classes=2)
         self.store: dict[str, torch.Tensor] = {}
         self.calls: list[tuple[int, int | None]] = []
+        self.broadcast_sessions: list[str | None] = []  # the coordinator session of the broadcast each call got
 
     def handle(self, task: Message, broadcast: Message | None) -> Message:
         if task.params.get("fail"):
             raise ConfigError("no open set here")
         self.calls.append((task.round, None if broadcast is None else broadcast.round))
+        self.broadcast_sessions.append(None if broadcast is None else broadcast.transport.get(SESSION))
         self.store["seen"] = torch.tensor(task.round)
         return Message(UPDATE, task.round, run=task.run, client=task.client, params={"num_examples": "3"})
 
@@ -86,6 +88,7 @@ def test_a_new_coordinator_run_under_the_same_name_starts_from_fresh_state() -> 
     server._on_broadcast(broadcast(1, "new"))
     server._on_task(task(1, "new"))  # round 1 again, but of another run: computed, with the new run's broadcast
     assert stub.calls == [(1, 1), (1, 1)] and len(sent) == 2
+    assert stub.broadcast_sessions == ["old", "new"]  # not the old run's round-1 broadcast again
     assert "own_model" not in stub.store
 
 

@@ -162,6 +162,19 @@ def test_int8_error_is_at_most_half_the_scale(scheme: Scheme, shape: tuple[int, 
     scale = _scale_per_value(enc.tensors["x:scale"], x.numel(), unit)  # (n,) the scale on the wire
     err = (back - x).abs().reshape(-1)  # (n,)
     assert bool((err <= scale / 2 * (1 + 1e-5) + 1e-6).all())
+    # The scale (and offset) each unit needs, computed here from the values: a float16 side rounds the scale up and
+    # the offset down, by at most one float16 step; float32 keeps them.
+    units = x.reshape(-1).split(unit)
+    if scheme.offset:
+        need = torch.stack([(u.max() - u.min()) / 255 for u in units])  # (units,)
+        lo, wire_lo = torch.stack([u.min() for u in units]), enc.tensors["x:offset"].float()
+        torch.testing.assert_close(wire_lo, lo, rtol=2**-10, atol=0)
+        assert bool((wire_lo <= lo).all())
+    else:
+        need = torch.stack([u.abs().max() / 127 for u in units])  # (units,)
+    wire = enc.tensors["x:scale"].float()
+    torch.testing.assert_close(wire, need, rtol=2**-10 if scheme.side == "float16" else 1e-6, atol=0)
+    assert bool((wire >= need * (1 - 1e-6)).all())
     assert enc.tensor_bytes == coded_bytes(specs({"x": x}), scheme)
 
 

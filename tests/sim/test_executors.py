@@ -23,7 +23,7 @@ from fedge.algorithms.dsfl import DSFLSettings
 from fedge.backend import TorchBackend
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError
-from fedge.messages import Message
+from fedge.messages import TASK, UPDATE, Message, encode
 from sim.executors import (
     ClientBuilder,
     ClientJob,
@@ -145,12 +145,29 @@ def test_sequential_executor_is_the_in_process_transport():
         torch.set_num_threads(threads)
 
 
-def test_sequential_executor_restores_the_thread_count():
+@dataclass
+class _ThreadProbe:
+    """A client that records torch's intra-op thread count while it handles its task."""
+
+    client_id: str = "c000"
+    store: dict[str, Any] = dataclasses.field(default_factory=dict)
+    seen: list[int] = dataclasses.field(default_factory=list)
+
+    def handle(self, task: Message, broadcast: Message | None) -> Message:
+        self.seen.append(torch.get_num_threads())
+        return Message(UPDATE, task.round, run=task.run, client=self.client_id, params={"num_examples": "1"})
+
+
+def test_sequential_executor_sets_the_thread_count_for_clients_and_restores_it():
     threads = torch.get_num_threads()
-    exp = prepare(CONFIGS["fedavg"])
-    with SequentialExecutor(ExperimentClients(exp.config), threads_per_worker=threads + 1) as exe:
-        exe.run([ClientJob("c000", b"not a message", None)])
-    assert torch.get_num_threads() == threads
+    probe = _ThreadProbe()
+    task = encode(Message(TASK, 1, run="r", client="c000"))
+    with SequentialExecutor(clients=[probe], threads_per_worker=threads + 1) as exe:
+        (ran,) = exe.run([ClientJob("c000", task, None)])
+        (streamed,) = exe.stream([ClientJob("c000", task, None)])
+        assert ran.error is None and streamed.error is None
+    assert probe.seen == [threads + 1, threads + 1]  # the clients ran with the executor's threads (run and stream)
+    assert torch.get_num_threads() == threads  # and the coordinator has its own back
 
 
 def test_stateful_runs_bring_clients_back_after_rounds_elsewhere():

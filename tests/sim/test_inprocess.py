@@ -1,5 +1,6 @@
 """End-to-end in-process runs of every algorithm on small data, and the engine's rules (quorum, validation)."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from edge_client.client import EdgeClient
 from fedge.algorithms import ALGORITHMS
 from fedge.algorithms.dsfl import DSFLSettings
 from fedge.config import RunConfig, TrainConfig
+from fedge.cost import round_cost
 from fedge.errors import CodecError
 from fedge.messages import Message
 from sim.inprocess import InProcessTransport
@@ -67,8 +69,14 @@ def test_bytes_per_round_match_the_cost_model(tmp_path: Path):
     assert rounds["fd"].tensor_up == 6 * c * c * 4
     # DS-FL: K uploads of |o_r| x C float32; the index set travels as a seed.
     assert rounds["dsfl"].tensor_up == 6 * 200 * c * 4
+    # FedAvg: tiny_mlp (inputs -> 32 -> C, no buffers) as float32, counted by hand from the data's input shape.
+    features = math.prod(prepare(_config("fedavg")).input_shape)  # tiny_mlp flattens its inputs
+    values = features * 32 + 32 + 32 * c + c
     up, down = rounds["fedavg"].tensor_up, rounds["fedavg"].tensor_down["multicast"]
-    assert up == 6 * down and rounds["fedavg"].tensor_down["unicast"] == 6 * down
+    assert (up, down, rounds["fedavg"].tensor_down["unicast"]) == (6 * 4 * values, 4 * values, 6 * 4 * values)
+    fl = round_cost("fl", num_clients=6, num_classes=c, model_values=values)
+    dsfl = round_cost("dsfl", num_clients=6, num_classes=c, open_per_round=200)
+    assert (fl.bytes_up, fl.bytes_down) == (up, down) and dsfl.bytes_up == rounds["dsfl"].tensor_up
     # SCAFFOLD: the model plus a control variate per trainable parameter, both ways (tiny_mlp has no BN buffers).
     assert rounds["scaffold"].tensor_up == 2 * up and rounds["scaffold"].tensor_down["multicast"] == 2 * down
 
