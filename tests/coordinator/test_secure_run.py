@@ -9,13 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from mqtt_support import require_mosquitto
 from safetensors.torch import load_file
 
 from common.experiment import prepare
 from common.mqtt import load_bundle
 from coordinator.run import provision_fleet, run_coordinator
 from fedge.config import RunConfig, TrainConfig
-from sim.brokers import find_mosquitto, fleet_mosquitto, free_port
+from sim.brokers import fleet_mosquitto, free_port
 from sim.laptop import client_processes
 from sim.provision import write_client_files
 from sim.run import run_inprocess
@@ -24,10 +25,7 @@ pytestmark = pytest.mark.broker
 
 
 def test_a_fedntd_run_over_tls_with_passwords_and_acls_equals_the_in_process_run(tmp_path: Path) -> None:
-    try:
-        find_mosquitto()
-    except Exception as exc:
-        pytest.skip(f"mosquitto is not installed: {exc}")
+    require_mosquitto()
     config = RunConfig(
         algorithm="fedntd",
         dataset="digits",
