@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -26,19 +27,19 @@ def test_lr_decays_per_round():
 
 
 @pytest.mark.parametrize(
-    "make",
+    ("make", "says"),
     [
-        lambda: RunConfig(algorithm="fedfoo"),
-        lambda: RunConfig(num_clients=0),
-        lambda: RunConfig(client_fraction=0),
-        lambda: TrainConfig(lr=-1),
-        lambda: FedCADSettings(cad_beta=0.6, cad_gamma=0.5),
-        lambda: DSFLSettings(aggregation="mean"),
-        lambda: RunConfig(algorithm="fedavg", algo=FedNTDSettings()),  # settings of another algorithm
+        (lambda: RunConfig(algorithm="fedfoo"), "unknown algorithm 'fedfoo'; choose one of fedavg"),
+        (lambda: RunConfig(num_clients=0), "num_clients must be >= 1, got 0"),
+        (lambda: RunConfig(client_fraction=0), "client_fraction must be in (0, 1], got 0"),
+        (lambda: TrainConfig(lr=-1), "lr must be > 0, got -1"),
+        (lambda: FedCADSettings(cad_beta=0.6, cad_gamma=0.5), "cad_beta <= cad_gamma"),
+        (lambda: DSFLSettings(aggregation="mean"), "aggregation must be era|sa, not 'mean'"),
+        (lambda: RunConfig(algorithm="fedavg", algo=FedNTDSettings()), "FedNTDSettings do not belong to 'fedavg'"),
     ],
 )
-def test_invalid_settings_raise_config_error(make):
-    with pytest.raises(ConfigError):
+def test_invalid_settings_raise_config_error_naming_the_setting(make, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
         make()
 
 
