@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -64,23 +65,23 @@ def test_metadata_holds_only_the_name_and_what_differs_from_defaults() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "says"),
     [
-        {"name": "zstd"},
-        {"name": "int8", "granularity": "block"},  # block size missing
-        {"name": "int8", "block": 64},  # block size without block granularity
-        {"name": "int8", "k": 3},  # a top-k field on int8
-        {"name": "float16", "side": "float16"},
-        {"name": "topk"},  # neither k nor density
-        {"name": "topk", "k": 2, "density": 0.5},
-        {"name": "topk", "granularity": "block", "block": 8, "k": 1},
-        {"name": "int8", "side": "bfloat16"},
-        {"name": "topk", "k": MAX_K + 1},
-        {"name": "topk", "density": 1.5},
+        ({"name": "zstd"}, "unknown compression scheme 'zstd'"),
+        ({"name": "int8", "granularity": "block"}, "int8 needs block > 0 exactly when"),  # block size missing
+        ({"name": "int8", "block": 64}, "int8 needs block > 0 exactly when"),  # without block granularity
+        ({"name": "int8", "k": 3}, "scheme 'int8' takes no k"),  # a top-k field on int8
+        ({"name": "float16", "side": "float16"}, "scheme 'float16' takes no side"),
+        ({"name": "topk"}, "topk needs exactly one of k > 0 or density"),  # neither
+        ({"name": "topk", "k": 2, "density": 0.5}, "topk needs exactly one of k > 0 or density"),  # both
+        ({"name": "topk", "granularity": "block", "block": 8, "k": 1}, "scheme 'topk' takes no block"),
+        ({"name": "int8", "side": "bfloat16"}, "side dtype must be float32 or float16, got 'bfloat16'"),
+        ({"name": "topk", "k": MAX_K + 1}, f"k in 0..{MAX_K}"),
+        ({"name": "topk", "density": 1.5}, "density must be in [0, 1], got 1.5"),
     ],
 )
-def test_invalid_schemes_are_refused(kwargs: dict[str, object]) -> None:
-    with pytest.raises(ConfigError):
+def test_invalid_schemes_are_refused_naming_the_field(kwargs: dict[str, object], says: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(says)):
         Scheme(**kwargs)  # type: ignore[arg-type]
 
 
