@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -76,16 +77,16 @@ def test_broker_urls_with_tls_and_credentials() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad",
+    ("bad", "says"),
     [
-        {"ca_file": "ca.crt"},  # TLS files on a plain address
-        {"tls": True, "key_file": "k"},  # a key without its certificate
-        {"password": "x"},  # a password without a user name
-        {"username": "a:b"},
+        ({"ca_file": "ca.crt"}, "a TLS CA file is given but the URL is not TLS; use mqtts://"),
+        ({"tls": True, "key_file": "k"}, "a client key needs its certificate (cert_file)"),
+        ({"password": "x"}, "a password needs a user name"),
+        ({"username": "a:b"}, "user name 'a:b' must be non-empty and without ':'"),
     ],
 )
-def test_inconsistent_addresses_are_refused(bad: dict[str, object]) -> None:
-    with pytest.raises(ConfigError):
+def test_inconsistent_addresses_are_refused_with_what_to_fix(bad: dict[str, object], says: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(says)):
         BrokerAddress("h", **bad)  # type: ignore[arg-type]
 
 
