@@ -7,7 +7,7 @@ from fedge.records import RoundRecord
 
 
 def round_line(r: RoundRecord) -> str:
-    """One round on the console: accuracy, forgetting, entropy, bytes, and what went wrong."""
+    """One round on the console: accuracy, forgetting, entropy, bytes, wall time, and what went wrong."""
     line = f"round {r.round:3d}"
     if r.accuracy is not None:
         line += f"  acc {100 * r.accuracy:6.2f}%"
@@ -22,6 +22,7 @@ def round_line(r: RoundRecord) -> str:
     )
     if b.wire:
         line += f"  wire {format_bytes(b.wire)}"
+    line += f"  {r.wall_s:.1f} s"
     if not r.aggregated:
         line += f"  SKIPPED: {len(r.replied)} of {len(r.sampled)} replied, quorum {r.quorum}"
     if r.drops:

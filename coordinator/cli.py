@@ -68,7 +68,7 @@ def run_coordinator_cli(
     print(f"{'resuming run directory' if resume else 'run directory'}: {run_dir}", flush=True)
 
     def on_round(r: RoundRecord) -> None:
-        print(f"{round_line(r)}  {r.wall_s:.1f} s", flush=True)
+        print(round_line(r), flush=True)
 
     connection = connection_from_args(args)
     bundle = connection.bundle

@@ -42,7 +42,7 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
         )
         bar.update(1)
         if not args.quiet:
-            bar.write(f"{round_line(r)}  {r.wall_s:.1f} s", file=sys.stdout)
+            bar.write(round_line(r), file=sys.stdout)
             sys.stdout.flush()
 
     if args.transport == "mqtt":
