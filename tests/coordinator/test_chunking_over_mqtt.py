@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import struct
 import threading
 import time
@@ -346,14 +347,14 @@ def test_packet_limits_parse_and_a_fleet_kit_can_be_sized_to_chunks() -> None:
     assert parse_packet_limit("1MB") == 1_000_000 and parse_packet_limit("1MiB") == 1 << 20
     assert parse_packet_limit("256kB") == 256_000 and parse_packet_limit("2048") == 2048
     for bad in ("", "-1", "100", "1.5x", "nan", "inf"):
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError, match=f"max packet size '{re.escape(bad)}': use auto, off"):
             parse_packet_limit(bad)
     spec = FleetSpec("lab", ("c001",), ("b",), max_message_bytes=6_700_000, chunk_packet_size=LIMIT)
     assert spec.max_packet_size == LIMIT
     assert f"max_packet_size {LIMIT}" in mosquitto_conf(spec, Path("/etc/mosquitto/fedge")).splitlines()
     whole = dataclasses.replace(spec, chunk_packet_size=None)
     assert whole.max_packet_size > 6_700_000  # without chunks: the largest message must fit in one packet
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="must be >= 1024 bytes, got 100"):
         dataclasses.replace(spec, chunk_packet_size=100)
 
 

@@ -277,17 +277,17 @@ def test_password_entry_is_mosquitto_passwd_format(tmp_path: Path) -> None:
 
 def test_spec_refuses_what_a_broker_or_topic_cannot_carry(tmp_path: Path) -> None:
     good = {"run": RUN, "clients": CLIENTS, "broker_hosts": ("b",), "max_message_bytes": 10}
-    for bad in (
-        {"clients": ("c 1",)},
-        {"clients": ("coordinator",)},
-        {"clients": ("a", "a")},
-        {"clients": ()},
-        {"run": "a/b"},
-        {"broker_hosts": ()},
-        {"max_message_bytes": 0},
-        {"tls": False, "client_certificates": True},
+    for bad, says in (
+        ({"clients": ("c 1",)}, "client id 'c 1'"),
+        ({"clients": ("coordinator",)}, "the coordinator's name"),
+        ({"clients": ("a", "a")}, "must be unique"),
+        ({"clients": ()}, "at least one client id"),
+        ({"run": "a/b"}, "run name 'a/b'"),
+        ({"broker_hosts": ()}, "broker's host name"),
+        ({"max_message_bytes": 0}, "max_message_bytes must be > 0"),
+        ({"tls": False, "client_certificates": True}, "client certificates need TLS"),
     ):
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError, match=re.escape(says)):
             FleetSpec(**{**good, **bad})  # type: ignore[arg-type]
     (tmp_path / "kit").mkdir()
     (tmp_path / "kit/old").write_text("x")

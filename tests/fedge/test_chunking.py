@@ -63,7 +63,7 @@ def test_split_and_reassemble_is_the_identity_around_the_boundary(size: int) -> 
 def test_hand_computed_chunk_sizes() -> None:
     assert chunk_sizes(100, 100) == [100]
     assert chunk_sizes(101, 100) == [100, 100, 100, 68 + 5]  # slices 32 + 32 + 32 + 5
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="no room after the 68-byte header"):
         chunk_sizes(101, HEADER_BYTES)
 
 
@@ -249,11 +249,11 @@ def test_a_large_declared_total_is_refused_before_any_allocation() -> None:
 def test_split_refuses_what_it_cannot_send() -> None:
     with pytest.raises(CodecError, match="mistaken for a chunk"):
         split(MAGIC + b"data", LIMIT, message_id=1)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="message id must fit in 64 bits"):
         split(_payload(10), LIMIT, message_id=-1)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="leave no room after the 68-byte header"):
         split(_payload(200), HEADER_BYTES, message_id=1)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="max_sender_bytes <= max_bytes"):
         Reassembler(max_bytes=10, max_sender_bytes=20)
 
 

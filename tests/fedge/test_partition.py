@@ -177,9 +177,12 @@ def test_dirichlet_gives_up_after_max_tries() -> None:
         dirichlet(labels, 50, 0.01, np.random.default_rng(0), min_size=10, max_tries=3)
 
 
-@pytest.mark.parametrize(("alpha", "min_size", "max_tries"), [(0.0, 1, 5), (-1.0, 1, 5), (0.5, -1, 5), (0.5, 1, 0)])
-def test_dirichlet_rejects_bad_arguments(alpha: float, min_size: int, max_tries: int) -> None:
-    with pytest.raises(ConfigError):
+@pytest.mark.parametrize(
+    ("alpha", "min_size", "max_tries", "named"),
+    [(0.0, 1, 5, "alpha"), (-1.0, 1, 5, "alpha"), (0.5, -1, 5, "min_size"), (0.5, 1, 0, "max_tries")],
+)
+def test_dirichlet_rejects_bad_arguments(alpha: float, min_size: int, max_tries: int, named: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{named} must be"):
         dirichlet(balanced_labels(10), 5, alpha, np.random.default_rng(0), min_size=min_size, max_tries=max_tries)
 
 
@@ -200,9 +203,12 @@ def test_open_private_split_can_use_every_sample() -> None:
     np.testing.assert_array_equal(np.sort(np.concatenate([open_set, private_set])), np.arange(10))
 
 
-@pytest.mark.parametrize(("open_size", "private_size"), [(6, 5), (-1, 3), (3, -1)])
-def test_open_private_split_rejects_bad_sizes(open_size: int, private_size: int) -> None:
-    with pytest.raises(ConfigError):
+@pytest.mark.parametrize(
+    ("open_size", "private_size", "says"),
+    [(6, 5, "exceeds the 10 available samples"), (-1, 3, "must be >= 0, got -1 and 3"), (3, -1, "got 3 and -1")],
+)
+def test_open_private_split_rejects_bad_sizes(open_size: int, private_size: int, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
         open_private_split(10, open_size, private_size, np.random.default_rng(0))
 
 
@@ -237,7 +243,7 @@ def test_class_counts_rejects_labels_beyond_num_classes() -> None:
 def test_rejects_bad_client_counts(scheme: str) -> None:
     with pytest.raises(ConfigError, match="num_clients must be >= 1"):
         partition(balanced_labels(10), 0, scheme=scheme, rng=np.random.default_rng(0))
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="5 samples"):
         partition(np.zeros(5, dtype=np.int64), 6, scheme=scheme, rng=np.random.default_rng(0), min_size=0)
 
 

@@ -40,9 +40,19 @@ def test_topics_build_and_parse() -> None:
             t.parse(bad)
 
 
-@pytest.mark.parametrize("name", ["", "a/b", "a+b", "#", "$SYS", "x" * 129])
-def test_names_that_cannot_be_a_topic_level_are_refused(name: str) -> None:
-    with pytest.raises(ConfigError):
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("", "must not be empty"),
+        ("a/b", r"contains \['/'\]"),
+        ("a+b", r"contains \['\+'\]"),
+        ("#", r"contains \['#'\]"),
+        ("$SYS", "must not start with '\\$'"),
+        ("x" * 129, "longer than 128 bytes"),
+    ],
+)
+def test_names_that_cannot_be_a_topic_level_are_refused(name: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
         Topics(name)
 
 
@@ -51,8 +61,12 @@ def test_broker_address_parsing() -> None:
     assert BrokerAddress.parse("localhost") == BrokerAddress("localhost", 1883)
     assert BrokerAddress.parse("tcp://h:7").url == "mqtt://h:7"
     assert BrokerAddress.parse("mqtts://h").port == 8883  # TLS, default port
-    for bad in ("http://h", "mqtt://:1883", "mqtt://h:99999"):
-        with pytest.raises(ConfigError):
+    for bad, says in (
+        ("http://h", "must look like mqtt://"),
+        ("mqtt://:1883", "lacks a host"),
+        ("mqtt://h:99999", "invalid port"),
+    ):
+        with pytest.raises(ConfigError, match=says):
             BrokerAddress.parse(bad)
 
 
