@@ -153,7 +153,7 @@ def test_resume_refuses_another_config_a_finished_run_and_a_directory_without_jo
 def test_a_killed_fedge_sim_process_resumes_to_the_same_model(tmp_path: Path) -> None:
     """SIGKILL a real `fedge sim` (DS-FL: server model, soft labels, clients' own models) mid-run, then --resume."""
     flags = ["--algorithm", "dsfl", "--dataset", "digits", "--model", "tiny_mlp", "--num-clients", "3"]
-    flags += ["--rounds", "40", "--local-epochs", "1", "--open-size", "200", "--open-per-round", "50"]
+    flags += ["--rounds", "20", "--local-epochs", "1", "--open-size", "200", "--open-per-round", "50"]
     flags += ["--distill-epochs", "1", "--quiet", "--no-report", "--name", "k"]
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # same float sums as this process
     proc = subprocess.Popen(
