@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Copy the small files of finished or running experiment runs into experiments/results/ (no model weights) and
-# write a combined report there. Usage: bash experiments/collect.sh SRC_DIR NAME
+# write a combined report there. Usage: bash experiments/collect.sh SRC_DIR NAME [MORE_SRC_DIRS...]
+# (more source folders: runs of the same experiment made elsewhere, e.g. brought back from a GPU machine)
 set -euo pipefail
 SRC=$1
 NAME=$2
+shift 2
 DEST=experiments/results/$NAME
 mkdir -p "$DEST"
 runs=()
-for run in "$SRC"/*/; do
+dirs=("$SRC"/*/)
+for more in "$@"; do dirs+=("$more"/*/); done
+for run in "${dirs[@]}"; do
   [ -f "$run/metrics.jsonl" ] || continue
   r=$(basename "$run")
   mkdir -p "$DEST/$r"

@@ -3,7 +3,8 @@
 # non-IID (two label-sorted shards of I^p / 2K = 100 images each), I^p = I^o = 20,000, |o_r| = 1,000, SGD lr 0.1,
 # batch 100, 5 epochs of local update and 5 of distillation per round (sec. 4.1), ERA T = 0.1, the DS-FL MNIST CNN.
 # One run per method; a killed run is resumed from its journal when the script is started again with the same OUT.
-# On a 2-core machine a round of 100 DS-FL clients takes minutes: spread it over several sittings.
+# On a 2-core machine a round of 100 DS-FL clients takes minutes: spread it over several sittings. On a GPU machine
+# start NVIDIA MPS first (nvidia-cuda-mps-control -d), then DEVICE=cuda WORKERS=<cores - 1>: 2.5 s a round on an H200.
 # Usage: [EXECUTOR=auto] [WORKERS=N] [DEVICE=cpu|cuda] bash experiments/dsfl_mnist_paper_scale.sh [ROUNDS] [OUT] [METHODS]
 #   e.g. bash experiments/dsfl_mnist_paper_scale.sh 40 runs/dsfl-paper "era sa fedavg"
 set -euo pipefail
