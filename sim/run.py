@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +16,9 @@ from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.records import RoundRecord
 from fedge.types import ClientId
-from sim.executors import ExecutorTransport, ExperimentClients, make_executor
+from sim.executors import ExecutorTransport, ExperimentClients, gpu_sharing_advice, make_executor
+
+log = logging.getLogger(__name__)
 
 
 def run_inprocess(
@@ -67,6 +70,9 @@ def run_inprocess(
         threads_per_worker=threads_per_worker,
         max_parallel=config.clients_per_round,
     ) as exe:
+        advice = gpu_sharing_advice(device, exe.name, exe.workers)
+        if advice:
+            log.warning(advice)
         transport = ExecutorTransport(exe, sorted(exp.parts), declared=sizes)
         engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
         journal = RunJournal(

@@ -32,6 +32,7 @@ from sim.executors import (
     ExperimentClients,
     SequentialExecutor,
     SimClient,
+    gpu_sharing_advice,
     make_executor,
 )
 from sim.inprocess import InProcessTransport
@@ -329,6 +330,37 @@ def test_a_factory_that_cannot_build_clients_is_an_executor_error():
 def test_unknown_executor_is_a_config_error():
     with pytest.raises(ConfigError, match="choose one of sequential, processes, ray, auto"):
         make_executor("threads", 2, ExperimentClients(CONFIGS["fedavg"]))
+
+
+@pytest.mark.parametrize(
+    ("device", "executor", "workers", "mps", "advised"),
+    [
+        ("cuda", "processes", 15, False, True),
+        ("cuda:0", "ray", 4, False, True),
+        ("cuda", "processes", 15, True, False),  # MPS's control pipe is there: nothing to advise
+        ("cuda", "processes", 1, False, False),
+        ("cuda", "sequential", 1, False, False),
+        ("cpu", "processes", 15, False, False),
+    ],
+)
+def test_workers_sharing_a_gpu_without_mps_are_told_to_start_it(
+    tmp_path: Path, device: str, executor: str, workers: int, mps: bool, advised: bool
+):
+    if mps:
+        (tmp_path / "control").touch()
+    advice = gpu_sharing_advice(device, executor, workers, pipe_dir=tmp_path)
+    if advised:
+        assert advice is not None and f"{workers} worker processes" in advice
+        assert "nvidia-cuda-mps-control -d" in advice
+    else:
+        assert advice is None
+
+
+def test_the_mps_pipe_folder_follows_cuda_mps_pipe_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert executors.mps_pipe_dir() == tmp_path
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
+    assert executors.mps_pipe_dir() == Path("/tmp/nvidia-mps")
 
 
 @pytest.mark.parametrize(
