@@ -52,7 +52,10 @@ def forgetting(per_class_history: Sequence[ArrayLike]) -> float:
     """
     if len(per_class_history) < 2:
         return 0.0
-    history = np.stack([_as_float_array(a) for a in per_class_history])  # (T, C)
+    rows = [_as_float_array(a) for a in per_class_history]
+    if len({r.shape for r in rows}) > 1:
+        raise ValueError(f"every round needs the same classes, got per-class shapes {sorted({r.shape for r in rows})}")
+    history = np.stack(rows)  # (T, C)
     if history.ndim != 2:
         raise ValueError(f"each entry must be a 1-D per-class accuracy vector, got stacked shape {history.shape}")
     final = history[-1]  # (C,)

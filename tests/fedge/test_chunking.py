@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
+import re
 import struct
 
 import pytest
@@ -235,7 +236,7 @@ def test_hostile_headers_are_rejected_with_a_reason(chunk: bytes, reason: str) -
     v = r.add("evil", chunk, now=0.0)
     assert v.status == "rejected" and reason in v.reason
     assert (r.pending, r.held_bytes) == (0, 0)
-    with pytest.raises(CodecError):
+    with pytest.raises(CodecError, match=re.escape(reason)):
         parse_header(chunk)
 
 
@@ -289,5 +290,5 @@ def test_largest_payload_is_the_largest_that_fits(qos: int) -> None:
 
 
 def test_largest_payload_refuses_a_limit_below_the_topic() -> None:
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="limit of 27 bytes leaves no room for a payload"):
         largest_payload(TOPIC, 27)

@@ -120,7 +120,7 @@ def test_format_bytes() -> None:
     assert format_bytes(236_121_032) == "236.1 MB"
     assert format_bytes(1_115_957_888) == "1.1 GB"
     assert format_bytes(93_104, 0) == "93 kB"
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="must not be negative, got -1"):
         format_bytes(-1)
 
 

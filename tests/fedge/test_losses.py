@@ -199,7 +199,7 @@ def test_fedcad_class_weights_validation():
     _, teacher, targets = _random_batch(12, 6, 4)
     with pytest.raises(ConfigError, match="beta <= gamma"):
         fedcad_class_weights(teacher, targets, 4, beta=0.6, gamma=0.5)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"0 <= beta <= gamma <= 1, got beta=-0.1"):
         fedcad_class_weights(teacher, targets, 4, beta=-0.1, gamma=0.5)
     with pytest.raises(ValueError, match="shape"):
         fedcad_class_weights(teacher, targets, 5)

@@ -58,7 +58,7 @@ def test_malformed_payloads_raise_codec_error(blob: bytes, reason: str):
 
 def test_truncated_tensor_data_is_rejected():
     blob = encode(_msg(w=torch.randn(100)))
-    with pytest.raises(CodecError):
+    with pytest.raises(CodecError, match="tensor data is malformed"):
         decode(blob[:-40])
 
 
@@ -86,7 +86,7 @@ def test_missing_param_and_tensor_name_what_is_missing():
 
 
 def test_params_must_be_strings():
-    with pytest.raises(CodecError):
+    with pytest.raises(CodecError, match="metadata must map str to str, got 'lr': float"):
         Message(TASK, 1, params={"lr": 0.1})  # type: ignore[dict-item]
-    with pytest.raises(CodecError):
+    with pytest.raises(CodecError, match="metadata must map str to str, got 'session': float"):
         Message(TASK, 1, transport={"session": math.nan})  # type: ignore[dict-item]

@@ -65,7 +65,7 @@ def test_forgetting_edge_cases():
     # NaN in one earlier round only: the other earlier rounds still count.
     assert forgetting([np.array([np.nan]), np.array([0.8]), np.array([0.5])]) == pytest.approx(0.3, abs=1e-12)
     assert forgetting([np.array([np.nan]), np.array([np.nan])]) == 0.0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"same classes, got per-class shapes \[\(1,\), \(2,\)\]"):
         forgetting([np.array([0.1, 0.2]), np.array([0.1])])
 
 

@@ -35,8 +35,12 @@ def test_topics_build_and_parse() -> None:
     assert t.all_updates == "fedge/lab1/update/+"
     assert t.parse("fedge/lab1/update/c003") == ("update", "c003")
     assert t.parse("fedge/lab1/broadcast") == ("broadcast", None)
-    for bad in ("fedge/lab2/update/c003", "fedge/lab1/update", "fedge/lab1/update/a/b", "fedge/lab1/other/c1"):
-        with pytest.raises(CodecError):
+    with pytest.raises(CodecError, match="'fedge/lab2/update/c003' is not under 'fedge/lab1/'"):
+        t.parse("fedge/lab2/update/c003")
+    for bad in ("fedge/lab1/update", "fedge/lab1/update/a/b", "fedge/lab1/other/c1"):
+        with pytest.raises(
+            CodecError, match=r"is not a fedge topic \(expected fedge/lab1/task\|update\|status/<client>\)"
+        ):
             t.parse(bad)
 
 
@@ -87,9 +91,9 @@ def test_status_round_trip() -> None:
     assert decode_status(encode_status(hello, "lab")) == hello
     will = ClientStatus(client="c001", state="offline", reason="connection lost")
     assert decode_status(encode_status(will, "lab")) == will
-    with pytest.raises(CodecError):
+    with pytest.raises(CodecError, match="expected a 'status' message, got 'task'"):
         decode_status(encode(Message(TASK, 1, run="lab", client="c001")))
-    with pytest.raises(CodecError):
+    with pytest.raises(CodecError, match=r"header length \d+ exceeds the payload"):
         decode_status(b"\x00garbage")
 
 
@@ -150,5 +154,5 @@ def test_client_data_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-de
     with pytest.raises(DatasetError, match="does not exist"):
         load_client_data(tmp_path / "missing.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"not a file")
-    with pytest.raises(DatasetError):
+    with pytest.raises(DatasetError, match=r"junk\.safetensors is not a safetensors file"):
         load_client_data(tmp_path / "junk.safetensors")
