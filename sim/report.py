@@ -152,7 +152,12 @@ def _provenance(run: Run) -> str:
     if not run.finished:
         last = run.rounds[-1].round if run.rounds else 0
         return f"unfinished ({last} of {run.config.rounds} rounds recorded, no summary.json: stopped or still running)"
-    return f"{run.summary.get('transport', 'unknown')} transport"
+    how = f"{run.summary.get('transport', 'unknown')} transport"
+    if "executor" in run.summary:  # fedge sim in one process: who ran the clients, and on what
+        how += f", {run.summary['executor']} executor ({run.summary.get('workers', '?')} worker(s))"
+    if "device" in run.summary:  # recorded since 2026-11-26; GPU and CPU arithmetic differ at float-noise level
+        how += f" on {run.summary['device']}"
+    return how
 
 
 def _markdown(runs: Sequence[Run], out: Path, plots: dict[str, str], accounting: str) -> str:

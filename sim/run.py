@@ -96,6 +96,7 @@ def run_inprocess(
             "transport": "inprocess",
             "executor": exe.name,
             "workers": exe.workers,
+            "device": device,
             "threads_per_worker": threads_per_worker,
         }
     summary = journal.finish(

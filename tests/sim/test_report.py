@@ -183,6 +183,15 @@ def test_duplicate_labels_and_different_partitions(tmp_path):
     assert "FedAvg (IID)" in text
 
 
+def test_the_report_says_which_executor_and_device_ran_a_run(tmp_path):
+    run = fedntd(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    summary.update(executor="processes", workers=15, device="cuda")
+    (run / "summary.json").write_text(json.dumps(summary))
+    text = write_report([run], tmp_path / "out").read_text()
+    assert "inprocess transport, processes executor (15 worker(s)) on cuda, seed 0" in text
+
+
 def test_runs_without_accuracy(tmp_path):
     config = RunConfig(algorithm="fedavg", num_clients=4, rounds=2)
     # As the in-process transport drops a client whose task failed: no time into the round (NaN).
