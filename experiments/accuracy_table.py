@@ -14,14 +14,13 @@ import sys
 from pathlib import Path
 
 from fedge.errors import FedgeError
-from sim.report import load_run
+from sim.report import Run, load_runs
 
 
-def table_row(run_dir: Path, rounds: list[int], thresholds: list[float]) -> list[str]:
-    run = load_run(run_dir)  # the loader `fedge report` uses: clear errors, the report's labels
+def table_row(run: Run, rounds: list[int], thresholds: list[float]) -> list[str]:
     evaluations = [r for r in run.rounds if r.accuracy is not None]
     if not evaluations:
-        raise FedgeError(f"{run_dir}: no evaluated round in metrics.jsonl yet")
+        raise FedgeError(f"{run.path}: no evaluated round in metrics.jsonl yet")
     by_round = {r.round: r.accuracy for r in evaluations}
     accuracies = [r.accuracy for r in evaluations]
     cells = [run.label]
@@ -51,7 +50,8 @@ def main() -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     try:
-        for run in args.runs:
+        # The loader `fedge report` uses: clear errors, and the report's labels (what differs between the runs)
+        for run in load_runs(args.runs):
             print("| " + " | ".join(table_row(run, rounds, thresholds)) + " |")
     except FedgeError as exc:
         sys.exit(f"error: {exc}")

@@ -108,15 +108,21 @@ def load_run(path: str | Path) -> Run:
     return Run(p, run_label(config), config, rounds, summary, ledger, finished=(p / "summary.json").is_file())
 
 
+def load_runs(run_dirs: Sequence[Path]) -> list[Run]:
+    """Load ``run_dirs`` with the labels a report gives them side by side: only what differs between the runs, made
+    unique with the directory name (two ERA runs on different machines, say)."""
+    loaded = [load_run(p) for p in run_dirs]
+    labels = _labels([r.config for r in loaded], [r.path for r in loaded])
+    return [dataclasses.replace(r, label=lab) for r, lab in zip(loaded, labels, strict=True)]
+
+
 def write_report(run_dirs: Sequence[Path], out_dir: Path, *, accounting: str = "multicast") -> Path:
     """Write ``report.md`` and its PNG plots for ``run_dirs`` into ``out_dir``; returns the path of ``report.md``."""
     if accounting not in ACCOUNTING_MODELS:
         raise ConfigError(f"accounting must be one of {ACCOUNTING_MODELS}, not {accounting!r}")
     if not run_dirs:
         raise ConfigError("write_report needs at least one run directory")
-    loaded = [load_run(p) for p in run_dirs]
-    labels = _labels([r.config for r in loaded], [r.path for r in loaded])
-    runs = [dataclasses.replace(r, label=lab) for r, lab in zip(loaded, labels, strict=True)]
+    runs = load_runs(run_dirs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plots = _write_plots(runs, out, accounting)

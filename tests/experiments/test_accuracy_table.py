@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,13 +40,22 @@ def test_the_row_is_made_from_the_runs_metrics(run_dir: Path) -> None:
     header, rule, row = done.stdout.splitlines()
     assert header.startswith("| run | round 2 | round 4 | round 9 | best |") and rule.count("---") == 10
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[0] == "FedNTD (shards s=2)"  # the label fedge report gives it
+    assert cells[0] == "FedNTD"  # the label fedge report gives it
     assert cells[1:4] == [f"{100 * accuracies[1]:.2f}", f"{100 * accuracies[3]:.2f}", ""]  # no round 9
     assert cells[4] == f"{100 * max(accuracies):.2f}"
     assert cells[5] == f"{100 * sum(accuracies) / 4:.2f}"  # fewer than 5 evaluations: the mean of all
     assert cells[6] == f"1 / {first_at_half} / -"
     assert cells[7] == f"{records[-1]['forgetting']:.4f}"
     assert cells[9] == "4"
+
+
+def test_runs_that_differ_only_in_where_they_ran_are_told_apart(run_dir: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "20261126-gpu-fedntd"
+    shutil.copytree(run_dir, elsewhere)
+    done = table(run_dir, elsewhere, "--rounds", "4")
+    assert done.returncode == 0, done.stderr
+    labels = [line.split("|")[1].strip() for line in done.stdout.splitlines()[2:]]
+    assert labels == ["FedNTD [fedntd]", "FedNTD [20261126-gpu-fedntd]"]  # as in the report made of both
 
 
 def test_a_directory_that_is_not_a_run_is_a_clear_error(tmp_path: Path) -> None:
