@@ -50,7 +50,14 @@ from fedge.algorithms.base import derive_seed
 from fedge.algorithms.dsfl import DSFLSettings, open_index_set
 from fedge.config import RunConfig, TrainConfig
 from fedge.models import build_model, exchanged_state
-from sim.executors import ClientExecutor, ExecutorTransport, ExperimentClients, make_executor, usable_cores
+from sim.executors import (
+    ClientExecutor,
+    ExecutorTransport,
+    ExperimentClients,
+    make_executor,
+    mps_pipe_dir,
+    usable_cores,
+)
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
 
@@ -433,6 +440,9 @@ def main() -> None:
         f"torch {torch.__version__}, {usable_cores()} usable cores, torch default {torch.get_num_threads()} threads; "
         f"{'quick' if args.quick else 'full'} setups, {rounds} rounds per path"
     )
+    if args.device != "cpu":  # several workers on one GPU are another result with MPS than without (docs/design.md)
+        mps = (mps_pipe_dir() / "control").exists()
+        print(f"NVIDIA MPS: {'on' if mps else 'off'} (control pipe in {mps_pipe_dir()})")
     results: dict[str, Any] = {}
     if not args.skip_startup:
         results["startup"] = bench_startup(configs["fedntd"], repeats=3)
