@@ -53,8 +53,9 @@ def forgetting(per_class_history: Sequence[ArrayLike]) -> float:
     if len(per_class_history) < 2:
         return 0.0
     rows = [_as_float_array(a) for a in per_class_history]
-    if len({r.shape for r in rows}) > 1:
-        raise ValueError(f"every round needs the same classes, got per-class shapes {sorted({r.shape for r in rows})}")
+    shapes = {r.shape for r in rows}
+    if len(shapes) > 1:
+        raise ValueError(f"every round needs the same classes, got per-class shapes {sorted(shapes)}")
     history = np.stack(rows)  # (T, C)
     if history.ndim != 2:
         raise ValueError(f"each entry must be a 1-D per-class accuracy vector, got stacked shape {history.shape}")
