@@ -34,7 +34,10 @@ from sim.executors import (
     SimClient,
     gpu_sharing_advice,
     make_executor,
+    processes,
 )
+from sim.executors.core import ExecutorBase
+from sim.executors.placement import Assignment
 from sim.inprocess import InProcessTransport
 
 FAST = TrainConfig(lr=0.05, momentum=0.9, local_epochs=1, batch_size=32)
@@ -215,7 +218,7 @@ def _check_resume(name: str) -> None:
 
 
 def test_stateful_clients_stay_with_their_worker_and_the_others_balance():
-    plan = executors._Assignment(2)
+    plan = Assignment(2)
     jobs = [ClientJob(c, b"", None) for c in ("a", "b", "c", "d")]
     assert plan.plan(jobs) == [[0, 2], [1, 3]]
     for w, client in ((0, "c"), (0, "d"), (1, "a")):
@@ -307,7 +310,7 @@ def test_ctrl_c_during_a_round_stops_every_worker(monkeypatch: pytest.MonkeyPatc
     def interrupted(*args: Any, **kwargs: Any) -> list[Any]:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(executors, "wait", interrupted)
+    monkeypatch.setattr(processes, "wait", interrupted)
     strategy = exp.strategy("executor-test")
     engine = RoundEngine(exp.config, strategy, ExecutorTransport(exe, sorted(exp.parts)), *exp.test_tensors())
     with pytest.raises(KeyboardInterrupt):
@@ -377,7 +380,7 @@ def test_auto_picks_processes_when_cores_allow_and_says_why(
 ):
     made: dict[str, Any] = {}
 
-    class FakePool(executors._Closing):
+    class FakePool(ExecutorBase):
         def __init__(self, factory: Any, workers: int, **kwargs: Any) -> None:
             made.update(workers=workers, **kwargs)
 
