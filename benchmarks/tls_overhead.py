@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common.mqtt import MqttLink, load_bundle
+from common.credentials import load_bundle
+from common.mqtt import MqttLink
 from coordinator.fleet import FleetSpec, generate_fleet_kit
 from fedge.protocol import PUBACK_BYTES, BrokerAddress, Topics, publish_packet_bytes
 from sim.brokers import fleet_mosquitto, free_port, mosquitto_broker

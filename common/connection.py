@@ -1,7 +1,7 @@
 """How a role reaches its broker, from its command line: a fleet bundle, or a URL plus credentials and TLS files.
 
 Secrets never come from the command line: a password comes from a file (``--password-file``), the environment
-(``$FEDGE_MQTT_PASSWORD``) or a fleet bundle (:func:`common.mqtt.load_bundle`).
+(``$FEDGE_MQTT_PASSWORD``) or a fleet bundle (:func:`common.credentials.load_bundle`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.mqtt import Bundle, PacketLimit, load_bundle, parse_packet_limit, with_credentials
+from common.credentials import Bundle, load_bundle, with_credentials
+from common.mqtt import PacketLimit, parse_packet_limit
 from fedge.errors import ConfigError
 from fedge.protocol import BrokerAddress
 

@@ -10,7 +10,7 @@ bound to user names (``use_username_as_clientid``) and a least-privilege ACL. Th
     <out>/coordinator/   a bundle: bundle.json, password, ca.crt [, client.crt, client.key]
     <out>/clients/<id>/  one bundle per client, to copy onto that device
 
-A bundle is read with :func:`common.mqtt.load_bundle`. User names are ``fedge-<run>-<client>`` and
+A bundle is read with :func:`common.credentials.load_bundle`. User names are ``fedge-<run>-<client>`` and
 ``fedge-<run>-coordinator``, the MQTT client ids the roles have always used; the broker makes every connection's
 client id its user name, so nobody can take over another device's connection.
 
@@ -42,7 +42,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from common.mqtt import BUNDLE_FILE, BUNDLE_FORMAT, MIN_PACKET_SIZE
+from common.credentials import BUNDLE_FILE, BUNDLE_FORMAT
+from common.mqtt import MIN_PACKET_SIZE
 from coordinator.broker_counters import SYS_FILTERS
 from coordinator.presence import Admit
 from fedge.errors import ConfigError

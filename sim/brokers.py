@@ -6,7 +6,7 @@ Both listen on 127.0.0.1 only and are context managers yielding the URL ``mqtt:/
     with mosquitto_broker() as url: ...      # needs the mosquitto binary (apt-get install mosquitto)
 
 Secured by a fleet kit (:mod:`coordinator.fleet`), yielding ``mqtts://127.0.0.1:PORT`` (``mqtt://`` for a kit
-without TLS); connect with the kit's bundles (:func:`common.mqtt.load_bundle` with ``broker=url``):
+without TLS); connect with the kit's bundles (:func:`common.credentials.load_bundle` with ``broker=url``):
 
     with fleet_mosquitto(kit.broker_dir) as url: ...               # mosquitto run from the kit's mosquitto.conf
     with embedded_broker(fleet=kit.broker_dir) as url: ...         # amqtt with the kit's users and ACL

@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO
 
+from common.credentials import load_bundle
 from common.experiment import Experiment, prepare
-from common.mqtt import PacketLimit, load_bundle
+from common.mqtt import PacketLimit
 from common.rundir import RunResult
 from coordinator.run import provision_fleet, run_coordinator
 from fedge.config import RunConfig

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from common.mqtt import MqttLink, load_bundle, read_secret, tls_context, with_credentials
+from common.credentials import load_bundle, read_secret, with_credentials
+from common.mqtt import MqttLink, tls_context
 from coordinator.fleet import FleetKit, FleetSpec, generate_fleet_kit, issue_certificate
 from fedge.errors import ConfigError, TransportError
 from fedge.protocol import BrokerAddress, Topics

@@ -20,7 +20,8 @@ from typing import Any
 import paho.mqtt.client as paho
 import pytest
 
-from common.mqtt import MqttLink, Will, load_bundle, tls_context
+from common.credentials import load_bundle
+from common.mqtt import MqttLink, Will, tls_context
 from coordinator.fleet import (
     FleetKit,
     FleetSpec,

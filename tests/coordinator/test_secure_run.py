@@ -12,8 +12,8 @@ import pytest
 from mqtt_support import require_mosquitto
 from safetensors.torch import load_file
 
+from common.credentials import load_bundle
 from common.experiment import prepare
-from common.mqtt import load_bundle
 from coordinator.run import provision_fleet, run_coordinator
 from fedge.config import RunConfig, TrainConfig
 from sim.brokers import fleet_mosquitto, free_port
