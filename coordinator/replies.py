@@ -15,12 +15,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator.transport import ReplyCheck
+from coordinator.transport import Exchange, ReplyCheck
 from fedge.chunking import ChunkHeader, parse_header
 from fedge.errors import CodecError, FedgeError
+from fedge.ledger import LedgerEntry, uncompressed_bytes
 from fedge.messages import Message, decode
 from fedge.protocol import ERROR, SESSION
-from fedge.records import Rejection
+from fedge.records import ClientTiming, Drop, Rejection
 from fedge.types import ClientId
 from fedge.wire import printable
 
@@ -153,3 +154,22 @@ def reject(ctx: RoundContext, sender: ClientId, category: str, detail: object) -
     text = printable(str(detail))
     log.warning("round %d: rejected a message from %s: %s: %s", ctx.rnd, printable(sender, 40), category, text)
     return Rejection(printable(sender, 64), category, text)
+
+
+def record_reply(
+    out: Exchange, rnd: int, client_id: ClientId, blob: bytes, judged: Judgement, timing: ClientTiming
+) -> None:
+    """Count a reply that arrived in one piece without a broker (wire bytes 0) and file it in ``out``: accepted with
+    its timing, or refused with its reason (the in-process and executor transports)."""
+    message = judged.message
+    kind = message.kind if message is not None else "invalid"
+    tensor_bytes = message.tensor_bytes if message is not None else 0
+    raw = uncompressed_bytes(message) if message is not None else 0
+    out.entries.append(LedgerEntry(rnd, "up", client_id, kind, 1, tensor_bytes, len(blob), 0, raw))
+    if judged.accepted and message is not None:
+        out.replies[client_id] = message
+        out.timings.append(timing)
+    else:
+        assert judged.rejection is not None
+        out.rejections.append(judged.rejection)
+        out.drops.append(Drop(client_id, judged.rejection.reason))

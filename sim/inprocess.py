@@ -5,15 +5,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from coordinator.replies import RoundContext, judge_reply
+from coordinator.replies import RoundContext, judge_reply, record_reply
 from coordinator.transport import Exchange, ReplyCheck
 from edge_client.client import EdgeClient
 from fedge.algorithms.base import RoundPlan
 from fedge.errors import CodecError, ConfigError
-from fedge.ledger import BROADCAST_CLIENT, LedgerEntry, uncompressed_bytes
+from fedge.ledger import BROADCAST_CLIENT, LedgerEntry
 from fedge.messages import Message, decode, encode
 from fedge.protocol import error_message
-from fedge.records import ClientTiming, Drop
+from fedge.records import ClientTiming
 from fedge.types import ClientId
 from fedge.wire import printable
 
@@ -55,16 +55,6 @@ class InProcessTransport:
                 reply = error_message(received, printable(str(exc)))
             compute = time.perf_counter() - started
             reply_blob = encode(reply)
-            judged = judge_reply(reply_blob, client_id, ctx)
-            kind = judged.message.kind if judged.message is not None else "invalid"
-            tensor_bytes = judged.message.tensor_bytes if judged.message is not None else 0
-            raw = uncompressed_bytes(judged.message) if judged.message is not None else 0
-            out.entries.append(LedgerEntry(rnd, "up", client_id, kind, 1, tensor_bytes, len(reply_blob), 0, raw))
-            if judged.accepted and judged.message is not None:
-                out.replies[client_id] = judged.message
-                out.timings.append(ClientTiming(client_id, time.perf_counter() - started, compute, compute))
-            else:
-                assert judged.rejection is not None
-                out.rejections.append(judged.rejection)
-                out.drops.append(Drop(client_id, judged.rejection.reason))
+            timing = ClientTiming(client_id, time.perf_counter() - started, compute, compute)
+            record_reply(out, rnd, client_id, reply_blob, judge_reply(reply_blob, client_id, ctx), timing)
         return out

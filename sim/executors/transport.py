@@ -7,13 +7,13 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from coordinator.replies import RoundContext, judge_reply
+from coordinator.replies import RoundContext, judge_reply, record_reply
 from coordinator.transport import Exchange, ReplyCheck
 from fedge.algorithms.base import RoundPlan
-from fedge.ledger import BROADCAST_CLIENT, LedgerEntry, uncompressed_bytes
+from fedge.ledger import BROADCAST_CLIENT, LedgerEntry
 from fedge.messages import encode
 from fedge.protocol import error_message
-from fedge.records import ClientTiming, Drop
+from fedge.records import ClientTiming
 from fedge.types import ClientId
 from fedge.wire import printable
 from sim.executors.core import ClientExecutor, ClientJob, decode_state, encode_state
@@ -82,18 +82,8 @@ class ExecutorTransport:
             reply_blob = result.reply
             if reply_blob is None:  # crashed or lost: recorded like a client that reported its failure
                 reply_blob = encode(error_message(task, printable(result.error or "no reply")))
-            judged = judge_reply(reply_blob, client_id, ctx)
-            kind = judged.message.kind if judged.message is not None else "invalid"
-            tensor_bytes = judged.message.tensor_bytes if judged.message is not None else 0
-            raw = uncompressed_bytes(judged.message) if judged.message is not None else 0
-            out.entries.append(LedgerEntry(rnd, "up", client_id, kind, 1, tensor_bytes, len(reply_blob), 0, raw))
-            if judged.accepted and judged.message is not None:
-                out.replies[client_id] = judged.message
-                out.timings.append(ClientTiming(client_id, result.compute_s, result.compute_s, result.cpu_s))
-            else:
-                assert judged.rejection is not None
-                out.rejections.append(judged.rejection)
-                out.drops.append(Drop(client_id, judged.rejection.reason))
+            timing = ClientTiming(client_id, result.compute_s, result.compute_s, result.cpu_s)
+            record_reply(out, rnd, client_id, reply_blob, judge_reply(reply_blob, client_id, ctx), timing)
         return out
 
     def _restore_states(self) -> None:
