@@ -18,9 +18,9 @@ Rounds alternate between paths (round r of every path, then round r + 1), so a s
 every path alike; each path's first round (worker start-up, warm-up) is reported apart and not counted; the table
 shows medians of the other rounds and throughput as a ratio to the plain loop's (higher is faster).
 
-Also measured: start-up (imports, dataset load, partition) in fresh processes, and the per-client arithmetic options
+Also measured: start-up (imports, dataset load, partition) in fresh processes, the per-client arithmetic options
 (channels_last, SGD ``foreach=True`` and ``fused=True``) on one client's local training, with how far each moves the
-weights from the default's.
+weights from the default's, and the server's test-set evaluation, the plain loop's against fedge's ``predict_logits``.
 
 Usage: python benchmarks/executors.py [--quick] [--data-dir ../shared/data/mnist] [--setups fedntd,dsfl]
        [--paths plain,sequential,processes,ray] [--rounds N] [--skip-startup] [--skip-arithmetic]
@@ -50,6 +50,7 @@ from fedge.algorithms.base import derive_seed
 from fedge.algorithms.dsfl import DSFLSettings, open_index_set
 from fedge.config import RunConfig, TrainConfig
 from fedge.models import build_model, exchanged_state
+from fedge.training import predict_logits
 from sim.executors import (
     ClientExecutor,
     ExecutorTransport,
@@ -418,6 +419,46 @@ def bench_arithmetic(exp: Experiment, epochs: int, batch: int, repeats: int, thr
     return out
 
 
+def bench_evaluation(exp: Experiment, repeats: int, threads: int) -> dict[str, Any]:
+    """The test-set evaluation the server runs every round: the plain loop's (default layout, batches of 1,000)
+    against fedge's ``predict_logits`` (channels-last on the CPU, batches of 128); time and logit distance."""
+    x, _ = exp.test_tensors()
+    model = build_model(exp.model, input_shape=exp.input_shape, num_classes=exp.num_classes, seed=0).eval()
+
+    @torch.no_grad()
+    def plain() -> torch.Tensor:
+        return torch.cat([model(x[i : i + 1000]) for i in range(0, len(x), 1000)])
+
+    variants: dict[str, Callable[[], torch.Tensor]] = {
+        "plain (NCHW, batch 1000)": plain,
+        "fedge predict_logits": lambda: predict_logits(model, x),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    logits: dict[str, torch.Tensor] = {}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(repeats):
+            for name, fn in variants.items():
+                started = time.perf_counter()
+                logits[name] = fn()
+                times[name].append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous)
+    base_name = next(iter(variants))
+    base = statistics.median(times[base_name])
+    print(f"\nevaluation, {exp.model}: {len(x)} test images, {threads} thread(s), median of {repeats} (alternated)")
+    print(f"{'path':<26} {'s':>7} {'speed-up':>9} {'max |logit diff|':>17} {'same argmax':>12}")
+    out = {}
+    for name in variants:
+        med = statistics.median(times[name])
+        diff = float((logits[name] - logits[base_name]).abs().max())
+        same = bool((logits[name].argmax(1) == logits[base_name].argmax(1)).all())
+        print(f"{name:<26} {med:>7.2f} {base / med:>8.2f}x {diff:>17.2e} {same!s:>12}")
+        out[name] = {"median_s": med, "speedup": base / med, "max_abs_logit_diff": diff, "same_argmax": same}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="scaled-down setups and fewer rounds")
@@ -473,6 +514,9 @@ def main() -> None:
                     batch=exp.config.train.batch_size,
                     repeats=3 if args.quick else 5,
                     threads=threads,
+                )
+                results["arithmetic"][f"{name} evaluation, {threads} thread(s)"] = bench_evaluation(
+                    exp, repeats=3 if args.quick else 5, threads=threads
                 )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

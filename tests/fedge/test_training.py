@@ -36,6 +36,35 @@ def test_training_lowers_the_loss_and_is_reproducible():
     assert torch.equal(results[0], results[1])
 
 
+@pytest.mark.parametrize("name", ["fedavg_cnn", "dsfl_mnist_cnn"])
+def test_predict_logits_runs_channels_last_on_a_copy_and_matches_the_default_layout(name):
+    x = torch.randn(300, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    model = build_model(name, input_shape=(1, 28, 28), num_classes=10, seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        reference = model.eval()(x)  # the default layout, one batch
+    model.train()
+    got = predict_logits(model, x)
+    assert got.shape == (300, 10)
+    assert torch.allclose(got, reference, atol=1e-5, rtol=0)
+    assert torch.equal(got.argmax(1), reference.argmax(1))
+    assert not model.training  # left in eval mode, as before
+    conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d) and m.in_channels > 1)
+    assert not conv.weight.is_contiguous(memory_format=torch.channels_last)  # the caller's layout is untouched
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    # batch size changes nothing beyond round-off; a model already channels-last gives the same logits
+    assert torch.allclose(predict_logits(model, x, batch_size=7), got, atol=1e-5, rtol=0)
+    nhwc = model.to(memory_format=torch.channels_last)
+    assert torch.allclose(predict_logits(nhwc, x), got, atol=1e-6, rtol=0)
+
+
+def test_predict_logits_takes_inputs_that_are_not_images():
+    model = build_model("tiny_mlp", input_shape=(64,), num_classes=10, seed=0)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        assert torch.equal(predict_logits(model, x), model.eval()(x))
+
+
 def test_fd_objective_ignores_masked_rows():
     logits = torch.randn(4, 3)
     y = torch.tensor([0, 1, 2, 0])
