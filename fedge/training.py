@@ -149,8 +149,8 @@ def train(model: nn.Module, request: TrainRequest) -> TrainStats:
 
 
 # Inference batch sizes. On the CPU, batches of 128 keep a convolution's activations small (fedavg_cnn: 13 MB at 128
-# against 100 MB at 1,000), so the allocator reuses them instead of mapping fresh pages for every layer; on a GPU
-# large batches fill the device.
+# against 100 MB at 1,000): channels-last fedavg_cnn evaluated the 10,000 MNIST test images in 1.4 s against 2.3 s
+# at 1,000 (two threads, this project's 2-core machine; 64-256 measured alike). On a GPU large batches fill the device.
 CPU_PREDICT_BATCH = 128
 DEVICE_PREDICT_BATCH = 1000
 
