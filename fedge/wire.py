@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 from collections.abc import Mapping
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -28,6 +29,11 @@ INT_RANGE = (-(2**53), 2**53)
 """Default bounds of an integer field: what a float64 or JSON number holds exactly."""
 
 T = TypeVar("T")
+
+# ASCII only: Python's int() and float() also read other scripts' digits, "_" separators and surrounding spaces,
+# none of which fedge ever writes, so a peer's text that needs them is refused rather than reinterpreted.
+_INT_TEXT = re.compile(r"-?[0-9]{1,19}")
+_FLOAT_TEXT = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 
 def bounded(lo: float | None = None, hi: float | None = None, *, wire: bool = True, help: str = "") -> dict[str, Any]:
@@ -125,8 +131,8 @@ def parse_value(name: str, raw: str, hint: Any, meta: Mapping[str, Any] | None =
 
 
 def _bounded_int(name: str, raw: str, meta: Mapping[str, Any]) -> int:
-    # 20 characters hold every 64-bit integer; longer text is refused before int() spends time on it.
-    if len(raw) > 20 or not raw.lstrip("-").isdigit():
+    # 19 digits hold every 64-bit integer; longer text is refused before int() spends time on it.
+    if not _INT_TEXT.fullmatch(raw):
         raise CodecError(f"field {name!r} is not an integer: {_show(raw)}")
     value = int(raw)
     lo, hi = meta.get("lo"), meta.get("hi")
@@ -138,13 +144,10 @@ def _bounded_int(name: str, raw: str, meta: Mapping[str, Any]) -> int:
 
 
 def _bounded_float(name: str, raw: str, meta: Mapping[str, Any]) -> float:
-    if len(raw) > 40:
-        raise CodecError(f"field {name!r} is not a number: {_show(raw)}")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise CodecError(f"field {name!r} is not a number: {_show(raw)}") from None
-    if not math.isfinite(value):
+    if len(raw) > 40 or not _FLOAT_TEXT.fullmatch(raw):
+        raise CodecError(f"field {name!r} is not a finite number: {_show(raw)}")
+    value = float(raw)
+    if not math.isfinite(value):  # 1e999 matches the pattern and overflows to inf
         raise CodecError(f"field {name!r} is not finite: {_show(raw)}")
     lo, hi = meta.get("lo"), meta.get("hi")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
