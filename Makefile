@@ -5,7 +5,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck install mosquitto bench clean ort-training
+.PHONY: demo test test-fast lint typecheck install mosquitto bench clean ort-training
 
 install: $(VENV)/.installed
 
@@ -42,6 +42,13 @@ typecheck: install
 # --durations: the slowest tests at the end of every run, to keep the suite well under 15 minutes on 2 cores
 test: install ort-training mosquitto lint typecheck
 	$(BIN)/pytest -q --durations=15
+
+# The unit tests of the core, the journal, the CLI, the reports and the in-process simulator: no broker, no exported
+# program, no fleet of processes. About 2 minutes on 2 cores; `make test` stays the full suite.
+FAST_TESTS := tests/fedge tests/common/test_journal.py tests/cli tests/experiments tests/sim/test_report.py \
+	tests/sim/test_inprocess.py
+test-fast: install
+	$(BIN)/pytest -q -m "not broker" --durations=5 $(FAST_TESTS)
 
 bench: install
 	$(BIN)/python benchmarks/local_training.py
