@@ -1,5 +1,5 @@
-"""Suite-wide: a test that takes a broker fixture is a `broker` test, so `-m "not broker"` (make test-fast) leaves it out
-without each test having to say so."""
+"""Suite-wide: a test that takes a broker fixture is a `broker` test, so `-m "not broker"` (make test-fast) leaves it
+out without each test having to say so."""
 
 from __future__ import annotations
 
