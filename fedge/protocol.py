@@ -15,7 +15,7 @@ then the "remaining length" as a 1-4 byte varint) plus the remaining length.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 from urllib.parse import SplitResult, unquote, urlsplit
@@ -376,14 +376,3 @@ def subscribe_packet_bytes(filters: Iterable[str]) -> int:
 
 def suback_packet_bytes(num_filters: int) -> int:
     return _packet(2 + num_filters)
-
-
-def session_overhead_bytes(
-    client_id: str, filters: Sequence[str], *, will_topic: str | None = None, will_payload_bytes: int = 0
-) -> int:
-    """Bytes of one connection's set-up and tear-down: CONNECT/CONNACK, SUBSCRIBE/SUBACK, DISCONNECT."""
-    total = connect_packet_bytes(client_id, will_topic=will_topic, will_payload_bytes=will_payload_bytes)
-    total += CONNACK_BYTES + DISCONNECT_BYTES
-    if filters:
-        total += subscribe_packet_bytes(filters) + suback_packet_bytes(len(filters))
-    return total
