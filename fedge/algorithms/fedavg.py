@@ -3,7 +3,8 @@ cross-entropy, average the returned weights by data size.
 
 This module also holds the weight-exchange flow that FedNTD, FedLSD, FedCAD, FedProx and SCAFFOLD reuse: their
 modules subclass :class:`FedAvgClient` and override one hook (:meth:`FedAvgClient.objective` for a different loss,
-:meth:`FedAvgClient.request` for a different training request), as Flower's FedProx overrides one method.
+:meth:`FedAvgClient.request` for a different training request, :meth:`FedAvgClient.report` for more reported numbers),
+as Flower's FedProx overrides one method.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ class FedAvgClient(ClientHalf):
         r = LocalRound(training, settings, data, backend, store, broadcast, global_weights)
         stats = backend.train(self.request(r))
         tensors = self.upload(r, backend.get_weights(), stats)
-        return update_message(task, tensors, UpdateReport(num_examples=len(data), loss=stats.mean_loss))
+        return update_message(task, tensors, self.report(r, stats))
 
     # --- hooks ---------------------------------------------------------------------------------------------------
     def objective(self, r: LocalRound) -> tuple[Objective, dict[str, torch.Tensor]]:
@@ -203,6 +204,10 @@ class FedAvgClient(ClientHalf):
     def upload(self, r: LocalRound, weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
         """The tensors of the update, from the weights after local training."""
         return weights
+
+    def report(self, r: LocalRound, stats: TrainStats) -> UpdateReport:
+        """The numbers the update reports besides its tensors (an instance of the server half's ``report_type``)."""
+        return UpdateReport(num_examples=len(r.data), loss=stats.mean_loss)
 
 
 ALGORITHM = Algorithm(
