@@ -18,7 +18,6 @@ from edge_client.backends.onnx_file import read_meta, replace_weights
 from edge_client.backends.runners import PteRunner, PteTrainer
 from export.cli import export_jobs
 from fedge.algorithms import ALGORITHMS
-from fedge.algorithms.fedprox import FedProxSettings
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.objectives import OBJECTIVES, make_objective, objective_kinds
@@ -106,26 +105,26 @@ def test_training_programs_by_default_cover_the_bounds_clients_look_up(tmp_path:
         assert PteTrainer((out / name).read_bytes()).meta.max_batch == int(name.split("-b")[1].split("-")[0])
 
 
-def _planned_names(algorithm: str) -> tuple[set[str], ModelSpec]:
-    """The training programs a client of ``algorithm`` with every default looks up, found as the client finds them."""
+def _planned_names(algorithm: str) -> tuple[set[str], ModelSpec, set[float]]:
+    """The training programs a client of ``algorithm`` with every default looks up, found as the client finds them,
+    and the proximal weights baked into them."""
     exp = prepare(RunConfig(algorithm=algorithm, dataset="digits"))
     data = exp.client_data("c001", exp.open_x())
     spec = ModelSpec(exp.model, exp.input_shape, data.num_classes)
     plans = planned_trainings(exp.config, "c001", data, exp.model, exp.input_shape)
-    return {
-        program_file_name(spec, TrainingLoss(p.objective, p.prox_mu), batch_bound(p.batch_size)) for p in plans
-    }, spec
+    names = {program_file_name(spec, TrainingLoss(p.objective, p.prox_mu), batch_bound(p.batch_size)) for p in plans}
+    return names, spec, {p.prox_mu for p in plans if p.prox_mu > 0}
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_fedge_export_with_its_defaults_writes_the_programs_a_default_client_looks_up(algorithm: str) -> None:
-    needed, spec = _planned_names(algorithm)
-    assert needed
+    needed, spec, mus = _planned_names(algorithm)
+    assert needed and len(mus) <= 1
     shape = ",".join(str(d) for d in spec.input_shape)
     argv = ["export", "--model", spec.name, "--input-shape", shape, "--format", "pte-train", "--objective"]
     argv += list(objective_kinds())
-    if algorithm == "fedprox":  # mu is baked into the program: the one setting a FedProx export must be given
-        argv += ["--prox-mu", repr(FedProxSettings().prox_mu)]
+    for mu in mus:  # a proximal weight is baked into the program: the one setting such an export must be given
+        argv += ["--prox-mu", repr(mu)]
     _, jobs = export_jobs(build_parser().parse_args(argv))
     assert needed <= {job.name for job in jobs}
 
