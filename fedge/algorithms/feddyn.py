@@ -1,0 +1,130 @@
+"""FedDyn (Acar et al., ICLR 2021, "Federated Learning Based on Dynamic Regularization", Algorithm 1): each client's
+local objective is corrected by a linear term from its own past gradients and a quadratic pull to the server model, so
+that the local optima agree with the global one.
+
+Client k, sampled in round t with the server model ``theta^{t-1}``, minimizes
+
+    L_k(theta) - <g_k, theta> + alpha/2 * ||theta - theta^{t-1}||^2
+
+where ``g_k`` (= grad L_k at its previous local optimum, zeros at first) lives in the client's own store. The linear
+term's gradient is the constant ``-g_k``: it travels as the training request's gradient ``correction`` and the
+quadratic as its proximal term (``prox_mu = alpha``, anchored at the received weights), so every runtime that runs
+SCAFFOLD and FedProx runs FedDyn. After training, ``g_k <- g_k - alpha * (theta_k^t - theta^{t-1})``.
+
+The server keeps ``h`` (zeros at first): ``h <- h - alpha/m * sum_{k in P_t} (theta_k^t - theta^{t-1})`` with m the
+number of clients, and ``theta^t = avg(theta_k^t) - h / alpha``, the average being FedAvg's (by data size, as the FedNTD
+authors' implementation weights it; ``--weighting uniform`` gives the paper's plain mean). ``h`` is journaled.
+Only trainable parameters carry ``g_k`` and ``h``; batch-norm buffers are averaged as in FedAvg. alpha = 0.1 is the
+FedNTD authors' setting for their Table 1.
+
+Traffic is FedAvg's: ``g_k`` never leaves the client. A client that loses its store restarts from ``g_k = 0``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fedge.algorithms.base import (
+    Algorithm,
+    ClientStore,
+    ServerContext,
+    StrategyState,
+    tensors_like,
+    weights_traffic,
+)
+from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
+from fedge.config import RunConfig
+from fedge.errors import ConfigError
+from fedge.messages import Message
+from fedge.training import TrainRequest, TrainStats
+from fedge.types import ClientId, StateDict
+from fedge.wire import bounded
+
+_H = "feddyn.h."  # the server's h in its saved state
+_OWN_GRAD = "feddyn.g_k."  # the client's g_k in its store
+
+
+@dataclass(frozen=True)
+class FedDynSettings(FedAvgSettings):
+    dyn_alpha: float = field(
+        default=0.1, metadata=bounded(1e-6, 1e3, help="dynamic-regularization weight alpha, FedDyn Algorithm 1")
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.dyn_alpha > 0:
+            raise ConfigError(f"dyn_alpha must be > 0, got {self.dyn_alpha}")
+
+
+class FedDyn(FedAvg):
+    """Server half: FedAvg's average, shifted by the accumulated drift ``-h / alpha``."""
+
+    def __init__(self, config: RunConfig, context: ServerContext) -> None:
+        super().__init__(config, context)
+        trainable = [name for name, _ in self._model.named_parameters()]
+        self._h: StateDict = {k: torch.zeros_like(self._weights[k]) for k in trainable}
+
+    def state(self) -> StrategyState:
+        tensors, values = super().state()
+        return {**tensors, **{_H + k: v for k, v in self._h.items()}}, values
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
+        super().load_state(tensors, values)
+        self._h = tensors_like(tensors, _H, self._h)
+
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
+        before = self._weights
+        metrics = super().aggregate(rnd, replies)  # self._weights = FedAvg's average of theta_k^t
+        alpha = self.settings.dyn_alpha
+        shifted = dict(self._weights)
+        for k, h in self._h.items():
+            drift = torch.stack([replies[c].tensors[k] - before[k] for c in sorted(replies)]).sum(dim=0)
+            self._h[k] = h - alpha / self.config.num_clients * drift
+            shifted[k] = self._weights[k] - self._h[k] / alpha
+        self._weights = shifted
+        return metrics
+
+
+class FedDynClient(FedAvgClient):
+    settings_type = FedDynSettings
+
+    def request(self, r: LocalRound) -> TrainRequest:
+        own = _own_gradient(r.store, r.global_weights)
+        return dataclasses.replace(
+            super().request(r),
+            prox_mu=r.settings.dyn_alpha,
+            anchor=r.global_weights,
+            correction={k: -g for k, g in own.items()},  # the gradient of -<g_k, theta>
+        )
+
+    def upload(self, r: LocalRound, weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
+        alpha = r.settings.dyn_alpha
+        for k, g in _own_gradient(r.store, r.global_weights).items():
+            r.store[_OWN_GRAD + k] = g - alpha * (weights[k] - r.global_weights[k])
+        return weights
+
+
+def _own_gradient(store: ClientStore, global_weights: StateDict) -> StateDict:
+    """g_k for every floating-point tensor of the model, zeros before this client's first round. The client cannot
+    tell parameters from batch-norm buffers by name; every runtime reads the correction of parameters only, so the
+    entries of buffers are kept but never used."""
+    return {
+        k: store.get(_OWN_GRAD + k, torch.zeros_like(w)) for k, w in global_weights.items() if w.is_floating_point()
+    }
+
+
+ALGORITHM = Algorithm(
+    name="feddyn",
+    label="FedDyn",
+    paper="Acar et al., ICLR 2021, Algorithm 1",
+    settings=FedDynSettings,
+    server=FedDyn,
+    client=FedDynClient(),
+    traffic=weights_traffic,
+    describe=lambda s: f"α={s.dyn_alpha:g}",
+)
