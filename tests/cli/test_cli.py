@@ -69,8 +69,8 @@ def test_missing_dataset_is_a_clear_error_not_a_traceback(tmp_path: Path, capsys
 
 
 def test_invalid_setting_is_a_clear_error(capsys):
-    assert main(["sim", "--algorithm", "fednova", "--quiet"]) == 2
-    assert "unknown algorithm 'fednova'" in capsys.readouterr().err
+    assert main(["sim", "--algorithm", "fedbogus", "--quiet"]) == 2
+    assert "unknown algorithm 'fedbogus'" in capsys.readouterr().err
     # A setting of another algorithm is refused and names the algorithms it belongs to.
     assert main(["sim", "--algorithm", "fedavg", "--ntd-beta", "2", "--quiet"]) == 2
     assert "--ntd-beta is a setting of fedntd, not of fedavg" in capsys.readouterr().err
