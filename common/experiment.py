@@ -11,6 +11,7 @@ import torch
 
 from fedge.algorithms import get_algorithm, make_strategy
 from fedge.algorithms.base import ClientData, ServerContext, Strategy, derive_seed
+from fedge.augment import preset as augment_preset
 from fedge.config import RunConfig
 from fedge.data import Dataset, load_dataset
 from fedge.errors import ConfigError
@@ -109,15 +110,25 @@ def prepare(config: RunConfig) -> Experiment:
     """Load the dataset and split it as ``config`` says; deterministic given ``config.seed``."""
     train, test = load_dataset(config.dataset, config.data_dir, seed=config.seed)
     model = config.model or default_model_for(config.dataset)
+    augment_preset(config.train.augment, train.input_shape)  # ConfigError now, not in every client's first round
     rng = np.random.default_rng(derive_seed(config.seed, "partition"))
     pool = np.arange(len(train))
+    if config.train_size:
+        # FedNTD B.2 trains on 50,000 of MNIST's 60,000 images: a seeded subset, the rest unused.
+        if config.train_size > len(train):
+            raise ConfigError(
+                f"train_size {config.train_size} exceeds the {len(train)} training samples of {train.name}"
+            )
+        subset_rng = np.random.default_rng(derive_seed(config.seed, "train_size"))
+        pool = np.sort(subset_rng.choice(len(train), config.train_size, replace=False))
     open_indices = None
     needs_open_set = get_algorithm(config.algorithm).needs_open_set
     if needs_open_set or config.private_size:
         # DS-FL's open/private split (sec. 4.1). Other algorithms given a private_size train on the same private set,
         # so that FL and DS-FL runs with one seed are compared on identical client data.
-        config = _fit_open_set(config, len(train))
-        open_indices, pool = open_private_split(len(train), config.open_size, config.private_size, rng)
+        config = _fit_open_set(config, len(pool))
+        open_part, private_part = open_private_split(len(pool), config.open_size, config.private_size, rng)
+        open_indices, pool = pool[open_part], pool[private_part]
         if not needs_open_set:
             open_indices = None
     labels = train.y[pool]

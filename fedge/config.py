@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedge.augment import PRESETS
 from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class TrainConfig:
     lr_decay: float = 0.99  # per round: lr_r = lr * lr_decay ** (r - 1), sent in each task
     local_epochs: int = 3
     batch_size: int = 50
+    augment: str = "none"  # none | paper: FedNTD's random crop, flip and Cutout of training batches (fedge.augment)
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
@@ -37,6 +39,7 @@ class TrainConfig:
         _check(0 < self.lr_decay <= 1, f"lr_decay must be in (0, 1], got {self.lr_decay}")
         _check(self.local_epochs >= 0, f"local_epochs must be >= 0, got {self.local_epochs}")
         _check(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
+        _check(self.augment in PRESETS, f"augment must be one of {', '.join(PRESETS)}, got {self.augment!r}")
 
     def lr_at(self, rnd: int) -> float:
         """Learning rate of round ``rnd`` (1-based)."""
@@ -58,6 +61,7 @@ class RunConfig:
     shards_per_client: int = 2
     dirichlet_alpha: float = 0.1
     min_client_size: int = 10
+    train_size: int = 0  # a seeded subset of the training set (FedNTD B.2: 50,000 for MNIST); 0 = all of it
     seed: int = 0
     min_replies: float = 1.0  # quorum: share of the sampled clients whose replies are needed to aggregate
     eval_every: int = 1
@@ -86,6 +90,7 @@ class RunConfig:
         _check(0 < self.min_replies <= 1, f"min_replies must be in (0, 1], got {self.min_replies}")
         _check(self.eval_every >= 1, "eval_every must be >= 1")
         _check(self.eval_samples >= 0, "eval_samples must be >= 0")
+        _check(self.train_size >= 0, f"train_size must be >= 0, got {self.train_size}")
         _check(self.open_size >= 0 and self.private_size >= 0, "open_size and private_size must be >= 0")
         from fedge.compressed import Compression
 

@@ -9,18 +9,24 @@ The two hooks act on the trainable parameters only (never on batch-norm statisti
 - ``prox_mu`` and ``anchor`` add FedProx's proximal term ``mu/2 * ||w - w_anchor||^2`` to the loss (FedProx eq. 2);
 - ``correction`` is added to each parameter's gradient before the optimizer step, SCAFFOLD's corrected update
   ``y <- y - lr * (g(y) + c - c_i)`` (SCAFFOLD Algorithm 1, line 10) with ``correction = c - c_i``.
+
+Every runtime takes a batch's inputs from :meth:`TrainRequest.batch_x`, which applies the request's augmentation
+(:mod:`fedge.augment`) on the host, so an exported program trains on exactly the images eager PyTorch does.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
+from fedge.augment import Augmentation, augment_batch, black_level
 from fedge.errors import ConfigError
 from fedge.objectives import Objective
 from fedge.types import StateDict
@@ -58,6 +64,7 @@ class TrainRequest:
     prox_mu: float = 0.0  # FedProx: weight of the proximal term
     anchor: StateDict | None = None  # FedProx: the weights the proximal term pulls towards
     correction: StateDict | None = None  # SCAFFOLD: added to each trainable parameter's gradient
+    augment: Augmentation = field(default_factory=Augmentation)  # random crop/flip/Cutout of each batch (fedge.augment)
 
     def __post_init__(self) -> None:
         if len(self.x) != len(self.y):
@@ -78,6 +85,19 @@ class TrainRequest:
                 raise ConfigError(
                     f"input {spec.name!r} has {len(self.inputs[spec.name])} rows for {len(self.x)} samples"
                 )
+
+    def batch_x(self, idx: torch.Tensor, step: int) -> torch.Tensor:
+        """The inputs of the samples ``idx``, the ``step``-th batch of :func:`batch_order`, augmented when the request
+        says so: the same batch whichever runtime asks (one generator per batch, seeded from the shuffle seed)."""
+        xb = self.x[idx]
+        if not self.augment.active:
+            return xb
+        seed = int(np.random.SeedSequence([self.seed, step]).generate_state(1)[0])
+        return augment_batch(xb, self.augment, self._fill, torch.Generator().manual_seed(seed))
+
+    @functools.cached_property
+    def _fill(self) -> torch.Tensor:
+        return black_level(self.x)
 
     def batch_inputs(self, idx: torch.Tensor, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The objective's inputs for the samples ``idx``: per-sample rows, per-round constants whole."""
@@ -129,8 +149,8 @@ def train(model: nn.Module, request: TrainRequest) -> TrainStats:
     params = dict(model.named_parameters())
     correction = {k: r.correction[k].to(device) for k in params} if r.correction is not None else None
     total, steps, samples = 0.0, 0, 0
-    for idx in batch_order(len(r.x), r.epochs, r.batch_size, r.seed):
-        xb, yb = r.x[idx].to(device), r.y[idx].to(device)
+    for step, idx in enumerate(batch_order(len(r.x), r.epochs, r.batch_size, r.seed)):
+        xb, yb = r.batch_x(idx, step).to(device), r.y[idx].to(device)
         loss = r.objective.loss(model(xb), yb, r.batch_inputs(idx, device))
         if r.prox_mu > 0:
             assert r.anchor is not None

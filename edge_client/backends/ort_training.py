@@ -193,10 +193,10 @@ class OrtTrainer:
         if wanted != self.loss:
             raise ConfigError(f"{self.source} trains {self.loss.tag}, the task asks for {wanted.tag}")
 
-    def _feeds(self, request: TrainRequest, idx: torch.Tensor) -> dict[str, np.ndarray]:
+    def _feeds(self, request: TrainRequest, idx: torch.Tensor, step: int) -> dict[str, np.ndarray]:
         r = request
         inputs = r.batch_inputs(idx)
-        feeds = {"x": np.ascontiguousarray(r.x[idx].numpy()), "y": r.y[idx].long().numpy()}
+        feeds = {"x": np.ascontiguousarray(r.batch_x(idx, step).numpy()), "y": r.y[idx].long().numpy()}
         for spec in r.objective.inputs:
             t = inputs[spec.name]
             feeds[spec.name] = (t.bool() if spec.dtype == torch.bool else t.to(torch.float32)).contiguous().numpy()
@@ -221,9 +221,9 @@ class OrtTrainer:
         n_stats = len(self.meta.stats)
         buffers: dict[str, np.ndarray | None] = dict.fromkeys(self.meta.params)  # momentum, fresh per task
         total, samples = 0.0, 0
-        for idx in order:
+        for step, idx in enumerate(order):
             self._push_parameters()
-            feeds = self._feeds(r, idx)
+            feeds = self._feeds(r, idx, step)
             self._module.lazy_reset_grad()  # ORT accumulates gradients across steps unless told not to
             outs = self._module(*(feeds[n] for n in names))
             loss = float(outs[0])

@@ -207,11 +207,12 @@ class PteTrainer:
         if wanted != self.loss:
             raise ConfigError(f"{self.source} trains {self.loss.tag}, the task asks for {wanted.tag}")
 
-    def step_inputs(self, request: TrainRequest, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The training method's inputs for the samples ``idx``, in the program's input order (before BN stats)."""
+    def step_inputs(self, request: TrainRequest, idx: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, ...]:
+        """The training method's inputs for the samples ``idx`` (the ``step``-th batch), in the program's input order
+        (before BN stats)."""
         r = request
         inputs = r.batch_inputs(idx)
-        values = [r.x[idx].contiguous(), r.y[idx].long()]
+        values = [r.batch_x(idx, step).contiguous(), r.y[idx].long()]
         for spec in r.objective.inputs:
             t = inputs[spec.name]
             values.append(t.bool() if spec.dtype == torch.bool else t.to(torch.float32).contiguous())
@@ -261,8 +262,8 @@ class PteTrainer:
             {k: request.correction[k].to(torch.float32) for k in self.meta.params} if request.correction else None
         )
         total, samples = 0.0, 0
-        for idx in order:
-            total += self.step(optimizer, self.step_inputs(request, idx), correction)
+        for step, idx in enumerate(order):
+            total += self.step(optimizer, self.step_inputs(request, idx, step), correction)
             samples += len(idx)
         return TrainStats(steps=len(order), samples=samples, mean_loss=total / len(order) if order else 0.0)
 

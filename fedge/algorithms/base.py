@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fedge import wire
+from fedge.augment import PRESETS, Augmentation, preset
 from fedge.backend import Backend
 from fedge.errors import CodecError, ConfigError
 from fedge.messages import BROADCAST, TASK, UPDATE, Message
@@ -60,10 +61,19 @@ class LocalTraining:
     epochs: int = field(default=1, metadata=bounded(0, 10_000))
     batch_size: int = field(default=32, metadata=bounded(1, 1_000_000))
     seed: int = field(default=0, metadata=bounded(0, 2**31 - 1))
+    augment: str = "none"  # a preset of fedge.augment, resolved by each client for its own image size
+
+    def __post_init__(self) -> None:
+        if self.augment not in PRESETS:
+            raise ConfigError(f"unknown augmentation {self.augment!r}; choose one of {', '.join(PRESETS)}")
 
     @property
     def sgd(self) -> SGDSettings:
         return SGDSettings(lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+
+    def augmentation(self, x: torch.Tensor) -> Augmentation:
+        """The batch augmentation for a client whose inputs are ``x``."""
+        return preset(self.augment, tuple(x.shape[1:]))
 
 
 @dataclass(frozen=True)
@@ -219,6 +229,7 @@ class Strategy(ABC):
             epochs=t.local_epochs,
             batch_size=t.batch_size,
             seed=derive_seed(self.config.seed, "train", rnd, client),
+            augment=t.augment,
         )
 
     def task(self, rnd: int, client: ClientId, *fields: Any) -> Message:

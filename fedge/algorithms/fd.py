@@ -206,7 +206,9 @@ class FDClient(ClientHalf):
         restore_own_model(store, backend, extra.model_seed)
         t = training
         if broadcast is None:
-            request = TrainRequest(data.x, data.y, CrossEntropy(), t.sgd, t.epochs, t.batch_size, t.seed)
+            request = TrainRequest(
+                data.x, data.y, CrossEntropy(), t.sgd, t.epochs, t.batch_size, t.seed, augment=t.augmentation(data.x)
+            )
         else:
             source = wire.from_params(FDBroadcast, broadcast.params, defaults=False)
             g, k = broadcast.tensor("global_probs"), broadcast.tensor("contributors").to(torch.int64)
@@ -220,7 +222,17 @@ class FDClient(ClientHalf):
             )
             inputs = {"targets": targets[data.y], "mask": mask[data.y]}  # (N, C), (N,)
             objective = FDDistillation(gamma=settings.fd_gamma)
-            request = TrainRequest(data.x, data.y, objective, t.sgd, t.epochs, t.batch_size, t.seed, inputs=inputs)
+            request = TrainRequest(
+                data.x,
+                data.y,
+                objective,
+                t.sgd,
+                t.epochs,
+                t.batch_size,
+                t.seed,
+                inputs=inputs,
+                augment=t.augmentation(data.x),
+            )
         stats = backend.train(request)
         probs = F.softmax(backend.logits(data.x), dim=1)  # (N, C)
         class_probs = torch.zeros(data.num_classes, data.num_classes)

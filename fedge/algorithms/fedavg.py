@@ -195,7 +195,17 @@ class FedAvgClient(ClientHalf):
         """The local training this client runs this round."""
         objective, inputs = self.objective(r)
         t = r.training
-        return TrainRequest(r.data.x, r.data.y, objective, t.sgd, t.epochs, t.batch_size, t.seed, inputs=inputs)
+        return TrainRequest(
+            r.data.x,
+            r.data.y,
+            objective,
+            t.sgd,
+            t.epochs,
+            t.batch_size,
+            t.seed,
+            inputs=inputs,
+            augment=t.augmentation(r.data.x),
+        )
 
     def received_weights(self, broadcast: Message) -> StateDict:
         """The global weights in the round's broadcast."""
