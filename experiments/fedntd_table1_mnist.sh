@@ -5,6 +5,9 @@
 # script is started again with the same OUT (fedge sim --resume), so it can be spread over several sittings.
 # Usage: bash experiments/fedntd_table1_mnist.sh [ROUNDS] [OUT] [PARTITIONS] [ALGORITHMS]
 #   e.g. bash experiments/fedntd_table1_mnist.sh 200 runs/fedntd-table1 "shards dirichlet" "fedavg fedntd"
+# The paper's data pipeline (appendix B.2-B.3: 50,000 training images; random crop, flip and Cutout, fedge.augment):
+#   AUGMENT=paper TRAIN_SIZE=50000 bash experiments/fedntd_table1_mnist.sh 200 runs/fedntd-table1-augmented
+# Algorithms beyond the default four: fednova, feddyn (alpha 0.1, the authors' setting), fedadam.
 set -euo pipefail
 ROUNDS=${1:-200}
 OUT=${2:-runs/fedntd-table1}
@@ -13,11 +16,14 @@ ALGORITHMS=${4:-fedavg fedntd fedprox scaffold}
 DATA=${FEDGE_DATA:-../shared/data/mnist}
 FEDGE=${FEDGE:-fedge}
 EXECUTOR=${EXECUTOR:-auto}   # sequential when two runs share the machine
+AUGMENT=${AUGMENT:-none}     # none (the first runs) | paper
+TRAIN_SIZE=${TRAIN_SIZE:-0}  # 0: all 60,000 training images
 for partition in $PARTITIONS; do
   for algorithm in $ALGORITHMS; do
     name="$partition-$algorithm"
     extra=()
     [[ $algorithm == fedprox ]] && extra+=(--prox-mu 0.1)        # FedNTD Table 5
+    [[ $algorithm == feddyn ]] && extra+=(--dyn-alpha 0.1)       # the FedNTD authors' config/feddyn.json
     existing=$(ls -d "$OUT"/*-"$name" 2>/dev/null | head -1 || true)
     if [[ -n $existing && -f $existing/summary.json ]]; then
       echo "done already: $existing"
@@ -27,7 +33,8 @@ for partition in $PARTITIONS; do
       "$FEDGE" sim --algorithm "$algorithm" --name "$name" --dataset mnist --data-dir "$DATA" --model fedavg_cnn \
         --num-clients 100 --client-fraction 0.1 --partition "$partition" --shards-per-client 2 \
         --dirichlet-alpha 0.1 --local-epochs 3 --batch-size 50 --lr 0.01 --momentum 0.9 --rounds "$ROUNDS" \
-        --seed 0 --eval-every 5 --executor "$EXECUTOR" --out "$OUT" "${extra[@]}"
+        --seed 0 --eval-every 5 --augment "$AUGMENT" --train-size "$TRAIN_SIZE" --executor "$EXECUTOR" --out "$OUT" \
+        "${extra[@]}"
     fi
   done
 done
