@@ -117,13 +117,32 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) ->
 
 
 def _run_config(args: argparse.Namespace) -> RunConfig:
-    """The run's config from the flags; with ``--resume RUN_DIR`` (and no ``--config``) on top of RUN_DIR's own."""
+    """The run's config from the flags; with ``--resume RUN_DIR`` (and no ``--config``) on top of RUN_DIR's own.
+    With ``--previous-journal``, RUN_DIR's journal of the round before (verified) becomes current first."""
     resume = getattr(args, "resume", None)
+    previous = bool(getattr(args, "previous_journal", False))
+    if previous and resume is None:
+        raise ConfigError("--previous-journal goes with --resume RUN_DIR")
     if resume is not None and not getattr(args, "config", None):
         if not (resume / "config.json").is_file():
             raise ConfigError(f"--resume {resume}: not a run directory (it has no config.json)")
-        return config_from_args(args, RunConfig.from_json_file(resume / "config.json"))
-    return config_from_args(args)
+        config = config_from_args(args, RunConfig.from_json_file(resume / "config.json"))
+    else:
+        config = config_from_args(args)
+    if previous and resume is not None:
+        from common.journal import roll_back_journal
+
+        roll_back_journal(resume, config)
+    return config
+
+
+def add_previous_journal_flag(parser: argparse.ArgumentParser) -> None:
+    """``--previous-journal``, for the commands that take ``--resume``."""
+    parser.add_argument(
+        "--previous-journal",
+        action="store_true",
+        help="with --resume: continue from the journal of the round before the last (when the last is damaged)",
+    )
 
 
 def _packet_limit(text: str) -> Any:
@@ -304,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="continue the killed run in RUN_DIR after its last completed round, from its journal (its config.json)",
     )
+    add_previous_journal_flag(p)
     _add_config_flags(p)
     p.set_defaults(func=_cmd_sim)
 
@@ -351,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_coordinator_arguments(p)
+    add_previous_journal_flag(p)
     p.add_argument("--no-report", action="store_true", help="skip the Markdown report and plots")
     _add_config_flags(p)
     p.set_defaults(func=_cmd_coordinator)

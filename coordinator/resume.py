@@ -68,6 +68,7 @@ class RunJournal:
         self.stores = dict(stores or {})
         self.changed = changed
         self.client_files: dict[ClientId, str] = {}  # the committed file of each client's store
+        self.previous_files: dict[ClientId, str] = {}  # those of the previous journal (the fallback) are kept too
         if not resume:
             self.writer = RunWriter(run_dir, config, partition)
             return
@@ -92,7 +93,7 @@ class RunJournal:
         files = self._write_client_stores(record.round)
         values = {"strategy": strategy_values, "resumed_after": history.resumed_after, "client_files": files}
         write_journal(self.run_dir, self.config, RunState(record.round, tensors, values, metrics_bytes, ledger_bytes))
-        self.client_files = files
+        self.previous_files, self.client_files = self.client_files, files
         self._delete_stale_client_files()
 
     def _write_client_stores(self, rnd: int) -> dict[ClientId, str]:
@@ -114,7 +115,7 @@ class RunJournal:
         directory = self.run_dir / CLIENT_DIR
         if not directory.is_dir():
             return
-        current = set(self.client_files.values())
+        current = set(self.client_files.values()) | set(self.previous_files.values())
         for path in directory.iterdir():
             if path.name not in current:  # superseded, or written for a round whose journal never committed
                 path.unlink(missing_ok=True)
@@ -124,7 +125,7 @@ class RunJournal:
         history = self.engine.history
         summary = self.writer.finish(history.rounds, history.ledger, global_weights, **kwargs)
         finish_journal(self.run_dir)
-        self.client_files = {}
+        self.client_files, self.previous_files = {}, {}
         self._delete_stale_client_files()  # a finished run cannot be resumed: its clients' stores are not needed
         if (self.run_dir / CLIENT_DIR).is_dir():
             (self.run_dir / CLIENT_DIR).rmdir()

@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import common.journal as journal_module
 from common.experiment import prepare
-from common.journal import JOURNAL, RunState, finish_journal, read_journal, write_journal
+from common.journal import (
+    JOURNAL,
+    PREVIOUS,
+    RunState,
+    finish_journal,
+    read_journal,
+    roll_back_journal,
+    write_journal,
+)
 from common.rundir import RunWriter, read_records
 from coordinator.engine import RoundEngine
 from edge_client.client import EdgeClient
@@ -38,7 +48,7 @@ def state(rnd: int, **values: object) -> RunState:
     return RunState(rnd, tensors, {"strategy": {"soft_round": rnd}, **values}, 10 * rnd, 20 * rnd)
 
 
-def test_a_journal_reads_back_exactly_and_keeps_one_tensor_file(tmp_path: Path) -> None:
+def test_a_journal_reads_back_exactly_and_keeps_the_previous_one_as_a_fallback(tmp_path: Path) -> None:
     write_journal(tmp_path, CONFIG, state(1))
     write_journal(tmp_path, CONFIG, state(2, resumed_after=[1]))
     got = read_journal(tmp_path, CONFIG)
@@ -48,9 +58,59 @@ def test_a_journal_reads_back_exactly_and_keeps_one_tensor_file(tmp_path: Path) 
     assert got.tensors.keys() == want.tensors.keys()
     for name, t in want.tensors.items():
         assert got.tensors[name].dtype == t.dtype and torch.equal(got.tensors[name].nan_to_num(), t.nan_to_num()), name
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["journal-000002.safetensors", JOURNAL]
+    files = ["journal-000001.safetensors", "journal-000002.safetensors", "journal-previous.json", JOURNAL]
+    assert sorted(p.name for p in tmp_path.iterdir()) == files
     raw = json.loads((tmp_path / JOURNAL).read_text())
     assert raw["config"]["algorithm"] == "fedavg" and raw["finished"] is False
+    assert raw["checks"] == {"finite": True} and len(raw["tensors_sha256"]) == 64
+    write_journal(tmp_path, CONFIG, state(3))  # the journal of round 1 goes
+    assert not (tmp_path / "journal-000001.safetensors").exists()
+    assert json.loads((tmp_path / PREVIOUS).read_text())["round"] == 2
+
+
+def _alter_one_weight(path: Path, value: float) -> None:
+    tensors = load_file(path)
+    tensors["strategy/w"][1] = value
+    save_file(tensors, path, metadata={"format": "fedge-journal/2"})
+
+
+@pytest.mark.parametrize(("value", "says"), [(123.0, "SHA-256 differs"), (float("nan"), "SHA-256 differs")])
+def test_an_altered_tensor_file_is_refused_naming_it_and_the_previous_journal_resumes(
+    tmp_path: Path, value: float, says: str
+) -> None:
+    write_journal(tmp_path, CONFIG, state(1))
+    write_journal(tmp_path, CONFIG, state(2))
+    _alter_one_weight(tmp_path / "journal-000002.safetensors", value)
+    with pytest.raises(JournalError, match=f"journal-000002.safetensors is not the file.*{says}") as info:
+        read_journal(tmp_path, CONFIG)
+    assert "the journal of round 1 is kept: add --previous-journal" in str(info.value)
+    assert roll_back_journal(tmp_path, CONFIG) == 1
+    got = read_journal(tmp_path, CONFIG)
+    assert got.round == 1 and torch.equal(got.tensors["strategy/w"], state(1).tensors["strategy/w"])
+
+
+def test_a_non_finite_state_is_recorded_and_never_resumed(tmp_path: Path) -> None:
+    bad = state(1)
+    tensors = dict(bad.tensors)
+    tensors["strategy/w"] = torch.tensor([1.0, float("inf")])
+    write_journal(tmp_path, CONFIG, dataclasses.replace(bad, tensors=tensors))
+    assert json.loads((tmp_path / JOURNAL).read_text())["checks"] == {"finite": False}
+    with pytest.raises(JournalError, match=r"holds NaN or infinite values \(tensor 'strategy/w'\)"):
+        read_journal(tmp_path, CONFIG)
+
+
+def test_a_nan_with_a_matching_digest_is_still_refused(tmp_path: Path) -> None:
+    """One who rewrites the digest too still cannot resume a NaN: the values are checked after loading."""
+    write_journal(tmp_path, CONFIG, state(1))
+    path = tmp_path / "journal-000001.safetensors"
+    _alter_one_weight(path, float("nan"))
+    raw = json.loads((tmp_path / JOURNAL).read_text())
+    raw["tensors_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (tmp_path / JOURNAL).write_text(json.dumps(raw))
+    with pytest.raises(JournalError, match="holds NaN or infinite values"):
+        read_journal(tmp_path, CONFIG)
+    with pytest.raises(JournalError, match=r"has no journal-previous\.json"):
+        roll_back_journal(tmp_path, CONFIG)
 
 
 def test_a_crash_before_the_commit_leaves_the_previous_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -66,8 +126,9 @@ def test_a_crash_before_the_commit_leaves_the_previous_round(tmp_path: Path, mon
     monkeypatch.undo()
     got = read_journal(tmp_path, CONFIG)  # round 2's tensor file is complete but not committed: round 1 it is
     assert got.round == 1 and torch.equal(got.tensors["strategy/w"], torch.arange(6, dtype=torch.float32))
-    write_journal(tmp_path, CONFIG, state(3))  # the next commit cleans up what the crash left
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["journal-000003.safetensors", JOURNAL]
+    write_journal(tmp_path, CONFIG, state(3))  # the next commit cleans up what the crash left; round 1 is the fallback
+    files = ["journal-000001.safetensors", "journal-000003.safetensors", PREVIOUS, JOURNAL]
+    assert sorted(p.name for p in tmp_path.iterdir()) == files
 
 
 def test_a_journal_of_another_config_is_refused_naming_the_difference(tmp_path: Path) -> None:

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from cli.main import main
 from common.experiment import Experiment, prepare
-from common.journal import JOURNAL
+from common.journal import JOURNAL, PREVIOUS
 from fedge.algorithms.dsfl import DSFLSettings
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import JournalError
@@ -150,6 +150,30 @@ def test_resume_refuses_another_config_a_finished_run_and_a_directory_without_jo
     assert "not a run directory (it has no config.json)" in capsys.readouterr().err
 
 
+def test_an_altered_journal_is_refused_and_the_previous_one_resumes_to_the_same_model(
+    tmp_path: Path, experiments: dict[str, Experiment], capsys: pytest.CaptureFixture[str]
+) -> None:
+    exp = experiment(experiments, "scaffold")
+    run_inprocess(exp.config, tmp_path / "ref", experiment=exp)
+    with pytest.raises(Interrupted):
+        run_inprocess(exp.config, tmp_path / "run", experiment=exp, on_round=interrupt_after(3))
+    run = tmp_path / "run"
+    tensor_file = run / json.loads((run / JOURNAL).read_text())["tensors"]
+    tensors = load_file(tensor_file)
+    name = next(k for k in tensors if k.startswith("strategy/") and tensors[k].is_floating_point())
+    tensors[name].view(-1)[0] = 123.0  # one weight changed, as a damaged disk or a hand edit would
+    save_file(tensors, tensor_file)
+    assert main(["sim", "--resume", str(run), "--quiet", "--no-report"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tensor_file.name} is not the file journal.json recorded (SHA-256 differs)" in err
+    assert "the journal of round 2 is kept: add --previous-journal to resume from it" in err
+    assert (
+        main(["sim", "--resume", str(run), "--previous-journal", "--executor", "sequential", "--quiet", "--no-report"])
+        == 0
+    )
+    assert_same_result(tmp_path / "ref", run)
+
+
 def test_a_killed_fedge_sim_process_resumes_to_the_same_model(tmp_path: Path) -> None:
     """SIGKILL a real `fedge sim` (DS-FL: server model, soft labels, clients' own models) mid-run, then --resume."""
     flags = ["--algorithm", "dsfl", "--dataset", "digits", "--model", "tiny_mlp", "--num-clients", "3"]
@@ -199,7 +223,11 @@ def test_client_stores_are_journaled_per_client_and_only_when_they_changed(tmp_p
     for client, name in files.items():
         last = max(r for r, clients in enumerate(sampled, 1) if client in clients)
         assert name == f"{client}-{last:06d}.safetensors"
-    assert sorted(p.name for p in (run_dir / "clients").iterdir()) == sorted(files.values())  # superseded: deleted
+    # Superseded files are deleted, except those the previous journal (the fallback) names.
+    previous = json.loads((run_dir / PREVIOUS).read_text())["values"]["client_files"]
+    kept = set(files.values()) | set(previous.values())
+    assert sorted(p.name for p in (run_dir / "clients").iterdir()) == sorted(kept)
+    assert set(previous.values()) != set(files.values())
     assert set(files) == set().union(*map(set, sampled))
     assert not any(k.startswith("client/") for k in load_file(run_dir / journal["tensors"]))  # not in the big file
     run_inprocess(cfg, run_dir, experiment=exp, resume=True)
