@@ -7,6 +7,7 @@ Secrets never come from the command line: a password comes from a file (``--pass
 from __future__ import annotations
 
 import argparse
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,12 @@ def add_connection_arguments(p: argparse.ArgumentParser, *, broker_required: boo
         type=Path,
         default=None,
         help="file whose first line is the password (or $FEDGE_MQTT_PASSWORD)",
+    )
+    p.add_argument(
+        "--allow-plaintext",
+        action="store_true",
+        help="let a login travel over plain mqtt:// to a broker that is not on this machine, or a bundle made for TLS "
+        "connect without it (only on a network you trust: anyone on the path reads the password)",
     )
     p.add_argument("--ca-file", type=Path, default=None, help="mqtts: CA certificate to verify the broker with")
     p.add_argument("--cert-file", type=Path, default=None, help="mqtts: client certificate (mutual TLS)")
@@ -73,6 +80,13 @@ def connection_from_args(args: argparse.Namespace) -> Connection:
         if args.username or args.password_file or args.ca_file or args.cert_file or args.key_file:
             raise ConfigError("--bundle carries the login and TLS files; drop --username/--password-file/--*-file")
         bundle = load_bundle(args.bundle, broker=args.broker)
+        if bundle.made_for_tls and not bundle.address.tls and not args.allow_plaintext:
+            raise ConfigError(
+                f"fleet bundle {args.bundle} holds a CA for TLS, but --broker {args.broker} is plain mqtt://: its "
+                "password would cross the network in clear. Use mqtts://HOST:PORT (the bundle's own address without "
+                "--broker), or add --allow-plaintext on a network you trust"
+            )
+        _refuse_plaintext_login(bundle.address, args.allow_plaintext)
         return Connection(bundle.address, bundle, args.max_packet_size)
     if args.broker is None:
         raise ConfigError("say where the broker is: --broker mqtt://HOST:PORT, or --bundle DIR from a fleet kit")
@@ -85,4 +99,24 @@ def connection_from_args(args: argparse.Namespace) -> Connection:
             raise ConfigError("--ca-file/--cert-file/--key-file are for TLS: use an mqtts:// broker URL")
         ca, cert, key = (str(f) if f is not None else None for f in tls_files)
         address = address.with_tls(ca_file=ca, cert_file=cert, key_file=key)
+    _refuse_plaintext_login(address, args.allow_plaintext)
     return Connection(address, max_packet_size=args.max_packet_size)
+
+
+def _refuse_plaintext_login(address: BrokerAddress, allowed: bool) -> None:
+    """A password goes over plain MQTT only to a broker on this machine, or when the user said so."""
+    if address.password is None or address.tls or allowed or _is_loopback(address.host):
+        return
+    raise ConfigError(
+        f"broker {address.url} is plain mqtt:// on another machine: the password of {address.username!r} would cross "
+        "the network in clear. Use mqtts://HOST:PORT with --ca-file, or add --allow-plaintext on a network you trust"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -85,6 +85,7 @@ class Bundle:
     address: BrokerAddress  # with the password and absolute paths of the TLS files
     client_id: str | None = None  # this client's fedge id; None for the coordinator
     clients: tuple[str, ...] = ()  # for the coordinator: the ids provisioned in this run
+    made_for_tls: bool = False  # the kit gave this device a CA: it must never connect without TLS unless told to
 
     def __repr__(self) -> str:
         return f"Bundle({self.role} {self.client_id or ''} of run {self.run!r} at {self.address}, user {self.username})"
@@ -137,4 +138,5 @@ def load_bundle(directory: str | os.PathLike[str], *, broker: str | None = None)
         )
     password_file = local("password_file")
     password = read_secret(password_file) if password_file else None
-    return Bundle(role, run, username, address.with_login(username, password), client_id, clients)
+    made_for_tls = data.get("ca_file") is not None
+    return Bundle(role, run, username, address.with_login(username, password), client_id, clients, made_for_tls)

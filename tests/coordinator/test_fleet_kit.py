@@ -501,3 +501,38 @@ def test_a_kit_without_tls_still_needs_passwords(kind: str, tmp_path: Path) -> N
         probe = Probe(address, "fedge-lab-c001")
         assert probe.connack == "Success"
         probe.close()
+
+
+def _connection(*argv: str) -> object:
+    import argparse
+
+    from common.connection import add_connection_arguments, connection_from_args
+
+    parser = argparse.ArgumentParser()
+    add_connection_arguments(parser)
+    return connection_from_args(parser.parse_args(list(argv)))
+
+
+def test_a_tls_bundle_refuses_a_plain_broker_url_unless_told(tmp_path: Path) -> None:
+    kit = make_kit(tmp_path)
+    device = str(kit.client_dirs[CLIENTS[0]])
+    with pytest.raises(ConfigError, match=r"holds a CA for TLS, but --broker mqtt://127\.0\.0\.1:1883 is plain"):
+        _connection("--bundle", device, "--broker", "mqtt://127.0.0.1:1883")
+    allowed = _connection("--bundle", device, "--broker", "mqtt://127.0.0.1:1883", "--allow-plaintext")
+    assert not allowed.address.tls  # type: ignore[attr-defined]
+    assert _connection("--bundle", device).address.tls  # type: ignore[attr-defined]  # the bundle's own mqtts URL
+
+
+def test_a_password_never_crosses_the_network_on_plain_mqtt_unless_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    login = ["--username", "dev1", "--password-file", str(secret)]
+    with pytest.raises(ConfigError, match=r"plain mqtt:// on another machine: the password of 'dev1'") as info:
+        _connection("--broker", "mqtt://192.0.2.7:1883", *login)
+    assert "s3cret" not in str(info.value)
+    assert _connection("--broker", "mqtt://192.0.2.7:1883", *login, "--allow-plaintext")
+    for host in ("127.0.0.1", "localhost", "[::1]"):  # the laptop's own broker: nothing leaves the machine
+        assert _connection("--broker", f"mqtt://{host}:1883", *login)
+    assert _connection("--broker", "mqtt://192.0.2.7:1883")  # no login, nothing to leak
