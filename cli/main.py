@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from common.console import add_skipped_rounds_flag
 from fedge.algorithms import ALGORITHMS
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError, FedgeError
@@ -324,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the killed run in RUN_DIR after its last completed round, from its journal (its config.json)",
     )
     add_previous_journal_flag(p)
+    add_skipped_rounds_flag(p)
     _add_config_flags(p)
     p.set_defaults(func=_cmd_sim)
 
@@ -372,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_coordinator_arguments(p)
     add_previous_journal_flag(p)
+    add_skipped_rounds_flag(p)
     p.add_argument("--no-report", action="store_true", help="skip the Markdown report and plots")
     _add_config_flags(p)
     p.set_defaults(func=_cmd_coordinator)

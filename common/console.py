@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from common.rundir import skipped_text
 from fedge.cost import format_bytes
 from fedge.records import RoundRecord
 
@@ -30,3 +36,27 @@ def round_line(r: RoundRecord) -> str:
     if r.rejections:
         line += f"  rejected {len(r.rejections)}"
     return line
+
+
+def add_skipped_rounds_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-skipped-rounds",
+        action="store_true",
+        help="exit 0 even when rounds were skipped (below the quorum); without it such a run exits with status 3",
+    )
+
+
+def skipped_rounds_status(summary: Mapping[str, Any], *, allowed: bool) -> int:
+    """Print which rounds were skipped and why; the exit status: 3 when some were and the user did not allow it."""
+    skipped = summary.get("skipped", [])
+    if not skipped:
+        return 0
+    print(f"skipped rounds (below the quorum), {len(skipped)} of {summary.get('rounds')}:\n{skipped_text(summary)}")
+    if allowed:
+        return 0
+    print(
+        f"fedge: {len(skipped)} round(s) were skipped, so the model saw less training than configured; exit status 3 "
+        "(--allow-skipped-rounds accepts this)",
+        file=sys.stderr,
+    )
+    return 3

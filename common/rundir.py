@@ -143,6 +143,7 @@ def summarize(rounds: Sequence[RoundRecord], initial_bytes: Mapping[str, int]) -
         "rejected": sum(len(r.rejections) for r in rounds),
         "rejected_by_reason": dict(Counter(x.category for r in rounds for x in r.rejections)),
         "skipped_rounds": [r.round for r in rounds if not r.aggregated],
+        "skipped": [skip_reason(r) for r in rounds if not r.aggregated],
     }
     if rounds:
         last = rounds[-1]
@@ -208,3 +209,26 @@ def _csv_rows(rows: Sequence[Sequence[Any]]) -> bytes:
     buf = io.StringIO()
     csv.writer(buf).writerows(rows)
     return buf.getvalue().encode()
+
+
+def skip_reason(record: RoundRecord) -> dict[str, Any]:
+    """Why a round was not aggregated: how many replies against the quorum, and what became of the other clients."""
+    why = {d.client: d.reason for d in record.drops}
+    why.update({x.client: f"rejected: {x.category}" for x in record.rejections})
+    missing = [c for c in record.sampled if c not in record.replied]
+    return {
+        "round": record.round,
+        "sampled": len(record.sampled),
+        "replied": len(record.replied),
+        "quorum": record.quorum,
+        "clients": {c: why.get(c, "no reply") for c in missing},
+    }
+
+
+def skipped_text(summary: Mapping[str, Any]) -> str:
+    """One line per skipped round for the console, e.g. ``round 3: 1 of 3 replies, quorum 2 (c001 silent, ...)``."""
+    lines = []
+    for s in summary.get("skipped", []):
+        clients = ", ".join(f"{c} {why}" for c, why in list(s["clients"].items())[:8])
+        lines.append(f"round {s['round']}: {s['replied']} of {s['sampled']} replies, quorum {s['quorum']} ({clients})")
+    return "\n".join(lines)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.connection import add_connection_arguments, connection_from_args
+from common.console import skipped_rounds_status
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 
@@ -110,8 +111,6 @@ def run_coordinator_cli(
         print("dropped: " + "; ".join(f"round {d['round']} {d['client']} ({d['reason']})" for d in s["drops"]))
     if s.get("rejected"):
         print(f"rejected messages: {s['rejected']} {s.get('rejected_by_reason', {})}")
-    if s.get("skipped_rounds"):
-        print(f"skipped rounds (below the quorum): {s['skipped_rounds']}")
     if on_finish is not None:
         on_finish(result.path)
-    return 0
+    return skipped_rounds_status(s, allowed=args.allow_skipped_rounds)

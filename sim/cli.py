@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from common.console import round_line
+from common.console import round_line, skipped_rounds_status
 from fedge.config import RunConfig
 from fedge.cost import format_bytes
 from fedge.errors import ConfigError
@@ -91,7 +91,7 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
 
         report = write_report([result.path], result.path)
         print(f"report: {report}")
-    return 0
+    return skipped_rounds_status(s, allowed=args.allow_skipped_rounds)
 
 
 def run_cost(args: argparse.Namespace) -> int:

@@ -167,3 +167,24 @@ def test_a_round_below_quorum_is_skipped_and_the_model_kept():
     (failed,) = history.rounds[0].rejections
     assert (failed.client, failed.category, failed.detail) == ("c003", "client failed", "simulated failure")
     assert all(torch.equal(before[k], v) for k, v in engine.strategy.global_weights().items())
+
+
+def test_skipped_rounds_say_why_in_the_summary_and_fail_the_exit_status_unless_allowed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from common.console import skipped_rounds_status
+    from common.rundir import summarize
+
+    cfg = _config("fedavg", rounds=2, min_replies=1.0)
+    history = _engine(cfg, {"c003": "crash"}).run()
+    summary = summarize(history.rounds, {})
+    assert summary["skipped_rounds"] == [1, 2]
+    first = summary["skipped"][0]
+    assert first["round"] == 1 and first["replied"] == first["sampled"] - 1 == first["quorum"] - 1
+    assert first["clients"] == {"c003": "rejected: client failed"}
+    assert skipped_rounds_status(summary, allowed=False) == 3
+    out, err = capsys.readouterr()
+    assert "round 1: 5 of 6 replies, quorum 6 (c003 rejected: client failed)" in out
+    assert "2 round(s) were skipped" in err and "--allow-skipped-rounds" in err
+    assert skipped_rounds_status(summary, allowed=True) == 0
+    assert skipped_rounds_status({"skipped": []}, allowed=False) == 0
