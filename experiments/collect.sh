@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Copy the small files of finished or running experiment runs into experiments/results/ (no model weights) and
-# write a combined report there. Usage: bash experiments/collect.sh SRC_DIR NAME [MORE_SRC_DIRS...]
+# write a combined report there. A run that has not finished keeps its journal too (journal*.json and the tensor
+# files they name), so a later sitting on another machine continues it: `fedge sim --resume` on a copy of the folder. Usage: bash experiments/collect.sh SRC_DIR NAME [MORE_SRC_DIRS...]
 # (more source folders: runs of the same experiment made elsewhere, e.g. brought back from a GPU machine)
 set -euo pipefail
 SRC=$1
@@ -18,6 +19,10 @@ for run in "${dirs[@]}"; do
   for f in config.json partition.json metrics.jsonl summary.json ledger.csv; do
     [ -f "$run/$f" ] && cp "$run/$f" "$DEST/$r/"
   done
+  if [ ! -f "$run/summary.json" ]; then
+    cp "$run"/journal*.json "$run"/journal-*.safetensors "$DEST/$r/" 2>/dev/null || true
+    [ -d "$run/clients" ] && cp -r "$run/clients" "$DEST/$r/"
+  fi
   runs+=("$DEST/$r")
 done
 fedge report "${runs[@]}" --out "$DEST/report"
