@@ -11,7 +11,8 @@ the client's data: black for MNIST-like images), as zero padding before normaliz
 :data:`PRESETS` names the pipelines; ``paper`` scales the crop padding and the Cutout side to the image size
 (4 and 16 at 28 pixels; 1 and 5 on the 8-pixel digits). Everything is drawn from one ``torch.Generator`` per batch,
 seeded from the task's shuffle seed and the batch's position, so every runtime, executor and transport gives the same
-batches, and evaluation data never pass through here.
+batches, and evaluation data never pass through here. A teacher's logits (FedNTD, FedLSD, FedCAD) are computed on the
+same augmented batch the student trains on, as the authors' code does (``TrainRequest.with_batch_logits``).
 """
 
 from __future__ import annotations

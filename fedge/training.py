@@ -17,9 +17,10 @@ Every runtime takes a batch's inputs from :meth:`TrainRequest.batch_x`, which ap
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +66,9 @@ class TrainRequest:
     anchor: StateDict | None = None  # FedProx: the weights the proximal term pulls towards
     correction: StateDict | None = None  # SCAFFOLD: added to each trainable parameter's gradient
     augment: Augmentation = field(default_factory=Augmentation)  # random crop/flip/Cutout of each batch (fedge.augment)
+    # Per-sample inputs computed on each augmented batch, one tensor per step of batch_order (a teacher's logits on the
+    # images the student sees); they replace that input's rows of ``inputs`` (see with_batch_logits).
+    step_inputs: Mapping[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.x) != len(self.y):
@@ -99,12 +103,27 @@ class TrainRequest:
     def _fill(self) -> torch.Tensor:
         return black_level(self.x)
 
-    def batch_inputs(self, idx: torch.Tensor, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """The objective's inputs for the samples ``idx``: per-sample rows, per-round constants whole."""
-        return {
-            spec.name: (self.inputs[spec.name][idx] if spec.per_sample else self.inputs[spec.name]).to(device)
-            for spec in self.objective.inputs
-        }
+    def batch_inputs(self, idx: torch.Tensor, step: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The objective's inputs for the samples ``idx`` (the ``step``-th batch): per-sample rows, per-round constants
+        whole, and the ``step``-th tensor of an input computed per augmented batch."""
+        out = {}
+        for spec in self.objective.inputs:
+            if spec.name in self.step_inputs:
+                t = self.step_inputs[spec.name][step]
+            else:
+                t = self.inputs[spec.name][idx] if spec.per_sample else self.inputs[spec.name]
+            out[spec.name] = t.to(device)
+        return out
+
+    def with_batch_logits(self, name: str, logits: Callable[[torch.Tensor], torch.Tensor]) -> TrainRequest:
+        """This request with input ``name`` computed by ``logits`` on every augmented batch, as FedNTD's authors give
+        the teacher the same augmented images as the student (their ``ClientTrainer._get_dg_logits(data)``); the
+        request itself when nothing is augmented (the per-sample rows of ``inputs`` are then the same values)."""
+        if not self.augment.active:
+            return self
+        order = batch_order(len(self.x), self.epochs, self.batch_size, self.seed)
+        per_step = tuple(logits(self.batch_x(idx, step)) for step, idx in enumerate(order))
+        return dataclasses.replace(self, step_inputs={**self.step_inputs, name: per_step})
 
 
 @dataclass(frozen=True)
@@ -151,7 +170,7 @@ def train(model: nn.Module, request: TrainRequest) -> TrainStats:
     total, steps, samples = 0.0, 0, 0
     for step, idx in enumerate(batch_order(len(r.x), r.epochs, r.batch_size, r.seed)):
         xb, yb = r.batch_x(idx, step).to(device), r.y[idx].to(device)
-        loss = r.objective.loss(model(xb), yb, r.batch_inputs(idx, device))
+        loss = r.objective.loss(model(xb), yb, r.batch_inputs(idx, step, device))
         if r.prox_mu > 0:
             assert r.anchor is not None
             loss = loss + proximal_term(model, r.anchor, r.prox_mu)

@@ -136,6 +136,8 @@ def _labels(configs: Sequence[RunConfig], paths: Sequence[Path]) -> list[str]:
     partition = len({partition_name(c) for c in configs}) > 1
     dataset = len({c.dataset for c in configs}) > 1
     labels = [run_label(c, partition=partition, dataset=dataset) for c in configs]
+    if len({(c.train.augment, c.train_size) for c in configs}) > 1:  # augmented runs beside unaugmented ones
+        labels = [f"{lab}, {_pipeline(c)}" for lab, c in zip(labels, configs, strict=True)]
     labels = [f"{lab} [{p.name}]" if labels.count(lab) > 1 else lab for lab, p in zip(labels, paths, strict=True)]
     return [f"{lab} #{i + 1}" if labels.count(lab) > 1 else lab for i, lab in enumerate(labels)]
 
@@ -166,11 +168,26 @@ def _provenance(run: Run) -> str:
     return how
 
 
+def training_data(config: RunConfig) -> str:
+    """The clients' training data as the run's config says: the training-set size and the augmentation (FedNTD B.2)."""
+    size = f"a seeded subset of {config.train_size:,} training images" if config.train_size else "all training images"
+    if config.train.augment == "none":
+        return f"{size}, no augmentation"
+    return f"{size}, augmentation {config.train.augment!r} (random crop, horizontal flip and Cutout; fedge.augment)"
+
+
+def _pipeline(config: RunConfig) -> str:
+    """A short label for the training data: ``"augment paper, 50000 images"``, ``"no augmentation"``."""
+    augment = "no augmentation" if config.train.augment == "none" else f"augment {config.train.augment}"
+    return f"{augment}, {config.train_size} images" if config.train_size else augment
+
+
 def _markdown(runs: Sequence[Run], out: Path, plots: dict[str, str], accounting: str) -> str:
     parts = [f"# fedge report: {', '.join(r.label for r in runs)}\n"]
     parts.append(
         "\n".join(
-            f"- **{r.label}**: [`{_rel(r.path, out)}`]({_rel(r.path, out)}), {_provenance(r)}, seed {r.config.seed}"
+            f"- **{r.label}**: [`{_rel(r.path, out)}`]({_rel(r.path, out)}), {_provenance(r)}, seed {r.config.seed}, "
+            f"{training_data(r.config)}"
             for r in runs
         )
     )

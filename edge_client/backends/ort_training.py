@@ -195,7 +195,7 @@ class OrtTrainer:
 
     def _feeds(self, request: TrainRequest, idx: torch.Tensor, step: int) -> dict[str, np.ndarray]:
         r = request
-        inputs = r.batch_inputs(idx)
+        inputs = r.batch_inputs(idx, step)
         feeds = {"x": np.ascontiguousarray(r.batch_x(idx, step).numpy()), "y": r.y[idx].long().numpy()}
         for spec in r.objective.inputs:
             t = inputs[spec.name]

@@ -211,7 +211,7 @@ class PteTrainer:
         """The training method's inputs for the samples ``idx`` (the ``step``-th batch), in the program's input order
         (before BN stats)."""
         r = request
-        inputs = r.batch_inputs(idx)
+        inputs = r.batch_inputs(idx, step)
         values = [r.batch_x(idx, step).contiguous(), r.y[idx].long()]
         for spec in r.objective.inputs:
             t = inputs[spec.name]

@@ -195,7 +195,7 @@ class FedAvgClient(ClientHalf):
         """The local training this client runs this round."""
         objective, inputs = self.objective(r)
         t = r.training
-        return TrainRequest(
+        request = TrainRequest(
             r.data.x,
             r.data.y,
             objective,
@@ -206,6 +206,10 @@ class FedAvgClient(ClientHalf):
             inputs=inputs,
             augment=t.augmentation(r.data.x),
         )
+        if any(spec.name == "teacher" for spec in objective.inputs):
+            # The received global model (r.backend, before training) sees the augmented batches the student sees.
+            request = request.with_batch_logits("teacher", r.backend.logits)
+        return request
 
     def received_weights(self, broadcast: Message) -> StateDict:
         """The global weights in the round's broadcast."""

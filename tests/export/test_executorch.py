@@ -17,6 +17,7 @@ from fedge.algorithms.fd import FDDistillation
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.algorithms.fedlsd import ClassWeightedDistillation
 from fedge.algorithms.fedntd import NotTrueDistillation
+from fedge.augment import preset
 from fedge.backend import TorchBackend
 from fedge.errors import ConfigError, ExportError
 from fedge.models import exchanged_state, load_exchanged_state
@@ -136,10 +137,11 @@ def _request(kind: str, pt: TorchBackend, x: torch.Tensor, y: torch.Tensor, **ho
     return TrainRequest(x, y, objective, sgd, 2, 8, 11, inputs=inputs, **hooks)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("case", ["ntd", "lsd", "fd", "fedprox", "scaffold"])
+@pytest.mark.parametrize("case", ["ntd", "lsd", "fd", "fedprox", "scaffold", "ntd-augmented"])
 def test_the_executorch_backend_trains_like_the_torch_backend(case: str) -> None:
     """Same request, same weights out: batch order, objective inputs, optimizer, FedProx's proximal term in the
-    program and SCAFFOLD's gradient correction on the host all line up."""
+    program, SCAFFOLD's gradient correction on the host and FedNTD's augmented batches (crop, flip and Cutout on the
+    host, the teacher's logits per augmented batch) all line up."""
     spec = SPECS["tiny_mlp"]
     et, pt = _backend(), TorchBackend(spec.name, spec.input_shape, spec.num_classes)
     start = weights("tiny_mlp")
@@ -152,7 +154,12 @@ def test_the_executorch_backend_trains_like_the_torch_backend(case: str) -> None
         hooks = {"prox_mu": 0.3, "anchor": {k: v + 0.05 for k, v in start.items()}}
     elif case == "scaffold":
         hooks = {"correction": {k: 0.01 * torch.randn(v.shape, generator=gen) for k, v in start.items()}}
-    request = _request(case if case in ("ntd", "lsd", "fd") else "ce", pt, x, y, **hooks)
+    elif case == "ntd-augmented":
+        hooks = {"augment": preset("paper", spec.input_shape)}
+    request = _request(case.removesuffix("-augmented") if case[:3] in ("ntd", "lsd", "fd") else "ce", pt, x, y, **hooks)
+    if case == "ntd-augmented":
+        request = request.with_batch_logits("teacher", pt.logits)
+        assert "teacher" in request.step_inputs
     stats = [b.train(request) for b in (et, pt)]
     assert stats[0].steps == stats[1].steps == 10  # 37 = 8+8+8+8+5 per epoch
     assert stats[0].mean_loss == pytest.approx(stats[1].mean_loss, abs=1e-5)

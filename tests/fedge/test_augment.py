@@ -3,6 +3,7 @@ executor or transport runs an augmented run."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from fedge.augment import Augmentation, augment_batch, black_level, preset
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError
 from fedge.objectives import make_objective
-from fedge.training import SGDSettings, TrainRequest
+from fedge.training import SGDSettings, TrainRequest, batch_order
 
 IMAGE = torch.arange(1.0, 10.0).view(1, 1, 3, 3)  # [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
 FILL = torch.tensor([-1.0])
@@ -103,6 +104,46 @@ def test_batches_are_deterministic_per_seed_and_step_and_differ_between_steps() 
     assert not torch.equal(a.batch_x(idx, 0), _request(aug, seed=8).batch_x(idx, 0))
     assert torch.equal(_request(Augmentation()).batch_x(idx, 0), a.x[idx])  # no augmentation: the data as they are
     assert not torch.equal(a.batch_x(idx, 0), a.x[idx])
+
+
+def test_a_teacher_sees_the_augmented_batch_the_student_sees() -> None:
+    """FedNTD's authors compute the teacher's logits on each augmented batch (ClientTrainer._get_dg_logits(data))."""
+    teacher = torch.nn.Linear(36, 3)
+    logits = lambda x: teacher(x.flatten(1)).detach()  # noqa: E731
+    x = torch.randn(10, 1, 6, 6, generator=_gen(1))
+    clean = {"teacher": logits(x)}
+    ntd = make_objective("ntd")
+    plain = TrainRequest(x, torch.zeros(10, dtype=torch.long), ntd, SGDSettings(lr=0.1), 2, 4, 7, inputs=clean)
+    assert plain.with_batch_logits("teacher", logits) is plain  # nothing augmented: the rows of inputs are the same
+    request = dataclasses.replace(plain, augment=preset("paper", (1, 6, 6))).with_batch_logits("teacher", logits)
+    order = batch_order(10, 2, 4, 7)
+    assert len(request.step_inputs["teacher"]) == len(order) == 6  # 4 + 4 + 2 per epoch
+    for step, idx in enumerate(order):
+        got = request.batch_inputs(idx, step)["teacher"]
+        assert torch.equal(got, logits(request.batch_x(idx, step)))
+        assert not torch.equal(got, clean["teacher"][idx])
+
+
+def test_an_augmented_fedntd_client_distills_the_teacher_on_augmented_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The teacher on the clean images instead gives another model: the option reaches the distillation term."""
+    from sim.run import run_inprocess
+
+    cfg = RunConfig(
+        algorithm="fedntd",
+        dataset="digits",
+        model="tiny_mlp",
+        num_clients=3,
+        rounds=1,
+        train=TrainConfig(augment="paper"),
+    )
+    run_inprocess(cfg, tmp_path / "batch")
+    monkeypatch.setattr(TrainRequest, "with_batch_logits", lambda self, name, fn: self)  # fedge before this change
+    run_inprocess(cfg, tmp_path / "clean")  # (sequential executor: the clients run in this process)
+    a = load_file(tmp_path / "batch" / "global_model.safetensors")
+    b = load_file(tmp_path / "clean" / "global_model.safetensors")
+    assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_option_changes_the_model_and_is_recorded(tmp_path: Path) -> None:

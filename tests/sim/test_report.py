@@ -10,7 +10,7 @@ import pytest
 
 from common.rundir import RunWriter
 from fedge.algorithms.dsfl import DSFLSettings
-from fedge.config import RunConfig
+from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError, FedgeError
 from fedge.ledger import BROADCAST_CLIENT, ByteLedger, LedgerEntry
 from fedge.records import ByteCounts, Drop, Rejection, RoundRecord
@@ -190,6 +190,21 @@ def test_the_report_says_which_executor_and_device_ran_a_run(tmp_path):
     (run / "summary.json").write_text(json.dumps(summary))
     text = write_report([run], tmp_path / "out").read_text()
     assert "inprocess transport, processes executor (15 worker(s)) on cuda, seed 0" in text
+
+
+def test_the_report_records_each_runs_training_data_and_labels_augmented_runs_apart(tmp_path):
+    plain = RunConfig(algorithm="fedavg", num_clients=4, rounds=2)
+    paper = RunConfig(
+        algorithm="fedavg", num_clients=4, rounds=2, train_size=50_000, train=TrainConfig(augment="paper")
+    )
+    a = make_run(tmp_path, "plain", plain, [0.3, 0.4], up=1_000, down=1_000)
+    b = make_run(tmp_path, "paper", paper, [0.2, 0.3], up=1_000, down=1_000)
+    text = write_report([a, b], tmp_path / "out").read_text()
+    assert "- **FedAvg, no augmentation**: " in text and "seed 0, all training images, no augmentation" in text
+    assert "- **FedAvg, augment paper, 50000 images**: " in text
+    assert "seed 0, a seeded subset of 50,000 training images, augmentation 'paper' (random crop," in text
+    alone = write_report([b], tmp_path / "alone").read_text()  # one run: nothing to tell apart, the label stays short
+    assert "- **FedAvg**: " in alone
 
 
 def test_runs_without_accuracy(tmp_path):
