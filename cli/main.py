@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 import types
@@ -21,6 +22,7 @@ from fedge.algorithms import ALGORITHMS
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError, FedgeError
 from fedge.programs import ModelSpec
+from fedge.robust import DEPLOYMENT_ROBUST
 
 _HELP = {
     "algorithm": f"one of {', '.join(ALGORITHMS)}",
@@ -88,12 +90,18 @@ def _scalar_type(hint: Any) -> type:
     return hint if hint in (int, float, str, bool) else str
 
 
-def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
+def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *, deployment: bool = False) -> RunConfig:
     """``base`` (or ``--config``, or the defaults) with every flag the user gave applied on top.
 
     Algorithm settings apply to the run's algorithm; one that belongs only to other algorithms is an error that
-    names them.
+    names them. ``deployment`` (a coordinator over a broker, where any admitted client may be hostile): an algorithm
+    with a ``robust`` setting that neither ``base``, ``--config``'s ``algo`` section nor a flag sets gets
+    :data:`fedge.robust.DEPLOYMENT_ROBUST` instead of the papers' mean.
     """
+    chosen = base is not None  # a resumed run keeps what its config.json says
+    if getattr(args, "config", None):
+        raw = json.loads(Path(args.config).read_text())
+        chosen = isinstance(raw, dict) and "robust" in (raw.get("algo") or {})
     config = base or (RunConfig.from_json_file(args.config) if getattr(args, "config", None) else RunConfig())
     changes: dict[str, dict[str, Any]] = {"run": {}, "train": {}, "algo": {}}
     for key, value in vars(args).items():
@@ -111,19 +119,21 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) ->
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} is a setting of {', '.join(owners[name][2])}, not of {algorithm}")
     base_algo = config.algo if algorithm == config.algorithm else spec.settings()
+    if deployment and not chosen and "robust" in own:
+        base_algo = dataclasses.replace(base_algo, **{"robust": DEPLOYMENT_ROBUST})
     algo = dataclasses.replace(base_algo, **changes["algo"])
     train = dataclasses.replace(config.train, **changes["train"])
     return dataclasses.replace(config, **changes["run"], train=train, algo=algo)
 
 
-def _run_config(args: argparse.Namespace) -> RunConfig:
+def _run_config(args: argparse.Namespace, *, deployment: bool = False) -> RunConfig:
     """The run's config from the flags; with ``--resume RUN_DIR`` (and no ``--config``) on top of RUN_DIR's own."""
     resume = getattr(args, "resume", None)
     if resume is not None and not getattr(args, "config", None):
         if not (resume / "config.json").is_file():
             raise ConfigError(f"--resume {resume}: not a run directory (it has no config.json)")
         return config_from_args(args, RunConfig.from_json_file(resume / "config.json"))
-    return config_from_args(args)
+    return config_from_args(args, deployment=deployment)
 
 
 def _packet_limit(text: str) -> Any:
@@ -142,7 +152,7 @@ def _packet_size(text: str) -> int:
 def _cmd_sim(args: argparse.Namespace) -> int:
     from sim.cli import run_sim
 
-    return run_sim(args, _run_config(args))
+    return run_sim(args, _run_config(args, deployment=args.transport == "mqtt"))  # over a broker: a deployment
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -190,7 +200,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             return
         print(f"report: {write_report([path], path)}")
 
-    return run_coordinator_cli(args, _run_config(args), on_finish=report)
+    return run_coordinator_cli(args, _run_config(args, deployment=True), on_finish=report)
 
 
 def _cmd_client(args: argparse.Namespace) -> int:

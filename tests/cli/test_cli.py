@@ -54,6 +54,30 @@ def test_flags_override_a_config_file(tmp_path: Path):
     assert (cfg.algorithm, cfg.rounds, cfg.train.lr, cfg.algo.aggregation) == ("dsfl", 3, 0.2, "sa")
 
 
+def test_a_deployment_aggregates_robustly_by_default_and_the_simulator_keeps_the_mean(tmp_path: Path):
+    from cli.main import _run_config
+
+    def robust(*argv: str) -> str:
+        args = build_parser().parse_args(list(argv))
+        return str(_run_config(args, deployment=argv[0] == "coordinator" or "mqtt" in argv).algo.robust)
+
+    for algorithm in ("fedavg", "fedntd", "fedcad", "dsfl"):
+        assert robust("coordinator", "--algorithm", algorithm) == "trimmed_mean"
+        assert robust("sim", "--algorithm", algorithm, "--transport", "mqtt") == "trimmed_mean"
+        assert robust("sim", "--algorithm", algorithm) == "mean"  # the papers' aggregation
+        assert robust("coordinator", "--algorithm", algorithm, "--robust", "median") == "median"
+        assert robust("coordinator", "--algorithm", algorithm, "--robust", "mean") == "mean"  # asked for
+    path = tmp_path / "c.json"  # a config file's choice stands; a file that does not choose gets the default
+    path.write_text(json.dumps({"algorithm": "fedavg", "algo": {"robust": "mean", "clip_factor": 2.0}}))
+    assert robust("coordinator", "--config", str(path)) == "mean"
+    path.write_text(json.dumps({"algorithm": "fedavg", "algo": {"clip_factor": 2.0}}))
+    assert robust("coordinator", "--config", str(path)) == "trimmed_mean"
+    args = build_parser().parse_args(["coordinator", "--config", str(path)])
+    assert _run_config(args, deployment=True).algo.clip_factor == 2.0  # the file's other settings kept
+    args = build_parser().parse_args(["coordinator", "--algorithm", "fd"])
+    assert _run_config(args, deployment=True).algorithm == "fd"  # FD has no robust setting: nothing to change
+
+
 def test_cost_reproduces_the_dsfl_tables(capsys):
     assert main(["cost"]) == 0
     out = capsys.readouterr().out
