@@ -140,7 +140,7 @@ def _judge(msg: Message, sender: ClientId, ctx: RoundContext) -> tuple[str, str]
     if sender in ctx.replied:
         return "duplicate", f"{sender!r} already replied in round {rnd}"
     if sender in ctx.failed:
-        return "duplicate", f"{sender!r} already reported a failure in round {rnd}"
+        return "duplicate", f"{sender!r} already failed or was dropped in round {rnd}"
     if msg.kind == ERROR:
         error = printable(msg.params.get("error", "?"))
         ctx.failed[sender] = f"client failed: {error}"

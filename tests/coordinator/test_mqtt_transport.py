@@ -234,6 +234,48 @@ def test_a_client_that_reconnects_mid_round_gets_its_task_again(
     assert sorted(e.kind for e in resent) == ["broadcast", "task", "task"]
 
 
+def test_resends_are_bounded_one_per_reconnect_none_per_hello_and_a_flapping_client_is_dropped(
+    mosquitto_url: str,  # noqa: F811
+    fake_clients: Callable[..., FakeClient],  # noqa: F811
+) -> None:
+    run = "flap"
+    strategy = vector_strategy(run)
+    address = BrokerAddress.parse(mosquitto_url)
+    with MqttTransport(address, run, round_timeout=30, max_reconnects=2) as transport:
+        fakes = {c: fake_clients(mosquitto_url, run, c) for c in ("c000", "c001")}
+        transport.wait_for_clients(2, 10)
+        thread, holder, _ = start_round(transport, strategy, ["c000", "c001"])
+        for fake in fakes.values():
+            fake.next(TASK)
+        # c000 repeats its hello on its live connection (spaced past the presence rate limit): no resend.
+        for _ in range(4):
+            fakes["c000"]._announce(fakes["c000"].link)
+            time.sleep(0.6)
+        # c001 drops its connection three times; the limit is two reconnects, each worth one resend.
+        for cut in range(3):
+            sock = fakes["c001"].link._client.socket()
+            assert isinstance(sock, socket.socket)
+            sock.shutdown(socket.SHUT_RDWR)
+            deadline = time.monotonic() + 10
+            while fakes["c001"].link.connections < cut + 2:
+                assert time.monotonic() < deadline, "no reconnect"
+                time.sleep(0.05)
+            if cut < 2:
+                fakes["c001"].next(TASK)  # its task again, with its own copy of the broadcast
+        fakes["c000"].link.publish(transport.topics.update("c000"), update(run, "c000", 1, session=transport.session))
+        thread.join(30)
+        assert not thread.is_alive()
+    ex = holder["ex"]
+    assert list(ex.replies) == ["c000"]
+    (drop,) = ex.drops
+    assert drop.client == "c001" and drop.reason == "reconnected 3 times during the round (limit 2)"
+    down = Counter((e.client, e.kind) for e in ex.entries if e.direction == "down")
+    # The resent bytes are in the ledger: c000 got one task (its hellos cost nothing), c001 its task twice more.
+    assert down[("c000", "task")] == 1 and down[("c000", "broadcast")] == 0
+    assert down[("c001", "task")] == 3 and down[("c001", "broadcast")] == 2
+    assert all(e.payload_bytes > 0 for e in ex.entries if e.direction == "down")
+
+
 def test_waiting_for_clients_times_out_naming_who_is_missing_and_who_was_refused(
     embedded_url: str,  # noqa: F811
     fake_clients: Callable[..., FakeClient],  # noqa: F811
