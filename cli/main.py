@@ -241,6 +241,7 @@ def _cmd_provision(args: argparse.Namespace) -> int:
             client_certificates=args.client_certificates,
             broker_config_dir=args.fleet_broker_dir,
             max_packet_size=args.fleet_max_packet_size,
+            bind_address=args.fleet_bind,
         )
         print(f"wrote the fleet kit to {kit.root}: start mosquitto with `mosquitto -c {kit.mosquitto_conf}`,")
         print(f"the coordinator with `--bundle {kit.coordinator_dir}`, each client with --bundle clients/<id> copied")
@@ -389,7 +390,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--run", default="default", help="the run (federation) name the kit is for")
     p.add_argument("--fleet-port", type=int, default=0, help="the broker's port (default: 8883, or 1883 with --no-tls)")
-    p.add_argument("--client-certificates", action="store_true", help="mutual TLS: a certificate for every device")
+    p.add_argument(
+        "--client-certificates",
+        action="store_true",
+        help="mutual TLS: a certificate for every device, and the broker takes its login from the certificate",
+    )
+    p.add_argument(
+        "--fleet-bind",
+        default=None,
+        metavar="ADDRESS",
+        help="the one address the kit's broker listens on, e.g. 127.0.0.1 or a LAN address (default: every interface)",
+    )
     p.add_argument(
         "--fleet-broker-dir",
         type=Path,
