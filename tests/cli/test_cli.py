@@ -76,6 +76,20 @@ def test_a_deployment_aggregates_robustly_by_default_and_the_simulator_keeps_the
     assert _run_config(args, deployment=True).algo.clip_factor == 2.0  # the file's other settings kept
     args = build_parser().parse_args(["coordinator", "--algorithm", "fd"])
     assert _run_config(args, deployment=True).algorithm == "fd"  # FD has no robust setting: nothing to change
+    # The quorum: half the sampled clients over a broker, every one in fedge sim, whatever a flag or file says.
+    for argv, quorum in (
+        (["coordinator"], 0.5),
+        (["sim", "--transport", "mqtt"], 0.5),
+        (["sim"], 1.0),
+        (["coordinator", "--min-replies", "0.8"], 0.8),
+        (["coordinator", "--config", str(path)], 0.5),
+    ):
+        args = build_parser().parse_args(argv)
+        assert _run_config(args, deployment=argv[0] == "coordinator" or "mqtt" in argv).min_replies == quorum
+    path.write_text(json.dumps({"algorithm": "fedavg", "min_replies": 1.0}))
+    assert (
+        _run_config(build_parser().parse_args(["coordinator", "--config", str(path)]), deployment=True).min_replies == 1
+    )
 
 
 def test_cost_reproduces_the_dsfl_tables(capsys):
