@@ -22,7 +22,7 @@ from fedge.algorithms import ALGORITHMS
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError, FedgeError
 from fedge.programs import ModelSpec
-from fedge.robust import DEPLOYMENT_ROBUST
+from fedge.robust import DEPLOYMENT_CLIP_FACTOR
 
 DEPLOYMENT_MIN_REPLIES = 0.5
 """The quorum of ``fedge coordinator`` and the laptop runner over a broker: half the sampled clients, so a refused or
@@ -99,15 +99,16 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
 
     Algorithm settings apply to the run's algorithm; one that belongs only to other algorithms is an error that
     names them. ``deployment`` (a coordinator over a broker, where any admitted client may be hostile): what neither
-    ``base``, ``--config`` nor a flag sets takes the deployment's defaults: :data:`fedge.robust.DEPLOYMENT_ROBUST`
-    for an algorithm with a ``robust`` setting instead of the papers' mean, and a quorum of
-    :data:`DEPLOYMENT_MIN_REPLIES` instead of every sampled client (one refused reply must not skip a round).
+    ``base``, ``--config`` nor a flag sets takes the deployment's defaults: norm clipping at
+    :data:`fedge.robust.DEPLOYMENT_CLIP_FACTOR` for an algorithm with a ``clip_factor`` setting instead of the papers'
+    plain mean, and a quorum of :data:`DEPLOYMENT_MIN_REPLIES` instead of every sampled client (one refused reply
+    must not skip a round).
     """
-    chosen_robust = chosen_quorum = base is not None  # a resumed run keeps what its config.json says
+    chosen_clip = chosen_quorum = base is not None  # a resumed run keeps what its config.json says
     if getattr(args, "config", None):
         raw = json.loads(Path(args.config).read_text())
         raw = raw if isinstance(raw, dict) else {}
-        chosen_robust, chosen_quorum = "robust" in (raw.get("algo") or {}), "min_replies" in raw
+        chosen_clip, chosen_quorum = "clip_factor" in (raw.get("algo") or {}), "min_replies" in raw
     config = base or (RunConfig.from_json_file(args.config) if getattr(args, "config", None) else RunConfig())
     changes: dict[str, dict[str, Any]] = {"run": {}, "train": {}, "algo": {}}
     for key, value in vars(args).items():
@@ -125,8 +126,8 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} is a setting of {', '.join(owners[name][2])}, not of {algorithm}")
     base_algo = config.algo if algorithm == config.algorithm else spec.settings()
-    if deployment and not chosen_robust and "robust" in own:
-        base_algo = dataclasses.replace(base_algo, **{"robust": DEPLOYMENT_ROBUST})
+    if deployment and not chosen_clip and "clip_factor" in own:
+        base_algo = dataclasses.replace(base_algo, **{"clip_factor": DEPLOYMENT_CLIP_FACTOR})
     if deployment and not chosen_quorum:
         config = dataclasses.replace(config, min_replies=DEPLOYMENT_MIN_REPLIES)
     algo = dataclasses.replace(base_algo, **changes["algo"])

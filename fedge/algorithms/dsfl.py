@@ -73,10 +73,7 @@ class DSFLSettings(AlgorithmSettings):
     distill_batch_size: int = field(default=100, metadata=bounded(1, 1_000_000))
     robust: str = field(
         default="mean",
-        metadata=server_only(
-            "mean (eq. 16), or median or trimmed_mean of the uploads per sample and class (default: mean in fedge "
-            "sim, trimmed_mean over a broker)"
-        ),
+        metadata=server_only("mean (eq. 16), or median or trimmed_mean of the uploads per sample and class"),
     )
     trim_ratio: float = field(default=0.2, metadata=server_only("share trimmed at each end by trimmed_mean"))
     server_distill: bool = field(default=True, metadata=server_only("the server's global model distills too, eq. 11"))

@@ -60,14 +60,15 @@ class FedAvgSettings(AlgorithmSettings):
     )
     robust: str = field(
         default="mean",
-        metadata=server_only(
-            "mean (FedAvg), or coordinate-wise median or trimmed_mean of the updates (default: mean in fedge sim, "
-            "trimmed_mean over a broker)"
-        ),
+        metadata=server_only("mean (FedAvg), or coordinate-wise median or trimmed_mean of the updates"),
     )
     trim_ratio: float = field(default=0.2, metadata=server_only("share trimmed at each end by trimmed_mean"))
     clip_factor: float = field(
-        default=0.0, metadata=server_only("clip each update to this many times the round's median update norm (0: off)")
+        default=0.0,
+        metadata=server_only(
+            "clip each update to this many times the round's median update norm (0: off; default 0 in fedge sim, "
+            "2 over a broker)"
+        ),
     )
     max_update_ratio: float = field(
         default=10.0,

@@ -54,28 +54,30 @@ def test_flags_override_a_config_file(tmp_path: Path):
     assert (cfg.algorithm, cfg.rounds, cfg.train.lr, cfg.algo.aggregation) == ("dsfl", 3, 0.2, "sa")
 
 
-def test_a_deployment_aggregates_robustly_by_default_and_the_simulator_keeps_the_mean(tmp_path: Path):
+def test_a_deployment_clips_updates_by_default_and_the_simulator_keeps_the_plain_mean(tmp_path: Path):
     from cli.main import _run_config
 
-    def robust(*argv: str) -> str:
+    def clip(*argv: str) -> float:
         args = build_parser().parse_args(list(argv))
-        return str(_run_config(args, deployment=argv[0] == "coordinator" or "mqtt" in argv).algo.robust)
+        config = _run_config(args, deployment=argv[0] == "coordinator" or "mqtt" in argv)
+        assert config.algo.robust == "mean"
+        return float(config.algo.clip_factor)
 
-    for algorithm in ("fedavg", "fedntd", "fedcad", "dsfl"):
-        assert robust("coordinator", "--algorithm", algorithm) == "trimmed_mean"
-        assert robust("sim", "--algorithm", algorithm, "--transport", "mqtt") == "trimmed_mean"
-        assert robust("sim", "--algorithm", algorithm) == "mean"  # the papers' aggregation
-        assert robust("coordinator", "--algorithm", algorithm, "--robust", "median") == "median"
-        assert robust("coordinator", "--algorithm", algorithm, "--robust", "mean") == "mean"  # asked for
+    for algorithm in ("fedavg", "fedntd", "fedcad", "scaffold"):
+        assert clip("coordinator", "--algorithm", algorithm) == 1.0
+        assert clip("sim", "--algorithm", algorithm, "--transport", "mqtt") == 1.0
+        assert clip("sim", "--algorithm", algorithm) == 0.0  # the papers' aggregation
+        assert clip("coordinator", "--algorithm", algorithm, "--clip-factor", "0") == 0.0  # asked for
     path = tmp_path / "c.json"  # a config file's choice stands; a file that does not choose gets the default
-    path.write_text(json.dumps({"algorithm": "fedavg", "algo": {"robust": "mean", "clip_factor": 2.0}}))
-    assert robust("coordinator", "--config", str(path)) == "mean"
-    path.write_text(json.dumps({"algorithm": "fedavg", "algo": {"clip_factor": 2.0}}))
-    assert robust("coordinator", "--config", str(path)) == "trimmed_mean"
+    path.write_text(json.dumps({"algorithm": "fedavg", "algo": {"clip_factor": 0.0}}))
+    assert clip("coordinator", "--config", str(path)) == 0.0
+    path.write_text(json.dumps({"algorithm": "fedavg", "algo": {"weighting": "uniform"}}))
+    assert clip("coordinator", "--config", str(path)) == 1.0
     args = build_parser().parse_args(["coordinator", "--config", str(path)])
-    assert _run_config(args, deployment=True).algo.clip_factor == 2.0  # the file's other settings kept
-    args = build_parser().parse_args(["coordinator", "--algorithm", "fd"])
-    assert _run_config(args, deployment=True).algorithm == "fd"  # FD has no robust setting: nothing to change
+    assert _run_config(args, deployment=True).algo.weighting == "uniform"  # the file's other settings kept
+    for algorithm in ("fd", "dsfl"):  # no weights to clip: nothing changes
+        args = build_parser().parse_args(["coordinator", "--algorithm", algorithm])
+        assert _run_config(args, deployment=True).algo == _run_config(args).algo
     # The quorum: half the sampled clients over a broker, every one in fedge sim, whatever a flag or file says.
     for argv, quorum in (
         (["coordinator"], 0.5),

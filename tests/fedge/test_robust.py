@@ -76,3 +76,13 @@ def test_the_norm_reference_follows_the_majority_and_ignores_one_client():
     for client in "abc":
         history.observe(4, client, 2.0)
     assert history.reference(5, fallback=14.5) == 30.0 and history.medians == [30.0, 2.0]  # the last 2 rounds
+
+
+def test_clipping_also_caps_a_claimed_data_size_at_the_median_weight():
+    reference = {"w": torch.zeros(1)}
+    states = [{"w": torch.tensor([1.0])}, {"w": torch.tensor([1.0])}, {"w": torch.tensor([-1.0])}]  # last: attacker
+    # 2^40 claimed samples would make the attacker the whole mean; capped at the median weight (10) it is one of three.
+    assert torch.allclose(robust_average(states, [10, 10, 2**40], reference)["w"], torch.tensor([-1.0]), atol=1e-6)
+    assert torch.allclose(
+        robust_average(states, [10, 10, 2**40], reference, clip_factor=1.0)["w"], torch.tensor([1 / 3])
+    )

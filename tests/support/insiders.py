@@ -12,6 +12,7 @@ and derives the attack from it and from the broadcast it received:
 - ``rehello``: a new hello claiming 2^40 samples, then an all-zero model claiming 2^40 examples (MQTT only).
 - ``int8_offset``: +5 on every value of the output layer's bias, coded like every upload of the run (int8).
 - ``label_rotation``: an honestly trained update on labels rotated by one class.
+- ``confident_wrong`` (DS-FL): valid probability rows, each all on the class after the one its model predicts.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from fedge.messages import Message
 from fedge.robust import state_norm, update_norm
 from fedge.types import StateDict
 
-ATTACKS = ("replacement", "sign_flip", "rehello", "int8_offset", "label_rotation")
+ATTACKS = ("replacement", "sign_flip", "rehello", "int8_offset", "label_rotation", "confident_wrong")
 OUTPUT_LAYER = "layers.2."  # tiny_mlp's last Linear
 HUGE = 2**40
 
@@ -38,17 +39,27 @@ class Insider(EdgeClient):
     """An admitted client running ``attack`` every round; ``bound_ratio`` is the server's ``max_update_ratio``."""
 
     def __init__(self, honest: EdgeClient, attack: str, bound_ratio: float = 10.0) -> None:
-        assert attack in ATTACKS, attack
-        data = honest.data
-        if attack == "label_rotation":
-            data = ClientData(data.x, (data.y + 1) % data.num_classes, data.num_classes, data.open_x)
-        super().__init__(honest.client_id, data, honest.backend)
-        self.attack, self.bound_ratio = attack, bound_ratio
+        super().__init__(honest.client_id, honest.data, honest.backend)
+        d = honest.data
+        self.honest_data = d
+        self.rotated_data = ClientData(d.x, (d.y + 1) % d.num_classes, d.num_classes, d.open_x)
+        self.attack, self.bound_ratio = attack, bound_ratio  # the attack may change between runs
         self.rehello: Callable[[int], None] | None = None  # publishes a hello with this dataset size (MQTT)
+        self.reset: Callable[[], None] | None = None  # publishes its true hello again (MQTT)
 
     def handle(self, task: Message, broadcast: Message | None) -> Message:
+        assert self.attack in ATTACKS, self.attack
+        self.data = self.rotated_data if self.attack == "label_rotation" else self.honest_data
         if self.attack == "label_rotation":
             return super().handle(task, broadcast)
+        if self.attack == "confident_wrong":
+            update = super().handle(task, broadcast)
+            probs = update.tensor("soft_labels")
+            wrong = torch.nn.functional.one_hot((probs.argmax(dim=1) + 1) % probs.shape[1], probs.shape[1])
+            tensors = {"soft_labels": wrong.to(probs.dtype).contiguous()}
+            return Message(
+                update.kind, update.round, update.run, update.client, update.params, tensors, update.transport
+            )
         assert broadcast is not None, "a weight-exchange run"
         plain = decode_broadcast(broadcast)
         w_g: StateDict = dict(plain.tensors)
