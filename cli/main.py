@@ -234,7 +234,7 @@ def _cmd_provision(args: argparse.Namespace) -> int:
     from common.experiment import prepare
     from sim.provision import provision
 
-    exp = prepare(config_from_args(args))
+    exp = prepare(config_from_args(args, deployment=True))  # its config.json is what the coordinator will run
     files = provision(exp, args.out)
     print(f"wrote {len(files)} client data files and config.json to {args.out}")
     if args.fleet_broker:

@@ -513,6 +513,9 @@ def test_provision_fleet_bind_puts_the_broker_on_one_address_only(tmp_path: Path
     assert main(argv) == 0
     conf = (tmp_path / "kit" / "broker" / "mosquitto.conf").read_text()
     assert f"listener {port} 127.0.0.1\n" in conf
+    # The config.json the coordinator is started with carries the deployment's defaults.
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert (written["algo"]["clip_factor"], written["min_replies"]) == (1.0, 0.5)
     with pytest.raises(ConfigError, match="bind address"):
         make_kit(tmp_path / "bad", bind_address="0.0.0.0 ; rm")
     try:
