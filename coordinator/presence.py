@@ -1,5 +1,11 @@
 """Who is there: the clients that said hello on their status topics, whether they are online, and whether this run
-admits them (model, data shape, classes, open set, algorithms they can run)."""
+admits them (model, data shape, classes, open set, algorithms they can run).
+
+Admission state changes only by admission: the hello a client was admitted with is kept apart from its latest status,
+so a last will (dataset size 0) or a refused hello never changes what its replies are judged against (the cap on
+``num_examples``). A later hello that contradicts the admitted one (another data size, model, input shape, classes
+or open set) refuses the client for the rest of the run: a device does not change its data, an impostor or a bug
+does. The same hello again (a reconnect, a restarted process) is welcome."""
 
 from __future__ import annotations
 
@@ -42,6 +48,8 @@ class Presence:
     min_interval_s: float = 0.5  # status messages of one client closer together than this are dropped (rate limit)
     clients: dict[ClientId, ClientStatus] = field(default_factory=dict)
     refused: dict[ClientId, str] = field(default_factory=dict)
+    admitted: dict[ClientId, ClientStatus] = field(default_factory=dict)  # the hello each client was admitted with
+    banned: dict[ClientId, str] = field(default_factory=dict)  # refused for the run: its hellos contradicted admission
     ignored: int = 0  # status messages dropped by the two limits above
     _last_seen: dict[ClientId, float] = field(default_factory=dict)
 
@@ -61,8 +69,8 @@ class Presence:
         return client in self.clients
 
     def declared_size(self, client: ClientId) -> int | None:
-        """The number of samples ``client`` declared in its admitted hello."""
-        status = self.clients.get(client)
+        """The number of samples ``client`` declared in the hello it was admitted with (None: never admitted)."""
+        status = self.admitted.get(client)
         return status.dataset_size if status is not None else None
 
     def update(self, client: ClientId, payload: bytes, now: float | None = None) -> StatusChange | None:
@@ -102,7 +110,12 @@ class Presence:
             if was_online:
                 log.warning("client %s offline (%s)", client, printable(status.reason) or "no reason")
             return change
-        why = self.admit(status) if self.admit is not None else None
+        why = self.banned.get(client) or _contradiction(self.admitted.get(client), status)
+        if why and client not in self.banned:
+            self.banned[client] = why
+            log.warning("client %s is refused for the rest of the run: %s", client, why)
+        if not why and self.admit is not None:
+            why = self.admit(status)
         if why:
             if self.refused.get(client) != why:
                 log.warning("client %s cannot take part: %s", client, why)
@@ -110,6 +123,7 @@ class Presence:
             change.refused = why
             return change
         self.refused.pop(client, None)
+        self.admitted.setdefault(client, status)
         change.came_online = not was_online
         if change.came_online:
             log.info(
@@ -120,3 +134,18 @@ class Presence:
                 status.dataset_size,
             )
         return change
+
+
+_IDENTITY = ("dataset_size", "model", "input_shape", "num_classes", "open_size")
+"""What a client's data and model are: a hello that changes one of these is not the client that was admitted."""
+
+
+def _contradiction(admitted: ClientStatus | None, hello: ClientStatus) -> str | None:
+    """Why ``hello`` contradicts the hello this client was admitted with, or None."""
+    if admitted is None:
+        return None
+    for name in _IDENTITY:
+        before, now = getattr(admitted, name), getattr(hello, name)
+        if before != now:
+            return f"its hello changed {name} from {printable(str(before), 40)} to {printable(str(now), 40)}"
+    return None
