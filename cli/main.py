@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 import types
@@ -22,6 +23,11 @@ from fedge.algorithms import ALGORITHMS
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError, FedgeError
 from fedge.programs import ModelSpec
+from fedge.robust import DEPLOYMENT_CLIP_FACTOR
+
+DEPLOYMENT_MIN_REPLIES = 0.5
+"""The quorum of ``fedge coordinator`` and the laptop runner over a broker: half the sampled clients, so a refused or
+missing reply (an attacker's, a flaky device's) does not skip the round; ``fedge sim`` waits for every client."""
 
 _HELP = {
     "algorithm": f"one of {', '.join(ALGORITHMS)}",
@@ -89,12 +95,21 @@ def _scalar_type(hint: Any) -> type:
     return hint if hint in (int, float, str, bool) else str
 
 
-def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
+def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *, deployment: bool = False) -> RunConfig:
     """``base`` (or ``--config``, or the defaults) with every flag the user gave applied on top.
 
     Algorithm settings apply to the run's algorithm; one that belongs only to other algorithms is an error that
-    names them.
+    names them. ``deployment`` (a coordinator over a broker, where any admitted client may be hostile): what neither
+    ``base``, ``--config`` nor a flag sets takes the deployment's defaults: norm clipping at
+    :data:`fedge.robust.DEPLOYMENT_CLIP_FACTOR` for an algorithm with a ``clip_factor`` setting instead of the papers'
+    plain mean, and a quorum of :data:`DEPLOYMENT_MIN_REPLIES` instead of every sampled client (one refused reply
+    must not skip a round).
     """
+    chosen_clip = chosen_quorum = base is not None  # a resumed run keeps what its config.json says
+    if getattr(args, "config", None):
+        raw = json.loads(Path(args.config).read_text())
+        raw = raw if isinstance(raw, dict) else {}
+        chosen_clip, chosen_quorum = "clip_factor" in (raw.get("algo") or {}), "min_replies" in raw
     config = base or (RunConfig.from_json_file(args.config) if getattr(args, "config", None) else RunConfig())
     changes: dict[str, dict[str, Any]] = {"run": {}, "train": {}, "algo": {}}
     for key, value in vars(args).items():
@@ -112,12 +127,16 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) ->
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} is a setting of {', '.join(owners[name][2])}, not of {algorithm}")
     base_algo = config.algo if algorithm == config.algorithm else spec.settings()
+    if deployment and not chosen_clip and "clip_factor" in own:
+        base_algo = dataclasses.replace(base_algo, **{"clip_factor": DEPLOYMENT_CLIP_FACTOR})
+    if deployment and not chosen_quorum:
+        config = dataclasses.replace(config, min_replies=DEPLOYMENT_MIN_REPLIES)
     algo = dataclasses.replace(base_algo, **changes["algo"])
     train = dataclasses.replace(config.train, **changes["train"])
     return dataclasses.replace(config, **changes["run"], train=train, algo=algo)
 
 
-def _run_config(args: argparse.Namespace) -> RunConfig:
+def _run_config(args: argparse.Namespace, *, deployment: bool = False) -> RunConfig:
     """The run's config from the flags; with ``--resume RUN_DIR`` (and no ``--config``) on top of RUN_DIR's own.
     With ``--previous-journal``, RUN_DIR's journal of the round before (verified) becomes current first."""
     resume = getattr(args, "resume", None)
@@ -129,7 +148,7 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
             raise ConfigError(f"--resume {resume}: not a run directory (it has no config.json)")
         config = config_from_args(args, RunConfig.from_json_file(resume / "config.json"))
     else:
-        config = config_from_args(args)
+        config = config_from_args(args, deployment=deployment)
     if previous and resume is not None:
         from common.journal import roll_back_journal
 
@@ -162,7 +181,7 @@ def _packet_size(text: str) -> int:
 def _cmd_sim(args: argparse.Namespace) -> int:
     from sim.cli import run_sim
 
-    return run_sim(args, _run_config(args))
+    return run_sim(args, _run_config(args, deployment=args.transport == "mqtt"))  # over a broker: a deployment
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -210,7 +229,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             return
         print(f"report: {write_report([path], path)}")
 
-    return run_coordinator_cli(args, _run_config(args), on_finish=report)
+    return run_coordinator_cli(args, _run_config(args, deployment=True), on_finish=report)
 
 
 def _cmd_client(args: argparse.Namespace) -> int:
@@ -235,7 +254,7 @@ def _cmd_provision(args: argparse.Namespace) -> int:
     from common.experiment import prepare
     from sim.provision import provision
 
-    exp = prepare(config_from_args(args))
+    exp = prepare(config_from_args(args, deployment=True))  # its config.json is what the coordinator will run
     files = provision(exp, args.out)
     print(f"wrote {len(files)} client data files and config.json to {args.out}")
     if args.fleet_broker:
@@ -251,6 +270,7 @@ def _cmd_provision(args: argparse.Namespace) -> int:
             client_certificates=args.client_certificates,
             broker_config_dir=args.fleet_broker_dir,
             max_packet_size=args.fleet_max_packet_size,
+            bind_address=args.fleet_bind,
         )
         print(f"wrote the fleet kit to {kit.root}: start mosquitto with `mosquitto -c {kit.mosquitto_conf}`,")
         print(f"the coordinator with `--bundle {kit.coordinator_dir}`, each client with --bundle clients/<id> copied")
@@ -403,7 +423,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--run", default="default", help="the run (federation) name the kit is for")
     p.add_argument("--fleet-port", type=int, default=0, help="the broker's port (default: 8883, or 1883 with --no-tls)")
-    p.add_argument("--client-certificates", action="store_true", help="mutual TLS: a certificate for every device")
+    p.add_argument(
+        "--client-certificates",
+        action="store_true",
+        help="mutual TLS: a certificate for every device, and the broker takes its login from the certificate",
+    )
+    p.add_argument(
+        "--fleet-bind",
+        default=None,
+        metavar="ADDRESS",
+        help="the one address the kit's broker listens on, e.g. 127.0.0.1 or a LAN address (default: every interface)",
+    )
     p.add_argument(
         "--fleet-broker-dir",
         type=Path,

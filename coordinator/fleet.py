@@ -116,6 +116,8 @@ class FleetSpec:
             raise ConfigError(f"max_message_bytes must be > 0, got {self.max_message_bytes}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"broker port must be in 1..65535, got {self.port}")
+        if self.bind_address is not None and not (_HOST.match(self.bind_address) or _is_ip(self.bind_address)):
+            raise ConfigError(f"bind address {self.bind_address!r} is neither an IP address nor a host name")
         if self.client_certificates and not self.tls:
             raise ConfigError("client certificates need TLS")
         if self.chunk_packet_size is not None and self.chunk_packet_size < MIN_PACKET_SIZE:
@@ -266,6 +268,12 @@ def mosquitto_conf(spec: FleetSpec, broker_dir: Path) -> str:
             "tls_version tlsv1.2",  # the oldest version accepted
             f"require_certificate {'true' if spec.client_certificates else 'false'}",
         ]
+        if spec.client_certificates:
+            lines += [
+                "# The login is the certificate's common name (the device's user name): one device's certificate",
+                "# with another device's password connects as the certificate's owner, never as the other.",
+                "use_identity_as_username true",
+            ]
     return "\n".join(lines) + "\n"
 
 

@@ -85,6 +85,7 @@ class _Round:
     partial: dict[tuple[str, int], _Partial] = field(default_factory=dict)  # (client, message id) being reassembled
     refused: dict[tuple[str, int], None] = field(default_factory=dict)  # chunked messages refused, oldest first
     incomplete: dict[ClientId, str] = field(default_factory=dict)  # client -> why its chunked reply never completed
+    reconnects: dict[ClientId, int] = field(default_factory=dict)  # client -> its reconnects during the round
 
     @property
     def rnd(self) -> int:
@@ -106,9 +107,11 @@ class MqttTransport:
         connect_timeout: float = 30.0,
         qos: int = 1,
         max_packet_size: PacketLimit = "auto",
+        max_reconnects: int = 3,
     ) -> None:
         """``max_packet_size``: the largest MQTT packet to publish (see :class:`common.mqtt.MqttLink`); larger
-        messages travel as chunks."""
+        messages travel as chunks. ``max_reconnects``: how often a sampled client may reconnect during its round
+        (each time it gets its task and the broadcast again) before it is dropped for the round."""
         if round_timeout <= 0:
             raise TransportError(f"round timeout must be > 0 s, got {round_timeout}")
         if qos != 1:
@@ -117,6 +120,7 @@ class MqttTransport:
         self.topics = Topics(run)
         self.round_timeout = round_timeout
         self.rejoin_grace = rejoin_grace  # how long a client gone offline mid-round may take to come back
+        self.max_reconnects = max_reconnects
         # Tells clients which coordinator run a task belongs to: runs under one name restart at round 1.
         self.session = uuid.uuid4().hex[:12]
         self.presence = Presence(admit)
@@ -418,12 +422,18 @@ class MqttTransport:
         change = self.presence.update(client, item.payload)
         if change is None or state is None or client not in state.tasks or client in state.out.replies:
             return
-        if change.status.online and change.refused is None:
+        if change.came_online:  # a real reconnect; a hello on a live connection resends nothing
             if client in state.ctx.failed:
+                return
+            state.offline.pop(client, None)
+            count = state.reconnects[client] = state.reconnects.get(client, 0) + 1
+            if count > self.max_reconnects:  # each resend costs a task and a broadcast: a flapping login stops here
+                why = f"reconnected {count} times during the round (limit {self.max_reconnects})"
+                state.ctx.failed[client] = why
+                log.warning("round %d: client %s dropped: %s", state.rnd, client, why)
                 return
             # Back during its round: it lost its task with the old connection (clean session), so resend it.
             log.info("round %d: client %s is back; sending its task again", state.rnd, client)
-            state.offline.pop(client, None)
             self._send_task(state, client, decode(state.tasks[client]), resend=True)
         elif not change.status.online:
             state.offline.setdefault(client, (time.monotonic(), change.status.reason or "left"))

@@ -129,14 +129,18 @@ def _judge(msg: Message, sender: ClientId, ctx: RoundContext) -> tuple[str, str]
         return "late", f"a reply for round {msg.round} arrived in round {rnd}"
     if msg.round > rnd:
         return "wrong round", f"round {msg.round}, the current round is {rnd}"
-    if ctx.session and msg.transport.get(SESSION, ctx.session) != ctx.session:
-        return "late", f"a reply to round {msg.round} of an earlier coordinator session, not of this one"
+    if ctx.session:  # a transport with sessions: every reply names the one it answers, or it is refused
+        answered = msg.transport.get(SESSION)
+        if answered is None:
+            return "invalid", f"a reply to round {msg.round} without the session it answers"
+        if answered != ctx.session:
+            return "late", f"a reply to round {msg.round} of an earlier coordinator session, not of this one"
     if sender not in ctx.sampled:
         return "not sampled", f"{sender!r} has no task in round {rnd}"
     if sender in ctx.replied:
         return "duplicate", f"{sender!r} already replied in round {rnd}"
     if sender in ctx.failed:
-        return "duplicate", f"{sender!r} already reported a failure in round {rnd}"
+        return "duplicate", f"{sender!r} already failed or was dropped in round {rnd}"
     if msg.kind == ERROR:
         error = printable(msg.params.get("error", "?"))
         ctx.failed[sender] = f"client failed: {error}"

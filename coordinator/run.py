@@ -198,12 +198,14 @@ def provision_fleet(
     client_certificates: bool = False,
     broker_config_dir: Path | None = None,
     max_packet_size: int | None = None,
+    bind_address: str | None = None,
 ) -> FleetKit:
     """A fleet kit for ``exp``'s clients, its broker's message limit sized to this run's largest legitimate message,
     or ``max_packet_size`` bytes, to which the roles then chunk larger messages.
 
     ``broker_config_dir``: where the kit's ``broker/`` directory will be on the broker host (its mosquitto.conf names
-    its files by absolute path; default: where it is written)."""
+    its files by absolute path; default: where it is written). ``bind_address``: the one interface its listener
+    binds (default: every interface)."""
     strategy = exp.strategy(run)
     plan = strategy.configure(1, sorted(exp.parts))
     planned = [len(encode(m)) for m in (plan.broadcast, *plan.tasks.values()) if m is not None]
@@ -217,5 +219,6 @@ def provision_fleet(
         tls=tls,
         client_certificates=client_certificates,
         chunk_packet_size=max_packet_size,
+        bind_address=bind_address,
     )
     return generate_fleet_kit(spec, out, broker_config_dir=broker_config_dir)

@@ -301,8 +301,17 @@ def decode_status(payload: bytes) -> ClientStatus:
 
 
 def error_message(task: Message, reason: str) -> Message:
-    """What a client sends instead of an update when it cannot do ``task``."""
-    return Message(ERROR, task.round, run=task.run, client=task.client, params={"error": reason[: wire.MAX_STRING]})
+    """What a client sends instead of an update when it cannot do ``task``; like every reply, it names the session
+    of the task it answers."""
+    session = {SESSION: task.transport[SESSION]} if SESSION in task.transport else {}
+    return Message(
+        ERROR,
+        task.round,
+        run=task.run,
+        client=task.client,
+        params={"error": reason[: wire.MAX_STRING]},
+        transport=session,
+    )
 
 
 # --- wire bytes (MQTT 3.1.1) -------------------------------------------------------------------------------------

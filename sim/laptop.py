@@ -83,7 +83,15 @@ def run_over_mqtt(
         provisioned: tuple[ClientId, ...] | None = None
         if broker is None:
             port = free_port()
-            kit = provision_fleet(exp, data_dir / "kit", run=run, broker_hosts=["127.0.0.1"], port=port, tls=False)
+            kit = provision_fleet(  # no TLS: its listener must stay on loopback, where the embedded broker binds
+                exp,
+                data_dir / "kit",
+                run=run,
+                broker_hosts=["127.0.0.1"],
+                port=port,
+                tls=False,
+                bind_address="127.0.0.1",
+            )
             url = stack.enter_context(embedded_broker(port, fleet=kit.broker_dir))
             coordinator = load_bundle(kit.coordinator_dir, broker=url)
             address, provisioned = coordinator.address, coordinator.clients

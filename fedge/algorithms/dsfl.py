@@ -54,7 +54,7 @@ from fedge.messages import Message
 from fedge.metrics import mean_entropy
 from fedge.models import exchanged_state
 from fedge.objectives import Objective, ObjectiveInput, register_objective
-from fedge.robust import check_rule
+from fedge.robust import check_rule, robust_rows
 from fedge.training import SGDSettings, TrainRequest, train
 from fedge.types import ClientId
 from fedge.wire import bounded, server_only
@@ -71,7 +71,10 @@ class DSFLSettings(AlgorithmSettings):
     distill_epochs: int = field(default=2, metadata=bounded(0, 10_000, help="epochs of distillation, eq. 10-11"))
     distill_lr: float = field(default=0.1, metadata=bounded(0.0, 1e3, help="learning rate of the distillation"))
     distill_batch_size: int = field(default=100, metadata=bounded(1, 1_000_000))
-    robust: str = field(default="mean", metadata=server_only("mean, median or trimmed_mean of the uploads per value"))
+    robust: str = field(
+        default="mean",
+        metadata=server_only("mean (eq. 16), or median or trimmed_mean of the uploads per sample and class"),
+    )
     trim_ratio: float = field(default=0.2, metadata=server_only("share trimmed at each end by trimmed_mean"))
     server_distill: bool = field(default=True, metadata=server_only("the server's global model distills too, eq. 11"))
 
@@ -192,6 +195,10 @@ class DistillationSemiSupervised(Strategy):
     def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
         s = self.settings
         uploads = [replies[c].tensor("soft_labels") for c in sorted(replies)]
+        if s.robust != "mean":
+            # Median or trimmed mean per sample and class, rows renormalized: it takes the place of eq. 16's mean,
+            # which ERA (eq. 13) then sharpens, so a few confidently wrong uploads cannot set the labels.
+            uploads = [robust_rows(uploads, rule=s.robust, trim_ratio=s.trim_ratio)]
         soft = (
             aggregate_era(uploads, temperature=s.era_temperature) if s.aggregation == "era" else aggregate_sa(uploads)
         )

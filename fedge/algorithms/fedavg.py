@@ -9,6 +9,7 @@ as Flower's FedProx overrides one method.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -42,7 +43,7 @@ from fedge.errors import CodecError, ConfigError
 from fedge.messages import Message
 from fedge.models import exchanged_state, load_exchanged_state
 from fedge.objectives import Objective, register_objective
-from fedge.robust import check_rule, robust_average, state_norm, update_norm
+from fedge.robust import UpdateNormHistory, check_rule, robust_average, state_norm, update_norm
 from fedge.training import TrainRequest, TrainStats
 from fedge.types import ClientId, StateDict
 from fedge.wire import server_only
@@ -59,15 +60,23 @@ class FedAvgSettings(AlgorithmSettings):
         default="weighted", metadata=server_only("aggregation: weighted (by data size, eq. 2) or uniform")
     )
     robust: str = field(
-        default="mean", metadata=server_only("mean (FedAvg), or coordinate-wise median or trimmed_mean of the updates")
+        default="mean",
+        metadata=server_only("mean (FedAvg), or coordinate-wise median or trimmed_mean of the updates"),
     )
     trim_ratio: float = field(default=0.2, metadata=server_only("share trimmed at each end by trimmed_mean"))
     clip_factor: float = field(
-        default=0.0, metadata=server_only("clip each update to this many times the round's median update norm (0: off)")
+        default=0.0,
+        metadata=server_only(
+            "clip each update to this many times the round's median update norm (0: off; default 0 in fedge sim, "
+            "2 over a broker)"
+        ),
     )
     max_update_ratio: float = field(
         default=10.0,
-        metadata=server_only("reject an update whose norm exceeds this many times the global model's norm (0: off)"),
+        metadata=server_only(
+            "reject an update whose norm exceeds this many times the recent rounds' median update norm (the initial "
+            "model's norm in round 1; 0: off)"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -96,30 +105,43 @@ class FedAvg(Strategy):
         super().__init__(config, context)
         self._model = self.model_factory()  # scratch module for evaluation
         self._weights: StateDict = exchanged_state(self._model)
+        # The update bound's reference: before any round's median, the initial model's norm (no client set it).
+        self._norms = UpdateNormHistory()
+        self._initial_norm = max(state_norm(self._weights), 1.0)
 
     def global_weights(self) -> StateDict:
         return self._weights
 
     def state(self) -> StrategyState:
-        return {_WEIGHTS + k: v for k, v in self._weights.items()}, {}
+        return {_WEIGHTS + k: v for k, v in self._weights.items()}, {"update_norm_medians": list(self._norms.medians)}
 
     def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
         self._weights = tensors_like(tensors, _WEIGHTS, self._weights)
+        medians = values.get("update_norm_medians", [])
+        if not (isinstance(medians, list) and all(isinstance(m, float) and math.isfinite(m) for m in medians)):
+            raise ConfigError("the saved state's update_norm_medians must be a list of finite numbers")
+        self._norms = UpdateNormHistory(medians=medians[-self._norms.window :])
 
     def reply_tensors(self) -> dict[str, TensorSpec]:
         return {k: (tuple(v.shape), v.dtype) for k, v in self._weights.items()}
 
     def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
-        """Also refuses an update that moves the model absurdly far (finite values near 3e38, a scaled model)."""
+        """Also refuses an update that moves the model absurdly far (finite values near 3e38, a scaled model).
+
+        The bound is ``max_update_ratio`` x a reference no single client can inflate (:class:`UpdateNormHistory`),
+        not the global model's norm: an accepted update that grew the model would raise that bound for the attacker
+        and push every honest update of the moved model above it.
+        """
         report = super().check_reply(rnd, client, reply)
         ratio = self.settings.max_update_ratio
         if ratio > 0:
-            reference = max(state_norm(self._weights), 1.0)
+            reference = self._norms.reference(rnd, self._initial_norm)
             moved = update_norm({k: reply.tensors[k] for k in self._weights}, self._weights)
+            self._norms.observe(rnd, client, moved)
             if not moved <= ratio * reference:  # also catches an overflow to inf
                 raise CodecError(
-                    f"the update moves the model by {moved:.3g}, more than {ratio:g} x the global model's norm "
-                    f"({reference:.3g}); refused"
+                    f"the update moves the model by {moved:.3g}, more than {ratio:g} x the reference update norm "
+                    f"({reference:.3g}, the recent rounds' median); refused"
                 )
         return report
 

@@ -54,6 +54,46 @@ def test_flags_override_a_config_file(tmp_path: Path):
     assert (cfg.algorithm, cfg.rounds, cfg.train.lr, cfg.algo.aggregation) == ("dsfl", 3, 0.2, "sa")
 
 
+def test_a_deployment_clips_updates_by_default_and_the_simulator_keeps_the_plain_mean(tmp_path: Path):
+    from cli.main import _run_config
+
+    def clip(*argv: str) -> float:
+        args = build_parser().parse_args(list(argv))
+        config = _run_config(args, deployment=argv[0] == "coordinator" or "mqtt" in argv)
+        assert config.algo.robust == "mean"
+        return float(config.algo.clip_factor)
+
+    for algorithm in ("fedavg", "fedntd", "fedcad", "scaffold"):
+        assert clip("coordinator", "--algorithm", algorithm) == 1.0
+        assert clip("sim", "--algorithm", algorithm, "--transport", "mqtt") == 1.0
+        assert clip("sim", "--algorithm", algorithm) == 0.0  # the papers' aggregation
+        assert clip("coordinator", "--algorithm", algorithm, "--clip-factor", "0") == 0.0  # asked for
+    path = tmp_path / "c.json"  # a config file's choice stands; a file that does not choose gets the default
+    path.write_text(json.dumps({"algorithm": "fedavg", "algo": {"clip_factor": 0.0}}))
+    assert clip("coordinator", "--config", str(path)) == 0.0
+    path.write_text(json.dumps({"algorithm": "fedavg", "algo": {"weighting": "uniform"}}))
+    assert clip("coordinator", "--config", str(path)) == 1.0
+    args = build_parser().parse_args(["coordinator", "--config", str(path)])
+    assert _run_config(args, deployment=True).algo.weighting == "uniform"  # the file's other settings kept
+    for algorithm in ("fd", "dsfl"):  # no weights to clip: nothing changes
+        args = build_parser().parse_args(["coordinator", "--algorithm", algorithm])
+        assert _run_config(args, deployment=True).algo == _run_config(args).algo
+    # The quorum: half the sampled clients over a broker, every one in fedge sim, whatever a flag or file says.
+    for argv, quorum in (
+        (["coordinator"], 0.5),
+        (["sim", "--transport", "mqtt"], 0.5),
+        (["sim"], 1.0),
+        (["coordinator", "--min-replies", "0.8"], 0.8),
+        (["coordinator", "--config", str(path)], 0.5),
+    ):
+        args = build_parser().parse_args(argv)
+        assert _run_config(args, deployment=argv[0] == "coordinator" or "mqtt" in argv).min_replies == quorum
+    path.write_text(json.dumps({"algorithm": "fedavg", "min_replies": 1.0}))
+    assert (
+        _run_config(build_parser().parse_args(["coordinator", "--config", str(path)]), deployment=True).min_replies == 1
+    )
+
+
 def test_cost_reproduces_the_dsfl_tables(capsys):
     assert main(["cost"]) == 0
     out = capsys.readouterr().out

@@ -258,6 +258,30 @@ def test_mutual_tls_client_certificates(tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("mosquitto")
+def test_a_client_certificate_is_bound_to_its_own_login(tmp_path: Path) -> None:
+    """c001's certificate and key with c002's user name and password: the broker logs in c001, whose ACL keeps it
+    off c002's topics, so it cannot speak for c002."""
+    kit = make_kit(tmp_path, clients=("c001", "c002"), client_certificates=True)
+    with fleet_mosquitto(kit.broker_dir) as url:
+        server = load_bundle(kit.coordinator_dir, broker=url)
+        own = load_bundle(kit.client_dirs["c001"], broker=url)
+        other = load_bundle(kit.client_dirs["c002"], broker=url)
+        mixed = replace(other.address, cert_file=own.address.cert_file, key_file=own.address.key_file)
+        with (
+            MqttLink(server.address, server.username, subscriptions=[(T.all_statuses, 1)]).start(5) as coordinator,
+            MqttLink(mixed, other.username).start(5) as intruder,
+        ):
+            intruder.publish(T.status("c002"), b"as c002", qos=1)  # refused by the ACL of the certificate's login
+            intruder.publish(T.status("c001"), b"as c001", qos=1)  # the certificate's owner may
+            got = coordinator.get(5)
+            assert got is not None and (got.topic, got.payload) == (T.status("c001"), b"as c001")
+            assert coordinator.get(1.0) is None
+        with MqttLink(other.address, other.username).start(5) as honest:  # c002's own certificate and login
+            honest.publish(T.status("c002"), b"as c002", qos=1)
+        assert "use_identity_as_username true" in (kit.broker_dir / "mosquitto.conf").read_text()
+
+
+@pytest.mark.usefixtures("mosquitto")
 def test_model_sized_messages_keep_flowing_over_tls(tmp_path: Path) -> None:
     """Regressions: paho writing from the publishing thread while the network thread read the same TLS socket broke
     the session ([SSL: BAD_LENGTH]) within a few 2.3 MB messages, and paho left about one such message in 30 read

@@ -46,7 +46,7 @@ from fedge.data import Dataset
 from fedge.errors import ConfigError
 from fedge.ledger import read_ledger_csv
 from fedge.messages import BROADCAST, TASK, UPDATE, Message, encode
-from fedge.protocol import BrokerAddress, publish_packet_bytes
+from fedge.protocol import SESSION, BrokerAddress, publish_packet_bytes
 from fedge.types import ClientId
 from sim.brokers import mosquitto_broker
 
@@ -286,7 +286,15 @@ def test_hostile_chunks_are_rejected_by_the_reply_policy_with_bounded_memory(
             fake.next(TASK)
         t = transport.topics
         honest = encode(
-            Message(UPDATE, 1, run=run, client="c000", params={"num_examples": "3"}, tensors={"w": torch.ones(N)})
+            Message(
+                UPDATE,
+                1,
+                run=run,
+                client="c000",
+                params={"num_examples": "3"},
+                tensors={"w": torch.ones(N)},
+                transport={SESSION: transport.session},
+            )
         )
         limit = chunking.largest_payload(t.update("c000"), 2048)
         good = chunking.split(honest, limit, message_id=1)
@@ -310,7 +318,13 @@ def test_hostile_chunks_are_rejected_by_the_reply_policy_with_bounded_memory(
                 t.update("c001"),
                 encode(
                     Message(
-                        UPDATE, 1, run=run, client="c001", params={"num_examples": "3"}, tensors={"w": torch.ones(N)}
+                        UPDATE,
+                        1,
+                        run=run,
+                        client="c001",
+                        params={"num_examples": "3"},
+                        tensors={"w": torch.ones(N)},
+                        transport={SESSION: transport.session},
                     )
                 ),
             ),

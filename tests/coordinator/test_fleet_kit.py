@@ -32,7 +32,7 @@ from coordinator.fleet import (
 )
 from fedge.errors import ConfigError, TransportError
 from fedge.protocol import BrokerAddress, ClientStatus, Topics
-from sim.brokers import embedded_broker, find_mosquitto, fleet_mosquitto, free_port
+from sim.brokers import embedded_broker, find_mosquitto, fleet_mosquitto, free_port, wait_for_port
 
 pytestmark = [
     pytest.mark.broker,
@@ -536,3 +536,33 @@ def test_a_password_never_crosses_the_network_on_plain_mqtt_unless_told(
     for host in ("127.0.0.1", "localhost", "[::1]"):  # the laptop's own broker: nothing leaves the machine
         assert _connection("--broker", f"mqtt://{host}:1883", *login)
     assert _connection("--broker", "mqtt://192.0.2.7:1883")  # no login, nothing to leak
+
+
+def test_provision_fleet_bind_puts_the_broker_on_one_address_only(tmp_path: Path) -> None:
+    """``fedge provision --fleet-bind 127.0.0.1``: the kit's mosquitto listens on loopback and nowhere else."""
+    from cli.main import main
+
+    port = free_port()
+    argv = ["provision", "--out", str(tmp_path), "--dataset", "synthetic", "--model", "tiny_mlp", "--num-clients", "2"]
+    argv += ["--fleet-broker", "127.0.0.1", "--no-tls", "--fleet-port", str(port), "--fleet-bind", "127.0.0.1"]
+    assert main(argv) == 0
+    conf = (tmp_path / "kit" / "broker" / "mosquitto.conf").read_text()
+    assert f"listener {port} 127.0.0.1\n" in conf
+    # The config.json the coordinator is started with carries the deployment's defaults.
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert (written["algo"]["clip_factor"], written["min_replies"]) == (1.0, 0.5)
+    with pytest.raises(ConfigError, match="bind address"):
+        make_kit(tmp_path / "bad", bind_address="0.0.0.0 ; rm")
+    try:
+        find_mosquitto()
+    except TransportError as exc:  # no mosquitto here: the configuration line is what was checked
+        pytest.skip(str(exc))
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the address of the default route
+    outside = probe.getsockname()[0]
+    probe.close()
+    with fleet_mosquitto(tmp_path / "kit" / "broker"):
+        assert wait_for_port("127.0.0.1", port, 5.0)
+        if outside != "127.0.0.1":
+            with pytest.raises(OSError):
+                socket.create_connection((outside, port), timeout=2).close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import socket
 import threading
@@ -30,6 +31,7 @@ from fedge.errors import TransportError
 from fedge.messages import BROADCAST, TASK, UPDATE, Message, encode
 from fedge.protocol import (
     COMPUTE_S,
+    SESSION,
     BrokerAddress,
     ClientStatus,
     delivery_wire_bytes,
@@ -71,13 +73,15 @@ def update(
     rnd: int,
     w: torch.Tensor | None = None,
     transport: dict[str, str] | None = None,
+    *,
+    session: str | None,
     **params: str,
 ) -> bytes:
+    """An update of ``client``; ``session`` is the coordinator session it answers (None: the field is missing)."""
     w = torch.ones(4) if w is None else w
     params = {"num_examples": "3", **params}
-    return encode(
-        Message(UPDATE, rnd, run=run, client=client, params=params, tensors={"w": w}, transport=transport or {})
-    )
+    meta = {**({SESSION: session} if session is not None else {}), **(transport or {})}
+    return encode(Message(UPDATE, rnd, run=run, client=client, params=params, tensors={"w": w}, transport=meta))
 
 
 def start_round(
@@ -113,19 +117,27 @@ def test_every_bad_message_is_rejected_with_its_reason_and_the_round_completes(
         # One sender, QoS 1: the broker keeps their order, so the duplicate arrives before the round closes.
         for topic, payload in [
             (t.update("c000"), b"\x10\x00\x00\x00\x00\x00\x00\x00garbage"),
-            (t.update("c000"), update(run, "c000", 0)),
-            (t.update("c000"), update(run, "c000", 2)),
-            (t.update("c999"), update(run, "c999", 1)),
-            (t.update("c002"), update(run, "c002", 1)),
-            (t.update("c001"), update(run, "c001", 1, torch.ones(5))),
-            (t.update("c001"), update(run, "c001", 1, torch.ones(4, dtype=torch.float64))),
-            (t.update("c001"), update(run, "c001", 1, nan)),
-            (t.update("c000"), update(run, "c001", 1)),
-            (t.update("c000"), update("other-run", "c000", 1)),
-            (t.update("c000"), update(run, "c000", 1, loss="low")),  # aggregation would choke on it later
-            (t.update("c000"), update(run, "c000", 1, transport={COMPUTE_S: "0.25"})),
-            (t.update("c000"), update(run, "c000", 1)),
-            (t.update("c001"), update(run, "c001", 1, transport={COMPUTE_S: "soon"})),  # bad timing: accepted
+            (t.update("c000"), update(run, "c000", 0, session=transport.session)),
+            (t.update("c000"), update(run, "c000", 2, session=transport.session)),
+            (t.update("c999"), update(run, "c999", 1, session=transport.session)),
+            (t.update("c002"), update(run, "c002", 1, session=transport.session)),
+            (t.update("c001"), update(run, "c001", 1, torch.ones(5), session=transport.session)),
+            (t.update("c001"), update(run, "c001", 1, torch.ones(4, dtype=torch.float64), session=transport.session)),
+            (t.update("c001"), update(run, "c001", 1, nan, session=transport.session)),
+            (t.update("c000"), update(run, "c001", 1, session=transport.session)),
+            (t.update("c000"), update("other-run", "c000", 1, session=transport.session)),
+            (
+                t.update("c000"),
+                update(run, "c000", 1, loss="low", session=transport.session),
+            ),  # aggregation would choke on it later
+            (t.update("c000"), update(run, "c000", 1, session=None)),  # no session: refused with a reason
+            (t.update("c000"), update(run, "c000", 1, session="0123456789ab")),  # another coordinator's session
+            (t.update("c000"), update(run, "c000", 1, transport={COMPUTE_S: "0.25"}, session=transport.session)),
+            (t.update("c000"), update(run, "c000", 1, session=transport.session)),
+            (
+                t.update("c001"),
+                update(run, "c001", 1, transport={COMPUTE_S: "soon"}, session=transport.session),
+            ),  # bad timing: accepted
         ]:
             sender.publish(topic, payload)
         thread.join(30)
@@ -135,26 +147,28 @@ def test_every_bad_message_is_rejected_with_its_reason_and_the_round_completes(
     categories = Counter(r.category for r in ex.rejections)
     assert categories == {
         "unparseable": 1,
-        "late": 1,
+        "late": 2,  # an earlier round, another session
         "wrong round": 1,
         "unknown client": 1,
         "not sampled": 1,
-        "invalid": 5,  # wrong shape, wrong dtype, NaN, wrong run, a loss that is not a number
+        "invalid": 6,  # wrong shape, wrong dtype, NaN, wrong run, a loss that is not a number, no session
         "wrong sender": 1,
         "duplicate": 1,
     }
     assert set(categories) <= set(CATEGORIES)
     invalid = [r for r in ex.rejections if r.category == "invalid"]
-    for rejection, why in zip(invalid, ("[5]", "float64", "NaN", "'other-run'", "'loss'"), strict=True):
+    for rejection, why in zip(
+        invalid, ("[5]", "float64", "NaN", "'other-run'", "'loss'", "without the session"), strict=True
+    ):
         assert why in rejection.detail, rejection
     assert [r.client for r in ex.rejections if r.category in ("unknown client", "not sampled")] == ["c999", "c002"]
     # The timings of the accepted replies travel in the exchange; a client's nonsense compute time becomes NaN.
     timings = {x.client: x for x in ex.timings}
     assert timings["c000"].compute_s == 0.25 and math.isnan(timings["c001"].compute_s)
     assert all(x.round_trip_s >= 0 for x in ex.timings)
-    # Every message that arrived is in the ledger: 14 uploads, the broadcast and two tasks.
+    # Every message that arrived is in the ledger: 16 uploads, the broadcast and two tasks.
     ups = [e for e in ex.entries if e.direction == "up"]
-    assert len(ups) == 14 and ups[0].kind == "invalid" and ups[0].tensor_bytes == 0
+    assert len(ups) == 16 and ups[0].kind == "invalid" and ups[0].tensor_bytes == 0
     (bc,) = [e for e in ex.entries if e.kind == "broadcast"]
     assert bc.recipients == 2 and bc.tensor_bytes == 16
     # Counted for the two sampled clients, but the broker delivers a copy to every online subscriber.
@@ -174,11 +188,12 @@ def test_silent_failed_and_offline_clients_are_dropped_with_reasons(
         thread, holder, plan = start_round(transport, strategy, clients)
         for fake in fakes.values():
             fake.next(TASK)
-        fakes["c000"].link.publish(transport.topics.update("c000"), update(run, "c000", 1))
+        fakes["c000"].link.publish(transport.topics.update("c000"), update(run, "c000", 1, session=transport.session))
         # c001 says goodbye the way its last will would; c002 stays silent; c003 cannot do its task.
         offline = encode_status(ClientStatus(client="c001", state="offline", reason="connection lost"), run)
         fakes["c001"].link.publish(transport.topics.status("c001"), offline, retain=True)
-        failed = encode(error_message(plan.tasks["c003"], "no open set here"))
+        task = dataclasses.replace(plan.tasks["c003"], transport={SESSION: transport.session})  # as it arrived
+        failed = encode(error_message(task, "no open set here"))
         fakes["c003"].link.publish(transport.topics.update("c003"), failed)
         started = time.monotonic()
         thread.join(10)
@@ -210,13 +225,55 @@ def test_a_client_that_reconnects_mid_round_gets_its_task_again(
         assert isinstance(sock, socket.socket)
         sock.shutdown(socket.SHUT_RDWR)
         fake.next(TASK)  # sent again, on the task topic, together with its own copy of the broadcast
-        fake.link.publish(transport.topics.update("c000"), update(run, "c000", 1))
+        fake.link.publish(transport.topics.update("c000"), update(run, "c000", 1, session=transport.session))
         thread.join(20)
         assert fake.link.connections == 2
     ex = holder["ex"]
     assert list(ex.replies) == ["c000"] and ex.drops == []
     resent = [e for e in ex.entries if e.direction == "down" and e.client == "c000"]
     assert sorted(e.kind for e in resent) == ["broadcast", "task", "task"]
+
+
+def test_resends_are_bounded_one_per_reconnect_none_per_hello_and_a_flapping_client_is_dropped(
+    mosquitto_url: str,  # noqa: F811
+    fake_clients: Callable[..., FakeClient],  # noqa: F811
+) -> None:
+    run = "flap"
+    strategy = vector_strategy(run)
+    address = BrokerAddress.parse(mosquitto_url)
+    with MqttTransport(address, run, round_timeout=30, max_reconnects=2) as transport:
+        fakes = {c: fake_clients(mosquitto_url, run, c) for c in ("c000", "c001")}
+        transport.wait_for_clients(2, 10)
+        thread, holder, _ = start_round(transport, strategy, ["c000", "c001"])
+        for fake in fakes.values():
+            fake.next(TASK)
+        # c000 repeats its hello on its live connection (spaced past the presence rate limit): no resend.
+        for _ in range(4):
+            fakes["c000"]._announce(fakes["c000"].link)
+            time.sleep(0.6)
+        # c001 drops its connection three times; the limit is two reconnects, each worth one resend.
+        for cut in range(3):
+            sock = fakes["c001"].link._client.socket()
+            assert isinstance(sock, socket.socket)
+            sock.shutdown(socket.SHUT_RDWR)
+            deadline = time.monotonic() + 10
+            while fakes["c001"].link.connections < cut + 2:
+                assert time.monotonic() < deadline, "no reconnect"
+                time.sleep(0.05)
+            if cut < 2:
+                fakes["c001"].next(TASK)  # its task again, with its own copy of the broadcast
+        fakes["c000"].link.publish(transport.topics.update("c000"), update(run, "c000", 1, session=transport.session))
+        thread.join(30)
+        assert not thread.is_alive()
+    ex = holder["ex"]
+    assert list(ex.replies) == ["c000"]
+    (drop,) = ex.drops
+    assert drop.client == "c001" and drop.reason == "reconnected 3 times during the round (limit 2)"
+    down = Counter((e.client, e.kind) for e in ex.entries if e.direction == "down")
+    # The resent bytes are in the ledger: c000 got one task (its hellos cost nothing), c001 its task twice more.
+    assert down[("c000", "task")] == 1 and down[("c000", "broadcast")] == 0
+    assert down[("c001", "task")] == 3 and down[("c001", "broadcast")] == 2
+    assert all(e.payload_bytes > 0 for e in ex.entries if e.direction == "down")
 
 
 def test_waiting_for_clients_times_out_naming_who_is_missing_and_who_was_refused(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fedge.errors import ConfigError
-from fedge.robust import coordinate_median, robust_average, robust_rows, trimmed_mean, update_norm
+from fedge.robust import UpdateNormHistory, coordinate_median, robust_average, robust_rows, trimmed_mean, update_norm
 
 
 def test_coordinate_median_and_trimmed_mean_by_hand():
@@ -52,3 +52,37 @@ def test_robust_soft_label_rows_stay_probability_vectors():
     assert torch.allclose(median.sum(dim=1), torch.ones(1))
     with pytest.raises(ConfigError, match="trim_ratio"):
         robust_rows(rows, rule="trimmed_mean", trim_ratio=0.5)
+
+
+def test_trimmed_mean_drops_one_value_at_each_end_of_a_small_round():
+    values = torch.tensor([[1.0], [2.0], [1000.0]])  # 3 replies: 20% of 3 rounds to 0, yet one attacker must go
+    assert torch.equal(trimmed_mean(values, 0.2), torch.tensor([2.0]))
+    assert torch.equal(trimmed_mean(values, 0.0), values.mean(dim=0))
+
+
+def test_the_norm_reference_follows_the_majority_and_ignores_one_client():
+    history = UpdateNormHistory(window=2)
+    assert history.reference(1, fallback=14.5) == 14.5  # no round over yet: the initial model's norm
+    for client, norm in zip("abcde", (1.0, 1.2, 0.9, 1.1, 9000.0), strict=True):  # e: one huge update of five
+        history.observe(1, client, norm)
+    for _ in range(5):
+        history.observe(1, "e", 9000.0)  # more messages of the same client: still one vote
+    assert history.reference(2, fallback=14.5) == 1.1  # round 1's median: the attacker did not move it
+    for client, norm in zip("abc", (30.0, 31.0, 29.0), strict=True):  # the model moved, the majority's updates grew
+        history.observe(2, client, norm)
+    history.observe(3, "e", 5000.0)  # a round one client answered alone never enters the history
+    assert history.reference(4, fallback=14.5) == 30.0  # the bound follows the majority
+    assert history.medians == [1.1, 30.0]
+    for client in "abc":
+        history.observe(4, client, 2.0)
+    assert history.reference(5, fallback=14.5) == 30.0 and history.medians == [30.0, 2.0]  # the last 2 rounds
+
+
+def test_clipping_also_caps_a_claimed_data_size_at_the_median_weight():
+    reference = {"w": torch.zeros(1)}
+    states = [{"w": torch.tensor([1.0])}, {"w": torch.tensor([1.0])}, {"w": torch.tensor([-1.0])}]  # last: attacker
+    # 2^40 claimed samples would make the attacker the whole mean; capped at the median weight (10) it is one of three.
+    assert torch.allclose(robust_average(states, [10, 10, 2**40], reference)["w"], torch.tensor([-1.0]), atol=1e-6)
+    assert torch.allclose(
+        robust_average(states, [10, 10, 2**40], reference, clip_factor=1.0)["w"], torch.tensor([1 / 3])
+    )

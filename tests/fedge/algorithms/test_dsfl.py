@@ -113,3 +113,46 @@ def test_without_server_distillation_the_global_model_stays_put():
     run = _run("era", server_distill=False)
     run.round(1)
     assert torch.equal(run.global_weight(), W0)
+
+
+def _aggregated_under_attack(robust: str, aggregation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global soft labels and model after one round of 5 uploads on o_1, one of them confidently wrong."""
+    from algorithm_support import NUM_CLASSES, linear
+
+    from fedge.algorithms.base import ServerContext, UpdateReport, update_message
+    from fedge.algorithms.dsfl import DistillationSemiSupervised
+
+    settings = DSFLSettings(aggregation=aggregation, open_per_round=3, distill_epochs=D_STEPS, robust=robust)
+    cfg = config("dsfl", settings)
+    strategy = DistillationSemiSupervised(cfg, ServerContext(linear, NUM_CLASSES, run_id="t", open_x=OPEN_X))
+    clients = ["h1", "h2", "h3", "h4", "x"]
+    plan = strategy.configure(1, clients)
+    honest = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.7, 0.2], [0.2, 0.1, 0.7]])
+    wrong = torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])  # valid rows, every one wrong
+    uploads = {c: honest + 0.02 * i * torch.tensor([[1.0, -1.0, 0.0]] * 3) for i, c in enumerate(clients[:4])}
+    uploads["x"] = wrong
+    replies = {
+        c: update_message(plan.tasks[c], {"soft_labels": p}, UpdateReport(num_examples=2)) for c, p in uploads.items()
+    }
+    strategy.aggregate(1, replies)
+    labels = strategy.state()[0]["soft_labels"]
+    return labels, strategy.global_weights()["weight"]
+
+
+@pytest.mark.parametrize("aggregation", ["era", "sa"])
+@pytest.mark.parametrize("robust", ["median", "trimmed_mean"])
+def test_robust_rules_change_the_labels_and_model_under_attack(robust: str, aggregation: str):
+    """--robust median|trimmed_mean replaces eq. 16's mean per sample and class: one confidently wrong uploader of 5
+    moves the mean's labels, not the robust ones, and the global model distilled on them differs."""
+    mean_labels, mean_model = _aggregated_under_attack("mean", aggregation)
+    labels, model = _aggregated_under_attack(robust, aggregation)
+    assert torch.allclose(labels.sum(dim=1), torch.ones(3), atol=1e-6)
+    assert not torch.allclose(labels, mean_labels, atol=1e-3)
+    assert not torch.allclose(model, mean_model, atol=1e-4)
+    # The honest clients' top class survives, with more confidence than under the mean.
+    assert torch.equal(labels.argmax(dim=1), torch.tensor([0, 1, 2]))
+    assert bool((labels.max(dim=1).values > mean_labels.max(dim=1).values).all())
+    if aggregation == "sa" and robust == "median":  # the middle of the 4 honest rows and the wrong one, renormalized
+        honest_median = torch.tensor([[0.72, 0.16, 0.1], [0.14, 0.66, 0.2], [0.22, 0.08, 0.7]])  # per entry
+        expected = honest_median / honest_median.sum(dim=1, keepdim=True)
+        assert torch.allclose(labels, expected, atol=1e-5)

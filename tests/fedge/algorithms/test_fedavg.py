@@ -31,3 +31,45 @@ def test_the_round_reports_the_mean_local_loss():
     ce_a = torch.nn.functional.cross_entropy(X_A @ W0.T, Y_A)
     ce_b = torch.nn.functional.cross_entropy(X_B @ W0.T, Y_B)
     assert abs(record.metrics["mean_local_loss"] - float(ce_a + ce_b) / 2) < 1e-6
+
+
+def test_an_accepted_attacker_neither_raises_the_bound_nor_locks_honest_clients_out():
+    """The issue's attack: an update just under ``max_update_ratio`` x the global model's norm, under the mean.
+
+    The bound's reference is the recent rounds' median update norm, so in round 2 the same attack (sized against the
+    model it moved) is refused, and honest updates of the moved model are accepted.
+    """
+    import pytest
+    from algorithm_support import NUM_CLASSES, linear
+
+    from fedge.algorithms.base import ServerContext, UpdateReport, update_message
+    from fedge.algorithms.fedavg import FedAvg
+    from fedge.errors import CodecError
+    from fedge.robust import state_norm
+
+    strategy = FedAvg(config("fedavg"), ServerContext(linear, NUM_CLASSES, run_id="t"))
+    honest_ids, attacker = ["h1", "h2", "h3", "h4"], "x"
+    steps = [torch.tensor([[0.01, 0.0], [0.0, 0.01], [-0.01, 0.0]]) * (1 + i / 10) for i in range(4)]  # small
+
+    def reply(rnd: int, plan, client: str, w: torch.Tensor):
+        return update_message(plan.tasks[client], {"weight": w.contiguous()}, UpdateReport(num_examples=2))
+
+    def old_bound_attack(w_g: torch.Tensor) -> torch.Tensor:
+        direction = torch.ones_like(w_g) / w_g.numel() ** 0.5  # unit norm
+        return w_g + 0.95 * 10 * max(state_norm({"w": w_g}), 1.0) * direction
+
+    for rnd in (1, 2):
+        w_g = strategy.global_weights()["weight"]
+        plan = strategy.configure(rnd, [*honest_ids, attacker])
+        replies = {c: reply(rnd, plan, c, w_g + s) for c, s in zip(honest_ids, steps, strict=True)}
+        for c, m in replies.items():
+            strategy.check_reply(rnd, c, m)  # honest: accepted in both rounds, whatever the attacker did to w_g
+        attack = reply(rnd, plan, attacker, old_bound_attack(w_g))
+        if rnd == 1:  # no history yet: the initial model's norm is the reference, and the attack gets in
+            strategy.check_reply(rnd, attacker, attack)
+            replies[attacker] = attack
+        else:
+            with pytest.raises(CodecError, match="reference update norm"):
+                strategy.check_reply(rnd, attacker, attack)
+        strategy.aggregate(rnd, replies)
+    assert state_norm(strategy.global_weights()) > 2 * state_norm({"w": W0})  # round 1's attack did move the model

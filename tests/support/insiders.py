@@ -1,0 +1,92 @@
+"""Admitted attackers: a fleet member with a real device bundle that answers every task with a crafted update.
+
+Each attacker is an :class:`EdgeClient` subclass, so the same code attacks an in-process run and a run over a broker
+(wrapped in :class:`edge_client.mqtt.MqttEdgeClient`). It computes the honest update first, as its device would,
+and derives the attack from it and from the broadcast it received:
+
+- ``replacement``: DS-FL eq. 19 toward a model whose output rows are rotated by one class (it answers c + 1 where
+  the global model answers c), shrunk to 0.95 x the update bound as the attacker can know it: ``max_update_ratio``
+  x the broadcast model's norm in round 1 (the coordinator's reference before any round), then x its own honest
+  update's norm (its estimate of the round's median).
+- ``sign_flip``: the honest update reversed and stretched to the bound.
+- ``rehello``: a new hello claiming 2^40 samples, then an all-zero model claiming 2^40 examples (MQTT only).
+- ``int8_offset``: +5 on every value of the output layer's bias, coded like every upload of the run (int8).
+- ``label_rotation``: an honestly trained update on labels rotated by one class.
+- ``confident_wrong`` (DS-FL): valid probability rows, each all on the class after the one its model predicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from edge_client.client import EdgeClient
+from fedge import wire
+from fedge.algorithms import ALGORITHMS
+from fedge.algorithms.base import ClientData, UpdateReport
+from fedge.compressed import decode_broadcast, encode_update
+from fedge.messages import Message
+from fedge.robust import state_norm, update_norm
+from fedge.types import StateDict
+
+ATTACKS = ("replacement", "sign_flip", "rehello", "int8_offset", "label_rotation", "confident_wrong")
+OUTPUT_LAYER = "layers.2."  # tiny_mlp's last Linear
+HUGE = 2**40
+
+
+class Insider(EdgeClient):
+    """An admitted client running ``attack`` every round; ``bound_ratio`` is the server's ``max_update_ratio``."""
+
+    def __init__(self, honest: EdgeClient, attack: str, bound_ratio: float = 10.0) -> None:
+        super().__init__(honest.client_id, honest.data, honest.backend)
+        d = honest.data
+        self.honest_data = d
+        self.rotated_data = ClientData(d.x, (d.y + 1) % d.num_classes, d.num_classes, d.open_x)
+        self.attack, self.bound_ratio = attack, bound_ratio  # the attack may change between runs
+        self.rehello: Callable[[int], None] | None = None  # publishes a hello with this dataset size (MQTT)
+        self.reset: Callable[[], None] | None = None  # publishes its true hello again (MQTT)
+
+    def handle(self, task: Message, broadcast: Message | None) -> Message:
+        assert self.attack in ATTACKS, self.attack
+        self.data = self.rotated_data if self.attack == "label_rotation" else self.honest_data
+        if self.attack == "label_rotation":
+            return super().handle(task, broadcast)
+        if self.attack == "confident_wrong":
+            update = super().handle(task, broadcast)
+            probs = update.tensor("soft_labels")
+            wrong = torch.nn.functional.one_hot((probs.argmax(dim=1) + 1) % probs.shape[1], probs.shape[1])
+            tensors = {"soft_labels": wrong.to(probs.dtype).contiguous()}
+            return Message(
+                update.kind, update.round, update.run, update.client, update.params, tensors, update.transport
+            )
+        assert broadcast is not None, "a weight-exchange run"
+        plain = decode_broadcast(broadcast)
+        w_g: StateDict = dict(plain.tensors)
+        update = ALGORITHMS[task.param("algorithm")].client.step(task, plain, self.data, self.backend, self.store)
+        honest = dict(update.tensors)
+        own = update_norm(honest, w_g)
+        bound = self.bound_ratio * (max(state_norm(w_g), 1.0) if task.round == 1 else own)
+        if self.attack == "replacement":
+            w_x = {n: v.roll(1, dims=0) if n.startswith(OUTPUT_LAYER) else v for n, v in w_g.items()}
+            boost = 0.95 * bound / max(update_norm(w_x, w_g), 1e-12)
+            tensors = {n: w_g[n] + boost * (w_x[n] - w_g[n]) for n in w_g}
+        elif self.attack == "sign_flip":
+            tensors = {n: w_g[n] - (0.999 * bound / max(own, 1e-12)) * (honest[n] - w_g[n]) for n in w_g}
+        elif self.attack == "int8_offset":
+            tensors = {n: v + 5.0 if n == OUTPUT_LAYER + "bias" else v for n, v in honest.items()}
+        else:  # rehello
+            assert self.rehello is not None, "the re-hello attack needs a broker"
+            self.rehello(HUGE)
+            tensors = {n: torch.zeros_like(v) for n, v in w_g.items()}
+        report = UpdateReport(num_examples=HUGE if self.attack == "rehello" else len(self.data), loss=0.1)
+        crafted = Message(
+            update.kind,
+            update.round,
+            update.run,
+            update.client,
+            {**update.params, **wire.to_params(report)},
+            {n: t.contiguous() for n, t in tensors.items()},
+            update.transport,
+        )
+        return encode_update(task, crafted, plain, self.store)
