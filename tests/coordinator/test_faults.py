@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -150,3 +151,105 @@ def test_a_broker_stopped_past_the_deadline_skips_at_most_that_round(tmp_path: P
     assert [r.round for r in later] == [3, 4]
     assert all(r.replied == ("c000", "c001", "c002") for r in later), [(r.round, r.replied) for r in later]
     print(f"20 s outage: skipped {skipped}, wall {result.summary['test_wall_s']:.1f} s")  # type: ignore[attr-defined]
+
+
+class FlakyProxy:
+    """A TCP proxy on loopback in front of the broker that cuts every connection through it ``cut_after`` seconds
+    after it opened (a flaky Wi-Fi link): the client behind it reconnects again and again during the run."""
+
+    def __init__(self, target_port: int, cut_after: float) -> None:
+        self.target_port, self.cut_after = target_port, cut_after
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.cuts = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        self.server.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                down, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self._pipe, args=(down, up, time.monotonic()), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, down, time.monotonic()), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, opened: float) -> None:
+        src.settimeout(0.1)
+        try:
+            while not self._stop.is_set():
+                if time.monotonic() - opened > self.cut_after:
+                    self.cuts += 1
+                    break
+                try:
+                    data = src.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.server.close()
+
+
+def test_a_client_behind_a_flapping_link_completes_the_run(tmp_path: Path) -> None:
+    require_mosquitto()
+    fleet = make_fleet(tmp_path, rounds=6)
+    bundle = load_bundle(fleet.kit_root / "coordinator")
+    bundles = {c: fleet.kit_root / "clients" / c for c in fleet.files}
+    flaky = "c002"
+    with fleet_mosquitto(fleet.broker_dir) as url:
+        port = int(url.rsplit(":", 1)[1])
+        proxy = FlakyProxy(port, cut_after=1.0)
+        try:
+            steady = {c: p for c, p in fleet.files.items() if c != flaky}
+            with (
+                client_processes(steady, url, RUN, log_dir=tmp_path / "logs", bundles=bundles),
+                client_processes(
+                    {flaky: fleet.files[flaky]},
+                    f"mqtts://127.0.0.1:{proxy.port}",
+                    RUN,
+                    log_dir=tmp_path / "logs",
+                    bundles=bundles,
+                ),
+            ):
+                result = run_coordinator(
+                    fleet.exp.config,
+                    tmp_path / "run",
+                    broker=bundle.address,
+                    run=bundle.run,
+                    provisioned=bundle.clients,
+                    experiment=fleet.exp,
+                    round_timeout=60,
+                    join_timeout=120,
+                )
+        finally:
+            proxy.close()
+    assert proxy.cuts > 0, "the proxy never cut the link"
+    rounds = result.rounds
+    assert [r.round for r in rounds] == [1, 2, 3, 4, 5, 6] and all(r.aggregated for r in rounds)
+    # Every round of the flaky client is what it was: offline when the round began (not sampled), or sampled and
+    # then either its reply counted or a drop with its reason; the other two answer every round.
+    for r in rounds:
+        dropped = {d.client: d.reason for d in r.drops}
+        assert {"c000", "c001"} <= set(r.replied), (r.round, r.replied, dropped)
+        if flaky in r.sampled:
+            assert (flaky in r.replied) != (flaky in dropped), (r.round, r.replied, dropped)
+        else:
+            assert flaky not in r.replied and flaky not in dropped
+    assert any(flaky in r.replied for r in rounds)
+    states = ["replied" if flaky in r.replied else "dropped" if flaky in r.sampled else "offline" for r in rounds]
+    print(f"flaky link: {proxy.cuts} cuts, {flaky}: {states}")
