@@ -134,7 +134,10 @@ class MqttLink:
         keepalive: int = 30,
         backoff: tuple[float, float] = (0.2, 10.0),
         max_packet_size: PacketLimit = "auto",
+        clean_session: bool = True,
     ) -> None:
+        """``clean_session=False`` asks the broker to keep this client's subscriptions and undelivered QoS-1
+        messages while it is away (a flaky link, a broker restarted with persistence), under a fixed client id."""
         if isinstance(max_packet_size, int) and max_packet_size < MIN_PACKET_SIZE:
             raise ConfigError(f"max packet size must be >= {MIN_PACKET_SIZE} bytes, got {max_packet_size}")
         self.address = address
@@ -156,6 +159,7 @@ class MqttLink:
         self._started = False  # start() returned: from now on failures are retried and logged, not raised
         self._last_error = ""  # paho's last error line, e.g. the TLS alert of a broker that dropped us
         self.connections = 0  # successful connections, so reconnects = connections - 1
+        self.connected_at = 0.0  # time.monotonic() of the latest successful connection
         self.bytes_out = 0  # PUBLISH and PUBACK bytes this side wrote (by the MQTT 3.1.1 formulas)
         self.bytes_in = 0
         self.max_packet_size = max_packet_size
@@ -166,7 +170,7 @@ class MqttLink:
         self._client = paho.Client(
             paho.CallbackAPIVersion.VERSION2,
             client_id=client_id,
-            clean_session=True,
+            clean_session=clean_session,
             protocol=paho.MQTTv311,
             reconnect_on_failure=False,  # our own loop below reconnects, with logging and backoff
         )
@@ -428,6 +432,7 @@ class MqttLink:
                 log.error("%s", self._refused)
             return
         self.connections += 1
+        self.connected_at = time.monotonic()
         if self.connections > 1:
             log.info("reconnected to %s (connection %d)", self.address, self.connections)
         if self._subscriptions:

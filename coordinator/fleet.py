@@ -230,8 +230,10 @@ def mosquitto_conf(spec: FleetSpec, broker_dir: Path) -> str:
         "allow_anonymous false",
         f"password_file {d / 'passwd'}",
         f"acl_file {d / 'acl'}",
-        "# Clients use clean sessions and announce themselves after every (re)connect: nothing must survive a restart.",
-        "persistence false",
+        "# Clients keep persistent sessions (QoS 1): their subscriptions and undelivered tasks, broadcasts and updates",
+        "# are saved here and survive a broker restart. The directory must be writable by the user mosquitto runs as.",
+        "persistence true",
+        f"persistence_location {d}/",
         *(
             [
                 f"# The largest legitimate packet: a {spec.max_message_bytes}-byte message plus {spec.headroom:.0%} "

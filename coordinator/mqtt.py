@@ -121,6 +121,8 @@ class MqttTransport:
         self.round_timeout = round_timeout
         self.rejoin_grace = rejoin_grace  # how long a client gone offline mid-round may take to come back
         self.max_reconnects = max_reconnects
+        self._wanted = 0  # clients the run waited for before round 1: after our own reconnect, wait for them again
+        self._seen_connections = 0  # our link's connections when we last looked: more means we reconnected
         # Tells clients which coordinator run a task belongs to: runs under one name restart at round 1.
         self.session = uuid.uuid4().hex[:12]
         self.presence = Presence(admit)
@@ -141,6 +143,7 @@ class MqttTransport:
             address.username or f"fedge-{run}-coordinator",
             subscriptions=subs,
             max_packet_size=max_packet_size,
+            clean_session=False,  # updates published while our link is down wait at the broker (QoS 1)
         )
 
     # --- lifecycle --------------------------------------------------------------------------------------------
@@ -163,7 +166,32 @@ class MqttTransport:
     # --- clients ----------------------------------------------------------------------------------------------
 
     def available_clients(self) -> Sequence[ClientId]:
-        """Online clients that were admitted, after handling every status message that has arrived."""
+        """Online clients that were admitted, after handling every status message that has arrived.
+
+        When none is available, or our own link to the broker is down or came back (a broker restart, a network
+        outage on our side), the clients are reconnecting too, on their own back-off: wait up to the round deadline
+        for as many as the run started with, instead of sampling the few that are back first (or none, and skipping
+        every round at once). The broker's last wills may arrive just before our link notices the outage."""
+        ready = self._available()
+        reconnected = self.link.connections > self._seen_connections or not self.link.connected
+        if len(ready) >= self._wanted or (ready and not reconnected):
+            return ready
+        log.info(
+            "%d of %d clients available (broker link %s): waiting up to %g s for the others to come back",
+            len(ready),
+            self._wanted,
+            "back" if self.link.connected else "down",
+            self.round_timeout,
+        )
+        deadline = time.monotonic() + self.round_timeout
+        while len(ready) < self._wanted and time.monotonic() < deadline:
+            self._pump(0.2)
+            ready = self._available()
+        self._seen_connections = self.link.connections
+        log.info("%d of %d clients back: %s", len(ready), self._wanted, ", ".join(ready) or "-")
+        return ready
+
+    def _available(self) -> list[ClientId]:
         self._drain()
         return self.presence.available()
 
@@ -173,8 +201,10 @@ class MqttTransport:
         """Block until ``n`` clients are available; TransportError after ``timeout`` s or when ``abort`` says why."""
         deadline = time.monotonic() + timeout
         last = -1
+        self._wanted = n
         while True:
-            ready = list(self.available_clients())
+            ready = self._available()
+            self._seen_connections = self.link.connections
             if len(ready) != last:
                 log.info("%d of %d clients ready: %s", len(ready), n, ", ".join(ready) or "-")
                 last = len(ready)
@@ -233,7 +263,10 @@ class MqttTransport:
         deadline = state.started + self.round_timeout
         while True:
             now = time.monotonic()
-            gone = {c for c, (since, _) in state.offline.items() if now - since >= self.rejoin_grace}
+            # The grace runs only while our own link is up, from its latest (re)connection at the earliest: last
+            # wills that arrive around a broker outage say only that the clients are reconnecting too.
+            back = self.link.connected_at if self.link.connected else now
+            gone = {c for c, (since, _) in state.offline.items() if now - max(since, back) >= self.rejoin_grace}
             if len(out.replies) + len(gone | set(ctx.failed)) >= len(plan.tasks) or now >= deadline:
                 break
             item = self._pump(min(deadline - now, 0.2), state=state)

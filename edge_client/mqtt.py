@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 FAULT_EXIT_CODE = 70  # what a client started with fail_at_round exits with (tests look for it)
 _KEEP_BROADCASTS = 4  # rounds of broadcasts kept while their tasks may still come
+_KEEP_REPLIES = 2  # rounds of encoded replies kept for resends (the current round's, and the one before)
 MAX_INBOUND_BYTES = 256 << 20
 """The largest chunked message a client reassembles per topic (its task topic, the broadcast): 20x the largest
 model fedge has (Reuters, 20.8 MB); a coordinator's chunks beyond it are dropped with a logged reason."""
@@ -81,6 +82,11 @@ class MqttEdgeClient:
         self._pending: Message | None = None  # a task waiting for its broadcast
         self._session: str | None = None  # the coordinator run being served
         self._done: set[int] = set()  # rounds of this session already answered: QoS 1 may deliver twice
+        # The encoded replies of this session's latest rounds: a reply lost with a dropped link is sent again after
+        # the reconnect, and a task delivered again is answered with it (the coordinator keeps the first copy).
+        self._replies: dict[int, bytes] = {}
+        self._reconnected = threading.Event()  # set by every (re)connect; serve() then re-sends the latest reply
+        self.replies_resent = 0
         self.updates_sent = 0
         self._reassembly = chunking.Reassembler(
             max_bytes=2 * (MAX_INBOUND_BYTES + chunking.MAX_CHUNKS + chunking.ENTRY_OVERHEAD),
@@ -116,10 +122,12 @@ class MqttEdgeClient:
             on_ready=self._announce,  # after every (re)connect: the coordinator learns we are back
             keepalive=keepalive,
             max_packet_size=max_packet_size,
+            clean_session=False,  # tasks and broadcasts published while the link is down wait at the broker
         )
 
     def _announce(self, link: MqttLink) -> None:
         link.publish(self.topics.status(self.client.client_id), self._hello, qos=1, retain=True)
+        self._reconnected.set()
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return (thread-safe; also what SIGTERM does)."""
@@ -131,6 +139,9 @@ class MqttEdgeClient:
         log.info("client %s connected to %s, serving run %r", self.client.client_id, self.link.address, self.topics.run)
         try:
             while not self._stop.is_set():
+                if self._reconnected.is_set():
+                    self._reconnected.clear()
+                    self._resend_latest()
                 item = self.link.get(timeout=0.2)
                 for dropped in self._reassembly.expire(time.monotonic()):
                     log.warning(
@@ -195,8 +206,14 @@ class MqttEdgeClient:
                 self.client.store.clear()
             self._session = session
             self._done.clear()
+            self._replies.clear()
         if task.round in self._done:
-            log.info("round %d: task delivered again; already answered", task.round)
+            stored = self._replies.get(task.round)
+            if stored is None:
+                log.info("round %d: task delivered again; already answered", task.round)
+                return
+            log.info("round %d: task delivered again; sending the stored reply", task.round)
+            self._publish_stored(task.round, stored)
             return
         if self.fail_at_round is not None and task.round >= self.fail_at_round:
             log.error("round %d: fault injection: exiting hard in the middle of the task", task.round)
@@ -240,7 +257,27 @@ class MqttEdgeClient:
             return False
         chunks = f" in {len(sizes)} chunks" if len(sizes) > 1 else ""
         log.info("round %d: sent %s (%d bytes%s)", task.round, reply.kind, len(payload), chunks)
+        self._replies[task.round] = payload
+        while len(self._replies) > _KEEP_REPLIES:  # dicts keep insertion order: drop the oldest
+            del self._replies[next(iter(self._replies))]
         return True
+
+    def _resend_latest(self) -> None:
+        """After a reconnect: send the latest round's reply again, in case the old link lost it. The coordinator
+        deduplicates by round and session (a second copy is counted as a duplicate), and refuses it as late when its
+        round is over."""
+        if self._replies:
+            rnd = next(reversed(self._replies))
+            log.info("round %d: reconnected; sending the reply again", rnd)
+            self._publish_stored(rnd, self._replies[rnd])
+
+    def _publish_stored(self, rnd: int, payload: bytes) -> None:
+        try:
+            self.link.send(self.topics.update(self.client.client_id), payload, qos=1)
+        except PacketTooLarge as exc:  # the packet limit changed with the broker: the coordinator asks again
+            log.error("round %d: cannot send the stored reply again: %s", rnd, exc)
+            return
+        self.replies_resent += 1
 
 
 def _wanted_broadcast(task: Message) -> tuple[str, int] | None:

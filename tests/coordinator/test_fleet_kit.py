@@ -251,7 +251,8 @@ def test_mosquitto_conf_secures_the_listener(tmp_path: Path) -> None:
         "require_certificate false",
         f"password_file {kit.broker_dir / 'passwd'}",
         f"acl_file {kit.broker_dir / 'acl'}",
-        "persistence false",
+        "persistence true",
+        f"persistence_location {kit.broker_dir}/",
     ):
         assert line in conf
     # The largest legitimate packet (a 50,000-byte task on the longest topic) fits, with 10 % headroom.
