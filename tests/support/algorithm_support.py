@@ -8,10 +8,12 @@ the tests choose, so every expected number can be derived by hand from the paper
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from common.rundir import RunResult
 from coordinator.engine import RoundEngine
 from coordinator.transport import Exchange, ReplyCheck
 from edge_client.client import EdgeClient
@@ -176,3 +178,19 @@ def soft_ce_gradient(w: torch.Tensor, x: torch.Tensor, targets: torch.Tensor) ->
     """d/dW of the mean soft cross-entropy ``-sum_k t_k log softmax(x @ W.T)_k``: mean of (softmax - t) x^T, by hand."""
     p = torch.softmax(x @ w.T, dim=1)  # (N, C)
     return (p - targets).T @ x / len(x)  # (C, features)
+
+
+def assert_mqtt_run_matches_inprocess(cfg: RunConfig, tmp_path: Path) -> RunResult:
+    """Run ``cfg`` in process and over the secured embedded broker (client processes): the same global model to 1e-6
+    and no rejected message. Returns the in-process run."""
+    from safetensors.torch import load_file
+
+    from sim.laptop import run_over_mqtt
+    from sim.run import run_inprocess
+
+    inprocess = run_inprocess(cfg, tmp_path / "inprocess")
+    result = run_over_mqtt(cfg, tmp_path / "mqtt", broker=None, round_timeout=60)
+    a, b = (load_file(tmp_path / d / "global_model.safetensors") for d in ("inprocess", "mqtt"))
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    assert result.summary["rejected"] == 0
+    return inprocess

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from algorithm_support import W0, X_A, X_B, Y_A, Y_B, TwoClients, ce_gradient, config
-from safetensors.torch import load_file
+from algorithm_support import W0, X_A, X_B, Y_A, Y_B, TwoClients, assert_mqtt_run_matches_inprocess, ce_gradient, config
 
 from fedge.algorithms.feddyn import FedDynSettings
 from fedge.config import RunConfig, TrainConfig
@@ -58,13 +57,6 @@ def test_alpha_must_be_positive() -> None:
 @pytest.mark.broker
 def test_over_the_secured_embedded_broker_it_gives_the_in_process_model(tmp_path: Path) -> None:
     """Each client process keeps g_k across rounds in its own store, as the in-process clients do."""
-    from sim.laptop import run_over_mqtt
-    from sim.run import run_inprocess
-
     train = TrainConfig(local_epochs=1)
     cfg = RunConfig(algorithm="feddyn", dataset="digits", model="tiny_mlp", num_clients=3, rounds=3, train=train)
-    run_inprocess(cfg, tmp_path / "inprocess")
-    result = run_over_mqtt(cfg, tmp_path / "mqtt", broker=None, round_timeout=60)
-    a, b = (load_file(tmp_path / d / "global_model.safetensors") for d in ("inprocess", "mqtt"))
-    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
-    assert result.summary["rejected"] == 0
+    assert_mqtt_run_matches_inprocess(cfg, tmp_path)

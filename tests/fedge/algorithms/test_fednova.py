@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from algorithm_support import W0, TwoClients, config
-from safetensors.torch import load_file
+from algorithm_support import W0, TwoClients, assert_mqtt_run_matches_inprocess, config
 
 from fedge.algorithms.fednova import FedNovaReport, FedNovaSettings, accumulation_norm
 from fedge.config import RunConfig, TrainConfig
@@ -70,9 +69,6 @@ def test_a_step_count_the_declared_data_cannot_take_is_refused(steps: int) -> No
 @pytest.mark.broker
 def test_over_the_secured_embedded_broker_it_gives_the_in_process_model(tmp_path: Path) -> None:
     """The step count travels in each client process's report; unequal clients (Dirichlet) make it matter."""
-    from sim.laptop import run_over_mqtt
-    from sim.run import run_inprocess
-
     cfg = RunConfig(
         algorithm="fednova",
         dataset="digits",
@@ -83,9 +79,5 @@ def test_over_the_secured_embedded_broker_it_gives_the_in_process_model(tmp_path
         dirichlet_alpha=0.5,
         train=TrainConfig(local_epochs=1),
     )
-    inprocess = run_inprocess(cfg, tmp_path / "inprocess")
-    result = run_over_mqtt(cfg, tmp_path / "mqtt", broker=None, round_timeout=60)
-    a, b = (load_file(tmp_path / d / "global_model.safetensors") for d in ("inprocess", "mqtt"))
-    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
-    assert result.summary["rejected"] == 0
+    inprocess = assert_mqtt_run_matches_inprocess(cfg, tmp_path)
     assert inprocess.rounds[0].metrics["fednova_tau_eff"] > 0
