@@ -28,7 +28,8 @@ from fedge.backend import Backend
 from fedge.errors import CodecError, ConfigError
 from fedge.messages import BROADCAST, TASK, UPDATE, Message
 from fedge.metrics import per_class_accuracy
-from fedge.training import SGDSettings, predict_logits
+from fedge.objectives import Objective
+from fedge.training import SGDSettings, TrainRequest, predict_logits
 from fedge.types import ClientId, StateDict
 from fedge.wire import bounded
 
@@ -74,6 +75,22 @@ class LocalTraining:
     def augmentation(self, x: torch.Tensor) -> Augmentation:
         """The batch augmentation for a client whose inputs are ``x``."""
         return preset(self.augment, tuple(x.shape[1:]))
+
+    def request(
+        self, x: torch.Tensor, y: torch.Tensor, objective: Objective, inputs: Mapping[str, torch.Tensor] | None = None
+    ) -> TrainRequest:
+        """The local training of these settings on (x, y): one place, so no algorithm forgets the augmentation."""
+        return TrainRequest(
+            x,
+            y,
+            objective,
+            self.sgd,
+            self.epochs,
+            self.batch_size,
+            self.seed,
+            inputs=dict(inputs or {}),
+            augment=self.augmentation(x),
+        )
 
 
 @dataclass(frozen=True)

@@ -263,11 +263,7 @@ class DSFLClient(ClientHalf):
                     inputs={"targets": targets},
                 )
             )
-        t = training
-        augment = t.augmentation(data.x)
-        stats = backend.train(
-            TrainRequest(data.x, data.y, CrossEntropy(), t.sgd, t.epochs, t.batch_size, t.seed, augment=augment)
-        )
+        stats = backend.train(training.request(data.x, data.y, CrossEntropy()))
         idx = open_index_set(extra.open_size, settings.open_per_round, extra.index_seed)
         probs = torch.softmax(backend.logits(data.open_x[torch.from_numpy(idx)]), dim=1)  # eq. 9, (|o_r|, C)
         keep_own_model(store, backend)

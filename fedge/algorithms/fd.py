@@ -50,7 +50,6 @@ from fedge.errors import CodecError, ConfigError
 from fedge.losses import fd_distillation_loss
 from fedge.messages import Message
 from fedge.objectives import Objective, ObjectiveInput, register_objective
-from fedge.training import TrainRequest
 from fedge.types import ClientId
 from fedge.wire import bounded
 
@@ -206,9 +205,7 @@ class FDClient(ClientHalf):
         restore_own_model(store, backend, extra.model_seed)
         t = training
         if broadcast is None:
-            request = TrainRequest(
-                data.x, data.y, CrossEntropy(), t.sgd, t.epochs, t.batch_size, t.seed, augment=t.augmentation(data.x)
-            )
+            request = t.request(data.x, data.y, CrossEntropy())
         else:
             source = wire.from_params(FDBroadcast, broadcast.params, defaults=False)
             g, k = broadcast.tensor("global_probs"), broadcast.tensor("contributors").to(torch.int64)
@@ -222,17 +219,7 @@ class FDClient(ClientHalf):
             )
             inputs = {"targets": targets[data.y], "mask": mask[data.y]}  # (N, C), (N,)
             objective = FDDistillation(gamma=settings.fd_gamma)
-            request = TrainRequest(
-                data.x,
-                data.y,
-                objective,
-                t.sgd,
-                t.epochs,
-                t.batch_size,
-                t.seed,
-                inputs=inputs,
-                augment=t.augmentation(data.x),
-            )
+            request = t.request(data.x, data.y, objective, inputs)
         stats = backend.train(request)
         probs = F.softmax(backend.logits(data.x), dim=1)  # (N, C)
         class_probs = torch.zeros(data.num_classes, data.num_classes)

@@ -217,17 +217,7 @@ class FedAvgClient(ClientHalf):
         """The local training this client runs this round."""
         objective, inputs = self.objective(r)
         t = r.training
-        request = TrainRequest(
-            r.data.x,
-            r.data.y,
-            objective,
-            t.sgd,
-            t.epochs,
-            t.batch_size,
-            t.seed,
-            inputs=inputs,
-            augment=t.augmentation(r.data.x),
-        )
+        request = t.request(r.data.x, r.data.y, objective, inputs)
         if any(spec.name == "teacher" for spec in objective.inputs):
             # The received global model (r.backend, before training) sees the augmented batches the student sees.
             request = request.with_batch_logits("teacher", r.backend.logits)
