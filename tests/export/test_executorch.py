@@ -34,6 +34,7 @@ def test_executorch_logits_match_eager_for_every_model(name: str) -> None:
     assert report.runtime == "executorch"
 
 
+@pytest.mark.timeout(900)  # export plus the gate's eager runs: over 300 s on a loaded 2-core host
 def test_a_training_program_follows_eager_through_bn_and_max_pooling_with_momentum_and_weight_decay() -> None:
     """dsfl_mnist_cnn: conv-BN-ReLU-maxpool twice, fc-BN; FedNTD loss with tau and beta baked in."""
     data = training_program("dsfl_mnist_cnn", "ntd")
@@ -56,6 +57,7 @@ def test_a_training_program_follows_eager_through_bn_and_max_pooling_with_moment
         assert not torch.allclose(after[k], start[k]), k
 
 
+@pytest.mark.timeout(900)  # export plus the gate's eager runs: over 300 s on a loaded 2-core host
 def test_without_the_max_pool_workaround_the_parity_check_refuses_the_program() -> None:
     """ExecuTorch 1.4.1's max_pool2d_with_indices_backward accumulates into an un-zeroed buffer (upstream #21686).
 
@@ -71,6 +73,7 @@ def test_without_the_max_pool_workaround_the_parity_check_refuses_the_program() 
     # With the decomposition, max pooling trains as in eager: see the dsfl_mnist_cnn test above.
 
 
+@pytest.mark.timeout(900)  # export plus the gate's eager runs: over 300 s on a loaded 2-core host
 def test_the_stepwise_gate_refuses_an_imprecise_program_whose_free_running_drift_is_within_float32s_spread() -> None:
     """The program of the unlowered dsfl_mnist_cnn runs ExecuTorch's portable batch-norm kernels, whose one-pass
     variance loses ~1e-4 relative on MNIST-like batches. From trained weights, free-running float32 eager itself
