@@ -245,7 +245,8 @@ def _cmd_client(args: argparse.Namespace) -> int:
     from export.cache import ExportingSource, onnx_model
 
     def model(spec: ModelSpec) -> tuple[bytes, str]:
-        return onnx_model(spec, args.model_file, args.program_cache), str(args.model_file or "exported ONNX model")
+        data = onnx_model(spec, args.model_file, args.program_cache, unverified=args.unverified_programs)
+        return data, str(args.model_file or "exported ONNX model")
 
     return run_client(args, programs=ExportingSource(args.program_cache), onnx_model=model)
 

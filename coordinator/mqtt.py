@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 from common.mqtt import Inbound, MqttLink, PacketLimit
@@ -43,6 +43,7 @@ from fedge.protocol import (
     BROADCAST_ROUND,
     COMPUTE_CPU_S,
     COMPUTE_S,
+    REFUSED,
     SESSION,
     BrokerAddress,
     Topics,
@@ -196,9 +197,18 @@ class MqttTransport:
         return self.presence.available()
 
     def wait_for_clients(
-        self, n: int, timeout: float, *, abort: Callable[[], str | None] | None = None
+        self,
+        n: int,
+        timeout: float,
+        *,
+        abort: Callable[[], str | None] | None = None,
+        among: Collection[ClientId] | None = None,
     ) -> list[ClientId]:
-        """Block until ``n`` clients are available; TransportError after ``timeout`` s or when ``abort`` says why."""
+        """Block until ``n`` clients are available; TransportError after ``timeout`` s or when ``abort`` says why.
+
+        ``among``: the only clients that can join (a fleet kit's): once refusals leave fewer than ``n`` of them, the
+        wait stops at once with the refusals, rather than at the timeout.
+        """
         deadline = time.monotonic() + timeout
         last = -1
         self._wanted = n
@@ -213,6 +223,15 @@ class MqttTransport:
             reason = abort() if abort is not None else None
             if reason:
                 raise TransportError(f"stopped waiting for clients: {reason}")
+            if among is not None:
+                out = {c: why for c, why in self.presence.refused.items() if c in among}
+                if len(among) - len(out) < n:
+                    refusals = "; ".join(f"{c} refused: {why}" for c, why in sorted(out.items()))
+                    raise TransportError(
+                        f"{n} clients cannot join run {self.topics.run!r}: of the {len(among)} provisioned, "
+                        f"{len(out)} were refused ({refusals}); fix those devices' data or runtime and restart them, "
+                        "or lower --min-clients"
+                    )
             if time.monotonic() > deadline:
                 refused = "".join(f"; {c} refused: {why}" for c, why in sorted(self.presence.refused.items()))
                 raise TransportError(
@@ -453,6 +472,8 @@ class MqttTransport:
 
     def _on_status(self, client: ClientId, item: Inbound, state: _Round | None) -> None:
         change = self.presence.update(client, item.payload)
+        if change is not None and change.refused:
+            self._tell_refused(client, change.refused)
         if change is None or state is None or client not in state.tasks or client in state.out.replies:
             return
         if change.came_online:  # a real reconnect; a hello on a live connection resends nothing
@@ -470,6 +491,15 @@ class MqttTransport:
             self._send_task(state, client, decode(state.tasks[client]), resend=True)
         elif not change.status.online:
             state.offline.setdefault(client, (time.monotonic(), change.status.reason or "left"))
+
+    def _tell_refused(self, client: ClientId, why: str) -> None:
+        """Tell a refused client why, on its task topic (only the coordinator may publish there): it stops with
+        the reason instead of waiting for tasks that never come."""
+        notice = Message(REFUSED, 0, self.topics.run, client, {"reason": why[:500]}, transport={SESSION: self.session})
+        try:
+            self.link.send(self.topics.task(client), encode(notice), qos=self.qos)
+        except TransportError as exc:  # telling is a courtesy: the refusal stands either way
+            log.warning("could not tell %s it was refused: %s", client, exc)
 
     def broker_counters(self, timeout: float = 6.0, settle: float = 0.3) -> BrokerCounters | None:
         """The broker's byte counters as of now: waits for its next $SYS update; None if it publishes none."""

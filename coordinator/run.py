@@ -117,7 +117,7 @@ def run_coordinator(
     remaining = len(engine.history.rounds) < config.rounds  # no round left: killed before writing its summary
     with transport:
         if remaining:
-            transport.wait_for_clients(needed, join_timeout, abort=abort)
+            transport.wait_for_clients(needed, join_timeout, abort=abort, among=provisioned)
         before = transport.broker_counters() if broker_counters and remaining else None
 
         def record(r: RoundRecord) -> None:

@@ -6,6 +6,7 @@ import argparse
 import copy
 import logging
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -66,6 +67,13 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
         "(default: $FEDGE_PROGRAM_CACHE, else ~/.cache/fedge/programs)",
     )
     p.add_argument("--model-file", type=Path, default=None, help="onnxruntime: the deployed .onnx model to serve")
+    p.add_argument(
+        "--unverified-programs",
+        action="store_true",
+        help="load exported programs (--model-file, the program directory's .pte files and ONNX Runtime training "
+        "artifacts) that have no manifest.json beside them; by default each file must match the SHA-256 that "
+        "`fedge export` recorded, since a damaged program can crash the runtime or serve wrong logits",
+    )
     p.add_argument(
         "--predict-only",
         action="store_true",
@@ -131,15 +139,18 @@ def run_client(
         if onnx_model is not None:
             model_bytes, model_source = onnx_model(spec)
         elif args.model_file is not None:
-            model_bytes, model_source = args.model_file.read_bytes(), str(args.model_file)
+            from common.manifest import verified_read
+
+            model_bytes = verified_read(args.model_file, required=not args.unverified_programs)
+            model_source = str(args.model_file)
     if args.runtime == "executorch" and programs is None:
         from edge_client.backends.executorch import ProgramDirectory
 
-        programs = ProgramDirectory(args.program_cache)
+        programs = ProgramDirectory(args.program_cache, unverified=args.unverified_programs)
     if args.runtime == "onnxruntime-training" and ort_artifacts is None:
         from edge_client.backends.ort_training import ArtifactDirectory
 
-        ort_artifacts = ArtifactDirectory(args.program_cache)
+        ort_artifacts = ArtifactDirectory(args.program_cache, unverified=args.unverified_programs)
     backend = make_backend(
         args.runtime,
         info.model,
@@ -187,6 +198,9 @@ def run_client(
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     server.serve(connect_timeout=args.connect_timeout)
+    if server.refused is not None:  # the coordinator said why; the error line is logged: exit non-zero for a service
+        print(f"fedge: refused by the coordinator of run {args.run}: {server.refused}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -33,6 +33,7 @@ from fedge.protocol import (
     BROADCAST_ROUND,
     COMPUTE_CPU_S,
     COMPUTE_S,
+    REFUSED,
     SESSION,
     BrokerAddress,
     ClientStatus,
@@ -40,6 +41,7 @@ from fedge.protocol import (
     encode_status,
     error_message,
 )
+from fedge.wire import printable
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class MqttEdgeClient:
         self._reconnected = threading.Event()  # set by every (re)connect; serve() then re-sends the latest reply
         self.replies_resent = 0
         self.updates_sent = 0
+        self.refused: str | None = None  # the coordinator's reason, when it refused this client (serve then returns)
         self._reassembly = chunking.Reassembler(
             max_bytes=2 * (MAX_INBOUND_BYTES + chunking.MAX_CHUNKS + chunking.ENTRY_OVERHEAD),
             max_sender_bytes=MAX_INBOUND_BYTES + chunking.MAX_CHUNKS + chunking.ENTRY_OVERHEAD,
@@ -165,6 +168,10 @@ class MqttEdgeClient:
                     self._on_broadcast(msg)
                 elif msg.kind == TASK:
                     self._on_task(msg)
+                elif msg.kind == REFUSED and msg.client == self.client.client_id and msg.run == self.topics.run:
+                    self.refused = printable(msg.params.get("reason", ""), 500) or "no reason given"
+                    log.error("the coordinator of run %s refused this client: %s", msg.run, self.refused)
+                    self._stop.set()
                 else:
                     log.warning("ignoring a %r message on %s", msg.kind, item.topic)
         finally:

@@ -4,19 +4,18 @@ What a workstation or laptop client uses (the CLI hands it to the edge client's 
 exported, parity-checked and written under the one naming scheme of :func:`fedge.programs.program_file_name` (the
 names ``fedge export`` writes too); a present one is checked again once per process, since a cache directory is a
 place where stale or foreign files appear. A program is written only after it passed its check, through a temporary
-file and an atomic rename, so a client never reads a half-written or unchecked file, and several client processes on
-one machine can share a cache.
+file and an atomic rename, and recorded in the directory's manifest with its SHA-256, so a client never reads a
+half-written, unchecked or damaged file, and several client processes on one machine can share a cache.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from common import manifest
 from edge_client.backends.cache_dir import default_cache_dir
 from fedge.errors import ConfigError
 from fedge.programs import FORMAT_VERSION, ModelSpec, TrainingLoss, program_file_name
@@ -53,29 +52,30 @@ def checked_once(data: bytes, source: str, check: Callable[[bytes, str], None] |
         _checked.add(digest)
 
 
-def cached_program(path: Path, make: Callable[[], bytes], check: Callable[[bytes, str], None] | None) -> bytes:
+def cached_program(
+    path: Path, make: Callable[[], bytes], check: Callable[[bytes, str], None] | None, *, kind: str = "pte-train"
+) -> bytes:
     """The program at ``path``; if absent, ``make()`` it, ``check`` it (raises on failure), then store it.
 
-    A program read from the cache is checked again (once per process): a cache directory is a place where stale or
-    foreign files can appear, and the check costs far less than an export.
+    A cached file is read through the cache's manifest (:mod:`common.manifest`) before any runtime sees it: one that
+    is damaged, or that the manifest does not list (a foreign file, or one cached by a fedge without manifests), is
+    made again rather than loaded, since a damaged program can crash the runtime. A program read from the cache is
+    also checked again (once per process), and the check costs far less than an export.
     """
     if path.exists():
-        data = path.read_bytes()
-        checked_once(data, str(path), check)
-        log.debug("using cached program %s", path)
-        return data
+        try:
+            data = manifest.verified_read(path)
+        except manifest.ManifestError as exc:
+            log.warning("%s; making it again", exc)
+        else:
+            checked_once(data, str(path), check)
+            log.debug("using cached program %s", path)
+            return data
     log.info("exporting %s (cached for later runs)", path.name)
     data = make()
     checked_once(data, path.name, check)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)  # atomic: readers see the whole file or none
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # Atomic, and recorded in the manifest under its lock: readers see the whole file (with its entry) or none.
+    manifest.write_file(path.parent, path.name, data, kind)
     return data
 
 
@@ -106,9 +106,17 @@ class ExportingSource:
 
 
 def onnx_model(
-    spec: ModelSpec, model_file: Path | None = None, cache_dir: Path | None = None, *, verify: bool = True
+    spec: ModelSpec,
+    model_file: Path | None = None,
+    cache_dir: Path | None = None,
+    *,
+    verify: bool = True,
+    unverified: bool = False,
 ) -> bytes:
-    """The ONNX model of an onnxruntime client: ``model_file`` (checked), or ``spec`` exported into the cache."""
+    """The ONNX model of an onnxruntime client: ``model_file`` (checked), or ``spec`` exported into the cache.
+
+    ``model_file`` must match the ``manifest.json`` beside it; ``unverified`` accepts a file with no manifest.
+    """
     from export.parity import check_onnx, require
 
     def check(data: bytes, source: str) -> None:
@@ -117,10 +125,8 @@ def onnx_model(
 
     run_check = check if verify else None
     if model_file is not None:
-        try:
-            data = Path(model_file).read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"cannot read the model file {model_file}: {exc}") from exc
+        # Checked against the export's manifest first: damaged weights in an .onnx load and serve wrong logits.
+        data = manifest.verified_read(Path(model_file), required=not unverified)
         checked_once(data, str(model_file), run_check)
         return data
     directory = cache_dir if cache_dir is not None else default_cache_dir()
@@ -135,6 +141,6 @@ def onnx_model(
         return export_onnx(spec.build(seed=0), spec)
 
     try:
-        return cached_program(path, make, run_check)
+        return cached_program(path, make, run_check, kind="onnx")
     except OSError as exc:
         raise ConfigError(f"cannot use the program cache {directory}: {exc}") from exc

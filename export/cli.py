@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common import manifest
 from export.onnx import DEFAULT_OPSET, MIN_OPSET, ONNXRUNTIME_RELEASES, onnx_target
 from fedge.errors import ConfigError, ExportError
 from fedge.objectives import objective_kinds
@@ -176,11 +177,13 @@ def _export(args: argparse.Namespace) -> int:
         load_exchanged_state(model, _load_weights(args.weights))
     weights = exchanged_state(model)
     out: Path = args.out
+    from safetensors.torch import save
+
+    weights_bytes = save({k: v.contiguous() for k, v in weights.items()})
+    _refuse_other_weights(out, weights)
     out.mkdir(parents=True, exist_ok=True)
-
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / WEIGHTS_FILE))
+    # Every file goes in atomically with its SHA-256 in manifest.json, which clients verify before loading.
+    manifest.write_file(out, WEIGHTS_FILE, weights_bytes, "weights")
     refused = 0
     for job in jobs:
         name = job.name
@@ -194,9 +197,26 @@ def _export(args: argparse.Namespace) -> int:
             print(f"fedge: refused {name}: {exc}", file=sys.stderr)
             refused += 1
             continue
-        (out / name).write_bytes(data)
+        manifest.write_file(out, name, data, job.format)
         print(f"{out / name}  {format_bytes(len(data))} ({len(data):,} bytes)")
     return 1 if refused else 0
+
+
+def _refuse_other_weights(out: Path, weights: StateDict) -> None:
+    """A directory holds the exports of one set of weights: a second export into it with other weights would leave
+    its earlier files checked against weights they were not made from. Same weights: the files are added."""
+    existing = out / WEIGHTS_FILE
+    if not existing.is_file():
+        return
+    old = _load_weights(existing)
+    same = old.keys() == weights.keys() and all(
+        old[k].shape == v.shape and old[k].dtype == v.dtype and bool((old[k] == v).all()) for k, v in weights.items()
+    )
+    if not same:
+        raise ConfigError(
+            f"{out} already holds exports of other weights ({existing} differs from the weights of this export); "
+            "export into a new --out directory, or give the same --weights (or --seed) as the export that made it"
+        )
 
 
 def _make(job: ExportJob, model: nn.Module, spec: ModelSpec, args: argparse.Namespace) -> bytes:
@@ -221,6 +241,17 @@ def _check(files: list[Path], weights_path: Path | None) -> int:
     for path in files:
         if not path.is_file():
             raise ConfigError(f"{path} does not exist")
+        # The digests first: a damaged .pte can crash the runtime that loads it, and damaged weights mislead.
+        try:
+            manifest.verified_read(path, required=False)
+            if weights_path is None and (path.parent / WEIGHTS_FILE).is_file():
+                manifest.verified_read(path.parent / WEIGHTS_FILE, required=False)
+        except manifest.ManifestError as exc:
+            print(f"{path}: FAILED: {exc}")
+            failed += 1
+            continue
+        if manifest.read_manifest(path.parent) is None:
+            print(f"{path}: no {manifest.MANIFEST_FILE} beside it: its bytes are not verified, only its parity")
         candidate = weights_path or path.parent / WEIGHTS_FILE
         weights = _load_weights(candidate) if candidate.is_file() else None
         reports = check_file(path, weights)

@@ -24,9 +24,10 @@ parameters) normalizes with the running statistics passed in.
 **The optimizer** is not in the artifacts: ORT's SGD has no momentum, so the client applies ``torch.optim.SGD``'s
 update on the host from the gradients ORT exposes (:class:`edge_client.backends.ort_training.OrtTrainer`).
 
-**Parity.** :func:`check_artifacts` runs the gate of :mod:`export.parity` (free-running steps with momentum and weight
-decay on real-looking data against eager float64, within eager float32's own drift, then eval logits of the trained
-weights); :class:`ArtifactCache` makes, checks and caches artifacts for a client before it says hello.
+**Parity.** :func:`check_artifacts` runs the gate of :mod:`export.parity` (each step against a float64 step from the
+same weights, free-running steps with momentum and weight decay on real-looking data against eager float64 within
+eager float32's own spread, then eval logits of the trained weights); :class:`ArtifactCache` makes, checks and caches
+artifacts for a client before it says hello.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from common import manifest
 from edge_client.backends.cache_dir import default_cache_dir
 from edge_client.backends.ort_training import (
+    ARTIFACT_FILES,
     EVAL_MODEL,
     FORMAT,
     META_FILE,
@@ -370,6 +373,8 @@ def generate(spec: ModelSpec, loss: TrainingLoss, directory: Path, *, weights: S
         extra={"toolchain": toolchain(), "opset": str(OPSET)},
     )
     (directory / META_FILE).write_text(meta.to_json() + "\n")
+    # Digests of the set, checked by OrtTrainer before ONNX Runtime opens a file (damaged weights load silently).
+    manifest.record(directory, {name: manifest.entry(directory / name, "ort-training") for name in ARTIFACT_FILES})
     return directory
 
 
@@ -400,7 +405,7 @@ def check_artifacts(
     batch_size: int | None = None,
     source: str | None = None,
 ) -> list[ParityReport]:
-    """Logit parity and drift parity of a set of artifacts against eager PyTorch (:mod:`export.parity`'s gate).
+    """Logit, stepwise and drift parity of a set of artifacts against eager PyTorch (:mod:`export.parity`'s gate).
 
     The drift check runs :data:`export.parity.DRIFT_STEPS` free-running steps of ``batch_size`` (default
     :data:`export.parity.DRIFT_BATCH`) real-looking samples with momentum 0.9 and weight decay 1e-5, and compares the
@@ -414,7 +419,14 @@ def check_artifacts(
     every one of those passes; the first failure is logged. A wrong gradient or an imprecise kernel fails every run.
     Without ``weights`` the seed-0 initialization is the starting point. Does not raise on failure.
     """
-    from export.parity import DRIFT_BATCH, drift_parity, drift_request, logits_parity, reference_model
+    from export.parity import (
+        DRIFT_BATCH,
+        drift_parity,
+        drift_request,
+        logits_parity,
+        reference_model,
+        stepwise_parity,
+    )
 
     trainer = OrtTrainer(directory, threads=torch.get_num_threads())
     spec = trainer.meta.model
@@ -428,13 +440,21 @@ def check_artifacts(
         trained.append(trainer.get_weights())
         return trained[-1]
 
+    def run_from(begin: Mapping[str, torch.Tensor], request: TrainRequest) -> StateDict:
+        trainer.set_weights(begin)
+        trainer.train(request)
+        return trainer.get_weights()
+
     batch = batch_size or DRIFT_BATCH
     request = drift_request(spec, trainer.loss, batch_size=batch)
+    # Stepwise first: each step from float64's weights measures the arithmetic itself (no near-tie flips), so a
+    # wrong gradient or an imprecise kernel fails it whatever the samples; the retries below are for drift only.
+    stepwise = stepwise_parity(run_from, spec, start, request, source=source, runtime=RUNTIME)
     first = drift_parity(run, spec, start, request, source=source, runtime=RUNTIME)
     # Eval-mode logits (the eval model) on the trained weights: BN then normalizes with moved running statistics.
     trainer.set_weights(trained[0])
     logits = logits_parity(trainer.logits, reference_model(spec, trained[0]), spec, source=source, runtime=RUNTIME)
-    reports = [logits, first]
+    reports = [logits, stepwise, first]
     if first.passed:
         return reports
     log.warning("%s; running the drift check again on other samples (a round-off tie flips a run by chance)", first)
@@ -450,7 +470,7 @@ def check_artifacts(
         )
         retries.append(dataclasses.replace(report, worst=f"{report.worst}, samples of seed {seed}"))
     # Passed: the retries stand for the drift check (the first failure was logged). Failed: every run is reported.
-    return [logits, *retries] if all(r.passed for r in retries) else [*reports, *retries]
+    return [logits, stepwise, *retries] if all(r.passed for r in retries) else [*reports, *retries]
 
 
 def _digest(directory: Path) -> bytes:

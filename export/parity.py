@@ -313,13 +313,15 @@ def _as_float64(request: TrainRequest) -> TrainRequest:
     )
 
 
-def _one_batch(request: TrainRequest, idx: torch.Tensor) -> TrainRequest:
-    """The request for the one step on the samples ``idx`` (in that order)."""
+def _one_batch(request: TrainRequest, idx: torch.Tensor, step: int) -> TrainRequest:
+    """The request for the one step on the samples ``idx`` (in that order), the ``step``-th (from 0) of ``request``.
+    Parity requests are not augmented: the step's inputs are the samples' rows."""
+    assert not request.augment.active and not request.step_inputs, "parity steps are compared unaugmented"
     return dataclasses.replace(
         request,
         x=request.x[idx],
         y=request.y[idx],
-        inputs={**request.inputs, **request.batch_inputs(idx)},
+        inputs={**request.inputs, **request.batch_inputs(idx, step)},
         epochs=1,
         batch_size=len(idx),
         seed=0,
@@ -374,7 +376,7 @@ def stepwise_parity(
     worst: ParityReport | None = None
     for step, idx in enumerate(order, 1):
         begin = {k: v.float() for k, v in current.items()}
-        one = _one_batch(request, idx)
+        one = _one_batch(request, idx, step - 1)
         got = train(begin, one)
         current = exchanged_state(_float64_run(spec, begin, one))
         missing = [k for k, v in current.items() if k not in got or got[k].shape != v.shape]

@@ -31,6 +31,7 @@ DEFAULT_TLS_PORT = 8883  # MQTT over TLS (IANA "secure-mqtt")
 # Message kinds of the deployment protocol, on top of fedge.messages' TASK / BROADCAST / UPDATE.
 STATUS = "status"  # a client's hello (online) or last will (offline); metadata only
 ERROR = "error"  # a client could not do its task; metadata only, the reason in param "error"
+REFUSED = "refused"  # coordinator -> client, on its task topic: not admitted to the run, the reason in param "reason"
 
 Channel = Literal["task", "broadcast", "update", "status"]
 CHANNELS: tuple[Channel, ...] = ("task", "broadcast", "update", "status")

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from common import manifest
 from edge_client.backends.cache_dir import default_cache_dir
 from edge_client.backends.runners import PteTrainer
 from fedge.algorithms.fedavg import CrossEntropy
@@ -52,8 +53,9 @@ class ProgramSource(Protocol):
 class ProgramDirectory:
     """Training programs exported beforehand into ``directory`` under :func:`fedge.programs.program_file_name`."""
 
-    def __init__(self, directory: Path | None = None) -> None:
+    def __init__(self, directory: Path | None = None, *, unverified: bool = False) -> None:
         self.directory = directory if directory is not None else default_cache_dir()
+        self.unverified = unverified
 
     def program(self, spec: ModelSpec, loss: TrainingLoss, max_batch: int) -> bytes:
         path = self.directory / program_file_name(spec, loss, max_batch)
@@ -62,7 +64,8 @@ class ProgramDirectory:
                 f"no training program {path.name} in {self.directory}; export it with "
                 f"`{export_command(spec, loss, max_batch, str(self.directory))}`"
             )
-        return path.read_bytes()
+        # Checked against the export's manifest before ExecuTorch sees a byte: a damaged .pte can crash the runtime.
+        return manifest.verified_read(path, required=not self.unverified)
 
 
 class ExecuTorchBackend:
@@ -129,9 +132,25 @@ class ExecuTorchBackend:
         if trainer is None:
             loss, bound = key
 
-            trainer = self._trainers[key] = PteTrainer(self.programs.program(self.spec, loss, bound), source=loss.tag)
+            trainer = PteTrainer(self.programs.program(self.spec, loss, bound), source=loss.tag)
+            _check_program(trainer, self.spec, loss, bound)
+            self._trainers[key] = trainer
             self._loaded[key] = -1
         if self._loaded[key] != self._version:
             trainer.set_weights(self._state)
             self._loaded[key] = self._version
         return trainer
+
+
+def _check_program(trainer: PteTrainer, spec: ModelSpec, loss: TrainingLoss, bound: int) -> None:
+    """Refuse, when it is loaded (before the hello for prepared programs), a program that is not the one asked for:
+    a file renamed or copied under another program's name would otherwise fail (or train the wrong loss) in a round."""
+    meta = trainer.meta
+    got = f"{meta.model.name} {meta.model.input_shape} c{meta.model.num_classes}, {trainer.loss.tag}, batch bound "
+    got += str(meta.max_batch)
+    if meta.model != spec or trainer.loss.tag != loss.tag or meta.max_batch < bound:
+        raise ConfigError(
+            f"the training program found for {spec.name} {spec.input_shape} c{spec.num_classes}, {loss.tag}, batch "
+            f"bound {bound} is a program of {got}: it was renamed or copied under another program's name; export the "
+            f"right one with `{export_command(spec, loss, bound, '<program directory>')}`"
+        )

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common import manifest
 from edge_client.backends.cache_dir import default_cache_dir
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.errors import ConfigError, ExportError
@@ -77,12 +78,15 @@ def read_artifact_meta(directory: Path) -> ProgramMeta:
 class ArtifactDirectory:
     """Artifacts made beforehand under ``root`` (default: the program cache), named by :func:`artifact_dir_name`."""
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(self, root: Path | None = None, *, unverified: bool = False) -> None:
         self.root = root if root is not None else default_cache_dir()
+        self.unverified = unverified
 
     def __call__(self, spec: ModelSpec, loss: TrainingLoss) -> Path:
         directory = self.root / artifact_dir_name(spec, loss)
-        if not has_artifacts(directory):
+        if has_artifacts(directory):
+            manifest.verify_files(directory, list(ARTIFACT_FILES), required=not self.unverified)
+        else:
             flags = [f"--{k} {v}" for k, v in loss.objective.params.items()]
             flags += [f"--prox-mu {loss.prox_mu:g}"] if loss.prox_mu else []
             raise ConfigError(
@@ -129,6 +133,8 @@ class OrtTrainer:
         from onnxruntime.training.api import CheckpointState, Module
 
         self.source = str(directory)
+        # Every file of a set fedge made is listed in its manifest: a damaged one is refused before ORT opens it.
+        manifest.verify_files(directory, list(ARTIFACT_FILES), required=False)
         self.meta = read_artifact_meta(directory)
         assert self.meta.loss is not None  # read_artifact_meta checks it
         self.loss: TrainingLoss = self.meta.loss

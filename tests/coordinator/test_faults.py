@@ -162,6 +162,7 @@ class FlakyProxy:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.cuts = 0
+        self.first_cut = threading.Event()
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -184,6 +185,7 @@ class FlakyProxy:
             while not self._stop.is_set():
                 if time.monotonic() - opened > self.cut_after:
                     self.cuts += 1
+                    self.first_cut.set()
                     break
                 try:
                     data = src.recv(65536)
@@ -226,6 +228,10 @@ def test_a_client_behind_a_flapping_link_completes_the_run(tmp_path: Path) -> No
                     bundles=bundles,
                 ),
             ):
+                # A 6-round digits run can finish within the first link's second: the flaky client must have lost
+                # its link once (and come back on its persistent session) before round 1, so the run sees a cut
+                # link for sure; later cuts land in rounds as they happen.
+                assert proxy.first_cut.wait(120), "the flaky client never connected through the proxy"
                 result = run_coordinator(
                     fleet.exp.config,
                     tmp_path / "run",

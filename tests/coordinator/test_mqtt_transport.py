@@ -9,6 +9,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,9 +29,10 @@ from coordinator.transport import Exchange
 from fedge.algorithms.base import Evaluation, RoundPlan, ServerContext, Strategy, TensorSpec
 from fedge.config import RunConfig
 from fedge.errors import TransportError
-from fedge.messages import BROADCAST, TASK, UPDATE, Message, encode
+from fedge.messages import BROADCAST, TASK, UPDATE, Message, decode, encode
 from fedge.protocol import (
     COMPUTE_S,
+    REFUSED,
     SESSION,
     BrokerAddress,
     ClientStatus,
@@ -289,6 +291,65 @@ def test_waiting_for_clients_times_out_naming_who_is_missing_and_who_was_refused
         with pytest.raises(TransportError, match=r"only 1 of 2 clients.*c001 refused: model 'resnet'"):
             transport.wait_for_clients(2, 1.0)
         assert transport.presence.available() == ["c000"] and list(transport.presence.refused) == ["c001"]
+
+
+def test_refusals_that_leave_too_few_provisioned_clients_stop_the_wait_at_once_and_the_refused_client_is_told(
+    embedded_url: str,  # noqa: F811
+    fake_clients: Callable[..., FakeClient],  # noqa: F811
+) -> None:
+    def admit(s: ClientStatus) -> str | None:
+        return None if s.model == "tiny_mlp" else f"model {s.model!r} is not tiny_mlp"
+
+    with MqttTransport(BrokerAddress.parse(embedded_url), "quorum", admit=admit) as transport:
+        fake_clients(embedded_url, "quorum", "c000", model="tiny_mlp")
+        wrong = fake_clients(embedded_url, "quorum", "c001", model="resnet")
+        started = time.monotonic()
+        with pytest.raises(
+            TransportError,
+            match=r"2 clients cannot join .*of the 2 provisioned, 1 were refused "
+            r"\(c001 refused: model 'resnet' is not tiny_mlp\)",
+        ):
+            transport.wait_for_clients(2, 120.0, among=["c000", "c001"])
+        assert time.monotonic() - started < 15  # not the join timeout
+        notice = decode(wrong.next(REFUSED).payload)
+        assert notice.client == "c001" and notice.params["reason"] == "model 'resnet' is not tiny_mlp"
+        # Among three provisioned clients one refusal still leaves two: the wait goes on (to its timeout here).
+        with pytest.raises(TransportError, match=r"only 1 of 2 clients"):
+            transport.wait_for_clients(2, 1.0, among=["c000", "c001", "c002"])
+
+
+def test_a_refused_client_process_exits_with_the_coordinators_reason(
+    embedded_url: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    from common.experiment import prepare
+    from sim.provision import write_client_files
+
+    config = RunConfig(algorithm="fedavg", dataset="digits", model="tiny_mlp", num_clients=2, rounds=1)
+    data = write_client_files(prepare(config), tmp_path)["c000"]
+
+    def admit(s: ClientStatus) -> str | None:
+        return "this run wants other devices"
+
+    with MqttTransport(BrokerAddress.parse(embedded_url), "refusing", admit=admit) as transport:
+        args = ["client", "--data", str(data), "--broker", embedded_url, "--run", "refusing", "--client-id", "c000"]
+        client = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", *args],
+            cwd=Path(__file__).resolve().parents[2],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            with pytest.raises(TransportError, match="c000 refused: this run wants other devices"):
+                transport.wait_for_clients(1, 300.0, among=["c000"])
+            _, err = client.communicate(timeout=60)
+        finally:
+            client.kill()
+    assert client.returncode == 3, err[-2000:]
+    assert "refused by the coordinator of run refusing: this run wants other devices" in err
 
 
 def test_an_unreachable_broker_is_a_clear_error() -> None:

@@ -32,13 +32,19 @@ def test_export_writes_checked_files_and_check_accepts_them(tmp_path: Path, caps
     printed = capsys.readouterr().out
     files = sorted(p.name for p in out.iterdir())
     # The training program gets the one name clients look programs up by (fedge.programs.program_file_name).
-    assert files == ["tiny_mlp-1x8x8-c10-ce-b16-v2.pte", "tiny_mlp.onnx", "tiny_mlp.pte", "weights.safetensors"]
+    assert files == [
+        "manifest.json",  # the SHA-256 of every file, checked before a runtime loads one (common/manifest.py)
+        "tiny_mlp-1x8x8-c10-ce-b16-v2.pte",
+        "tiny_mlp.onnx",
+        "tiny_mlp.pte",
+        "weights.safetensors",
+    ]
     assert "drift parity on executorch ok" in printed and "logits parity on onnxruntime ok" in printed
     assert f"{out / 'tiny_mlp.onnx'}" in printed and "bytes)" in printed  # sizes
 
-    paths = [str(out / f) for f in files if f != "weights.safetensors"]
+    paths = [str(out / f) for f in files if f not in ("weights.safetensors", "manifest.json")]
     assert main(["export", "check", *paths]) == 0  # the .pte check reads weights.safetensors beside it
-    assert capsys.readouterr().out.count(" ok: ") == 4  # onnx, pte, and the training program's logits + steps
+    assert capsys.readouterr().out.count(" ok: ") == 5  # onnx, pte, and the training program's logits, step, drift
 
 
 def test_check_refuses_a_file_that_does_not_match_its_weights(
