@@ -8,6 +8,7 @@ real-looking data, batch-norm statistics included.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -158,8 +159,41 @@ def test_the_gate_refuses_artifacts_whose_batch_norm_statistics_drift(
     """BN momentum 0.12 instead of 0.1: logits at the same weights still agree, the running statistics do not, on the
     standard samples and on both retries."""
     result = ort_results[1]["perturbed"]
-    assert result["passed"] == [True, False, False, False], result["gate"]  # logits, then every drift run
+    # logits, then the stepwise check and every drift run
+    assert result["passed"] == [True, False, False, False, False], result["gate"]
     assert all("running_" in line for line in result["gate"][1:]), result["gate"]
+
+
+@needs_ort_env
+def test_damaged_artifacts_are_refused_before_onnx_runtime_opens_them(
+    ort_results: tuple[Path, dict[str, dict[str, Any]]], tmp_path: Path
+) -> None:
+    """Flipped bytes at several offsets of each file of a gated set: a one-line error from the device side's
+    process (exit 1), never a crash, never weights that load."""
+    from common import manifest
+    from edge_client.backends.ort_training import ARTIFACT_FILES
+
+    (made,) = [d for d in (ort_results[0] / "cache").iterdir() if d.name.startswith("tiny_mlp-")]
+    for name in ARTIFACT_FILES:
+        size = (made / name).stat().st_size
+        for offset in (0, size // 2, size - 1):
+            damaged = tmp_path / f"{name}-{offset}" / made.name
+            shutil.copytree(made, damaged)
+            data = bytearray((damaged / name).read_bytes())
+            data[offset] ^= 0x01
+            (damaged / name).write_bytes(bytes(data))
+            check = ["check", "--model", "tiny_mlp", "--input-shape", "1,8,8", "--objective", "ntd", "--tau", "2"]
+            done = subprocess.run(
+                [str(ORT_PYTHON), "-m", "export.ort_training", *check, "--out", str(damaged.parent)],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            assert done.returncode == 1, (name, offset, done.returncode, done.stderr[-2000:])
+            assert f"{name}: SHA-256 does not match" in done.stderr and "Traceback" not in done.stderr
+    assert manifest.read_manifest(made) is not None
 
 
 def test_artifacts_are_named_by_the_training_program_scheme() -> None:
