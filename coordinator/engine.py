@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +21,9 @@ from coordinator.transport import Transport
 from fedge.algorithms.base import Strategy, derive_seed
 from fedge.config import RunConfig
 from fedge.ledger import ByteLedger
+from fedge.messages import Message
 from fedge.metrics import forgetting
+from fedge.protocol import STATE_ROUND
 from fedge.records import ByteCounts, RoundRecord
 from fedge.types import ClientId
 
@@ -36,6 +38,10 @@ class RunHistory:
     ledger: ByteLedger = field(default_factory=ByteLedger)
     per_class_history: list[np.ndarray] = field(default_factory=list)
     resumed_after: list[int] = field(default_factory=list)  # rounds after which a killed run was resumed
+    # Clients whose own state (SCAFFOLD's control variate, FD/DS-FL models) was older than their last accepted reply:
+    # they lost it (a wiped state directory, --no-state and a restart); the run goes on, but is not the
+    # uninterrupted run's any more. By client, the first time seen.
+    state_lost: dict[ClientId, str] = field(default_factory=dict)
 
 
 def sample_clients(available: list[ClientId], k: int, seed: int, rnd: int) -> list[ClientId]:
@@ -85,6 +91,7 @@ class RoundEngine:
         exchange = self.transport.exchange(plan, lambda c, m: self.strategy.check_reply(rnd, c, m))
         comm_done = time.perf_counter()
         self.history.ledger.extend(exchange.entries)
+        self._note_lost_state(rnd, exchange.replies)
 
         quorum = max(1, math.ceil(cfg.min_replies * len(sampled)))
         aggregated = len(exchange.replies) >= quorum
@@ -127,3 +134,18 @@ class RoundEngine:
         )
         self.history.rounds.append(record)
         return record
+
+    def _note_lost_state(self, rnd: int, replies: Mapping[ClientId, Message]) -> None:
+        """Compare the round each stateful client says its state came from with its last accepted reply."""
+        for client, msg in replies.items():
+            said = msg.transport.get(STATE_ROUND)
+            if said is None or not said.isdigit() or len(said) > 9 or client in self.history.state_lost:
+                continue
+            last = max((r.round for r in self.history.rounds if client in r.replied), default=0)
+            if int(said) < last:
+                why = (
+                    f"round {rnd}: its local state came from round {said}, but it last answered round {last}: "
+                    "it lost its state (its state directory wiped, or --no-state and a restart)"
+                )
+                self.history.state_lost[client] = why
+                log.warning("client %s %s", client, why)

@@ -157,6 +157,8 @@ def run_coordinator(
     }
     if journal.resumed_after:
         extra["resumed_after"] = journal.resumed_after
+    if history.state_lost:
+        extra["client_state_lost"] = dict(history.state_lost)
     if lost:
         extra["broker_bytes"] = {"ledger_wire": session_wire, "comparable": False, "note": lost}
     if before is not None and after is not None:

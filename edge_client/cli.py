@@ -68,6 +68,18 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model-file", type=Path, default=None, help="onnxruntime: the deployed .onnx model to serve")
     p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="where the client keeps its algorithm state after each round (SCAFFOLD's control variate, FD and DS-FL "
+        "models), so a restarted client or a resumed coordinator continues from it (default: state/ beside --data)",
+    )
+    p.add_argument(
+        "--no-state",
+        action="store_true",
+        help="keep the algorithm state in memory only: a restart or a resumed run starts this client from nothing",
+    )
+    p.add_argument(
         "--unverified-programs",
         action="store_true",
         help="load exported programs (--model-file, the program directory's .pte files and ONNX Runtime training "
@@ -110,6 +122,7 @@ def run_client(
     from edge_client.client import EdgeClient
     from edge_client.data import load_client_data
     from edge_client.mqtt import MqttEdgeClient
+    from edge_client.state import ClientStateFiles
     from fedge.backend import TorchBackend
     from fedge.protocol import check_name
 
@@ -189,6 +202,9 @@ def run_client(
         announce_host=args.announce_host,
         capabilities=runtime_capabilities(args.runtime, args.predict_only),
         max_packet_size=connection.max_packet_size,
+        state=None
+        if args.no_state
+        else ClientStateFiles(args.state_dir or Path(args.data).parent / "state", args.run, args.client_id),
     )
 
     def _stop(signum: int, frame: FrameType | None) -> None:

@@ -25,6 +25,7 @@ import torch
 from common.mqtt import Inbound, MqttLink, PacketLimit, PacketTooLarge, Will
 from edge_client.client import EdgeClient
 from edge_client.data import ClientDataInfo
+from edge_client.state import ClientStateFiles
 from fedge import chunking
 from fedge.algorithms import ALGORITHMS
 from fedge.errors import CodecError, ConfigError
@@ -35,6 +36,7 @@ from fedge.protocol import (
     COMPUTE_S,
     REFUSED,
     SESSION,
+    STATE_ROUND,
     BrokerAddress,
     ClientStatus,
     Topics,
@@ -71,12 +73,16 @@ class MqttEdgeClient:
         announce_host: bool = False,
         capabilities: tuple[str, ...] | None = None,
         max_packet_size: PacketLimit = "auto",
+        state: ClientStateFiles | None = None,
     ) -> None:
         """``announce_host``: put this machine's host name and process id in the hello (off by default: anyone who
         may read statuses would learn them). ``capabilities``: the algorithms this client's runtime can run (default
         all); the coordinator refuses a client whose hello does not list the run's algorithm. ``max_packet_size``:
-        the largest MQTT packet to publish (:class:`common.mqtt.MqttLink`); a larger update travels as chunks."""
+        the largest MQTT packet to publish (:class:`common.mqtt.MqttLink`); a larger update travels as chunks.
+        ``state``: where the client's algorithm state is kept between rounds, for restarts and resumed runs."""
         self.client = client
+        self.state = state
+        self._state_round = 0  # the round the state in client.store comes from (0: none)
         self.topics = Topics(run)
         self.fail_at_round = fail_at_round
         self._stop = threading.Event()
@@ -208,9 +214,7 @@ class MqttEdgeClient:
             return
         session = task.transport.get(SESSION, "")
         if session != self._session:
-            if self._session is not None:  # a new coordinator run: the old local state belongs to the old run
-                log.info("round %d of a new run (session %s): fresh local state", task.round, session)
-                self.client.store.clear()
+            self._enter_session(task.round, session)
             self._session = session
             self._done.clear()
             self._replies.clear()
@@ -235,6 +239,27 @@ class MqttEdgeClient:
             return
         self._run_task(task, broadcast)
 
+    def _enter_session(self, rnd: int, session: str) -> None:
+        """A coordinator session this process has not served: its first task is round ``rnd``. Round 1 is a new run
+        (fresh state); a later round comes from a resumed coordinator, or this process restarted: the state is the
+        newest one written before that round (:mod:`edge_client.state`)."""
+        self.client.store.clear()
+        self._state_round = 0
+        if self.state is None:
+            if self._session is not None:
+                log.info("round %d of a new coordinator session (%s): fresh local state", rnd, session)
+            return
+        if rnd <= 1:
+            self.state.clear()
+            return
+        restored = self.state.restore(before=rnd)
+        if restored is None:
+            log.info("round %d of coordinator session %s: no saved client state before it", rnd, session)
+            return
+        self._state_round, tensors = restored
+        self.client.store.update(tensors)
+        log.info("round %d of coordinator session %s: client state of round %d restored", rnd, session, restored[0])
+
     def _run_task(self, task: Message, broadcast: Message | None) -> None:
         started, cpu_started = time.perf_counter(), time.process_time()
         try:
@@ -248,6 +273,12 @@ class MqttEdgeClient:
             COMPUTE_CPU_S: repr(time.process_time() - cpu_started),
             SESSION: task.transport.get(SESSION, ""),  # a resumed coordinator refuses replies to its predecessor
         }
+        if self.client.store:  # an algorithm whose clients keep state: the coordinator spots one that lost it
+            timing[STATE_ROUND] = str(self._state_round)
+        # The state after this round, on disk before the reply leaves: what was answered is what a restart resumes.
+        if self.state is not None and self.client.store:  # stateless algorithms write nothing
+            self.state.save(task.round, self.client.store)
+        self._state_round = task.round
         if self._send(task, dataclasses.replace(update, transport=timing)):
             self.updates_sent += 1
 

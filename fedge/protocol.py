@@ -43,6 +43,7 @@ BROADCAST_ROUND = "broadcast_round"  # in a task: wait for this round's broadcas
 SESSION = "session"  # in tasks and broadcasts: one coordinator run; a new one resets a client's state
 COMPUTE_S = "compute_s"  # in an update: wall seconds of the client step
 COMPUTE_CPU_S = "compute_cpu_s"  # in an update: CPU seconds of the client step (this process)
+STATE_ROUND = "state_round"  # in an update: the round the client's own state came from (0: it had none)
 
 
 # --- names and topics -------------------------------------------------------------------------------------------

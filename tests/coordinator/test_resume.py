@@ -141,3 +141,72 @@ def test_a_broker_restart_during_a_good_run_never_fails_the_cli(
     (run_dir,) = (tmp_path / "lost").iterdir()
     bb = json.loads((run_dir / "summary.json").read_text())["broker_bytes"]
     assert bb["comparable"] is False and "could not be read after the run" in bb["note"]
+
+
+STATEFUL = {
+    "scaffold": ["--algorithm", "scaffold"],
+    "dsfl": ["--algorithm", "dsfl", "--open-size", "200", "--open-per-round", "50", "--distill-epochs", "1"],
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(STATEFUL))
+def test_clients_keep_their_state_across_a_killed_and_resumed_coordinator(
+    algorithm: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SCAFFOLD's control variates and DS-FL's own models live on the clients: a resumed coordinator re-runs the
+    interrupted round, and each client answers it from its state saved before that round (edge_client/state.py), so
+    the resumed run ends with the uninterrupted run's model. The same fleet with its state wiped is reported."""
+    require_mosquitto()
+    flags = [*STATEFUL[algorithm], "--dataset", "digits", "--model", "tiny_mlp", "--num-clients", "3"]
+    flags += ["--rounds", "6", "--local-epochs", "1"]
+    assert main(["provision", "--out", str(tmp_path / "data"), *flags]) == 0
+    config = tmp_path / "data" / "config.json"
+    files = {p.stem: p for p in (tmp_path / "data").glob("c*.safetensors")}
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same float sums as this process
+    with mosquitto_broker() as url, client_processes(files, url, RUN, log_dir=tmp_path / "logs"):
+        assert main(coordinator_args(url, config, "--out", str(tmp_path / "ref"), "--broker-counters", "off")) == 0
+        (reference,) = (tmp_path / "ref").iterdir()
+        sniffer = MqttLink(BrokerAddress.parse(url), "sniffer", subscriptions=[(Topics(RUN).all_updates, 1)]).start(10)
+        args = coordinator_args(url, config, "--out", str(tmp_path / "killed"), "--broker-counters", "off")
+        proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], env=env, stdout=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None:
+                item = sniffer.get(0.2)
+                if item is not None and decode(item.payload).round >= KILL_IN_ROUND:
+                    proc.send_signal(signal.SIGKILL)
+                    break
+            assert proc.wait(10) == -signal.SIGKILL, "the coordinator was not killed mid-run"
+        finally:
+            sniffer.close(wait=0.5)
+            if proc.poll() is None:
+                proc.kill()
+        (killed,) = (tmp_path / "killed").iterdir()
+        assert main(coordinator_args(url, config, "--resume", str(killed), "--broker-counters", "off")) == 0
+        a, b = load_file(reference / "global_model.safetensors"), load_file(killed / "global_model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the resumed model differs"
+        summary = json.loads((killed / "summary.json").read_text())
+        assert "client_state_lost" not in summary and summary["resumed_after"]
+
+        # The same kill, then c001's state files wiped (a device reset): the run goes on and says who lost what.
+        sniffer = MqttLink(BrokerAddress.parse(url), "sniffer", subscriptions=[(Topics(RUN).all_updates, 1)]).start(10)
+        args = coordinator_args(url, config, "--out", str(tmp_path / "wiped"), "--broker-counters", "off")
+        proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], env=env, stdout=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None:
+                item = sniffer.get(0.2)
+                if item is not None and decode(item.payload).round >= KILL_IN_ROUND:
+                    proc.send_signal(signal.SIGKILL)
+                    break
+            assert proc.wait(10) == -signal.SIGKILL
+        finally:
+            sniffer.close(wait=0.5)
+            if proc.poll() is None:
+                proc.kill()
+        for stale in (tmp_path / "data" / "state").glob(f"{RUN}-c001-*"):
+            stale.unlink()
+        (wiped,) = (tmp_path / "wiped").iterdir()
+        assert main(coordinator_args(url, config, "--resume", str(wiped), "--broker-counters", "off")) == 0
+    lost = json.loads((wiped / "summary.json").read_text())["client_state_lost"]
+    assert list(lost) == ["c001"] and "lost its state" in lost["c001"], lost
