@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -154,11 +155,14 @@ def test_a_broker_stopped_past_the_deadline_skips_at_most_that_round(tmp_path: P
 
 
 class FlakyProxy:
-    """A TCP proxy on loopback in front of the broker that cuts every connection through it ``cut_after`` seconds
-    after it opened (a flaky Wi-Fi link): the client behind it reconnects again and again during the run."""
+    """A TCP proxy on loopback in front of the broker that ends every connection through it ``cut_after`` seconds
+    after it opened (a flaky Wi-Fi link), alternately cut cleanly (FIN) and dropped (RST, what a lost link looks like
+    to the peer), and holds every chunk of data ``delay`` seconds before passing it on: the client behind it
+    reconnects again and again during the run, over a slow link."""
 
-    def __init__(self, target_port: int, cut_after: float) -> None:
-        self.target_port, self.cut_after = target_port, cut_after
+    def __init__(self, target_port: int, cut_after: float, delay: float = 0.0) -> None:
+        self.target_port, self.cut_after, self.delay = target_port, cut_after, delay
+        self.connections = 0
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.cuts = 0
@@ -176,10 +180,12 @@ class FlakyProxy:
             except OSError:
                 return
             up = socket.create_connection(("127.0.0.1", self.target_port))
-            threading.Thread(target=self._pipe, args=(down, up, time.monotonic()), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(up, down, time.monotonic()), daemon=True).start()
+            self.connections += 1
+            drop = self.connections % 2 == 0  # every other connection ends with a reset instead of a clean cut
+            threading.Thread(target=self._pipe, args=(down, up, time.monotonic(), drop), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, down, time.monotonic(), drop), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, opened: float) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, opened: float, drop: bool) -> None:
         src.settimeout(0.1)
         try:
             while not self._stop.is_set():
@@ -193,13 +199,18 @@ class FlakyProxy:
                     continue
                 if not data:
                     break
+                if self.delay:
+                    time.sleep(self.delay)
                 dst.sendall(data)
         except OSError:
             pass
         finally:
             for s in (src, dst):
                 with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
+                    if drop:  # linger 0: close sends a reset, no FIN
+                        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    else:
+                        s.shutdown(socket.SHUT_RDWR)
                 s.close()
 
     def close(self) -> None:
@@ -215,7 +226,7 @@ def test_a_client_behind_a_flapping_link_completes_the_run(tmp_path: Path) -> No
     flaky = "c002"
     with fleet_mosquitto(fleet.broker_dir) as url:
         port = int(url.rsplit(":", 1)[1])
-        proxy = FlakyProxy(port, cut_after=1.0)
+        proxy = FlakyProxy(port, cut_after=1.0, delay=0.02)
         try:
             steady = {c: p for c, p in fleet.files.items() if c != flaky}
             with (
