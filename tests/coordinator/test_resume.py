@@ -187,6 +187,8 @@ def test_clients_keep_their_state_across_a_killed_and_resumed_coordinator(
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the resumed model differs"
         summary = json.loads((killed / "summary.json").read_text())
         assert "client_state_lost" not in summary and summary["resumed_after"]
+        if algorithm != "scaffold":
+            return
 
         # The same kill, then c001's state files wiped (a device reset): the run goes on and says who lost what.
         sniffer = MqttLink(BrokerAddress.parse(url), "sniffer", subscriptions=[(Topics(RUN).all_updates, 1)]).start(10)
