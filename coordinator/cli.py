@@ -36,7 +36,8 @@ def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
         "--rejoin-grace",
         type=float,
         default=5.0,
-        help="seconds a client that went offline mid-round may take to return",
+        help="seconds a client that went offline mid-round may take to return, and one whose reply was refused may "
+        "take to send a valid one (it is not waited for until the round's deadline)",
     )
     p.add_argument(
         "--broker-counters",

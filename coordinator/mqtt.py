@@ -87,6 +87,8 @@ class _Round:
     refused: dict[tuple[str, int], None] = field(default_factory=dict)  # chunked messages refused, oldest first
     incomplete: dict[ClientId, str] = field(default_factory=dict)  # client -> why its chunked reply never completed
     reconnects: dict[ClientId, int] = field(default_factory=dict)  # client -> its reconnects during the round
+    # client -> (when, why) its latest reply to this round was refused as invalid: not waited for past the grace
+    refused_replies: dict[ClientId, tuple[float, str]] = field(default_factory=dict)
 
     @property
     def rnd(self) -> int:
@@ -286,6 +288,10 @@ class MqttTransport:
             # wills that arrive around a broker outage say only that the clients are reconnecting too.
             back = self.link.connected_at if self.link.connected else now
             gone = {c for c, (since, _) in state.offline.items() if now - max(since, back) >= self.rejoin_grace}
+            # A client whose reply was refused (a bug, or an insider) is not waited for until the deadline: a
+            # client sends one reply a round, and its stored copy after a reconnect is the same bytes. It may still
+            # send a valid one within the grace, and is then counted as any other reply.
+            gone |= {c for c, (at, _) in state.refused_replies.items() if now - at >= self.rejoin_grace}
             if len(out.replies) + len(gone | set(ctx.failed)) >= len(plan.tasks) or now >= deadline:
                 break
             item = self._pump(min(deadline - now, 0.2), state=state)
@@ -298,6 +304,8 @@ class MqttTransport:
             if client in out.replies:
                 continue
             why = ctx.failed.get(client) or f"silent past the {self.round_timeout:g} s deadline"
+            if client in state.refused_replies and client not in ctx.failed:
+                why = printable(f"its reply was refused: {state.refused_replies[client][1]}")
             if client in state.incomplete and client not in ctx.failed:
                 why = f"{state.incomplete[client]} by the {self.round_timeout:g} s deadline"
             after = elapsed
@@ -423,8 +431,12 @@ class MqttTransport:
         )
         if judged.rejection is not None:
             state.out.rejections.append(judged.rejection)
+            refused = judged.rejection.category == "invalid" and msg is not None and msg.round == state.rnd
+            if refused and client in state.tasks and client not in state.out.replies:
+                state.refused_replies[client] = (time.monotonic(), judged.rejection.reason)
             return
         assert msg is not None
+        state.refused_replies.pop(client, None)
         state.out.replies[client] = msg
         state.offline.pop(client, None)  # e.g. its connection dropped after it published
         state.incomplete.pop(client, None)  # an earlier attempt that was given up does not matter any more
