@@ -9,7 +9,10 @@ the largest difference between the two final global models.
 
 All runtimes get the same number of CPU threads (``--threads``, default 1: one core of a small device; ExecuTorch's
 portable kernels are single-threaded anyway). Absolute times depend on the machine and its load; the ratios are the
-result. Every export passes its parity check before it is timed.
+result: the runtimes run interleaved, one step (or one inference) each in turn, and a ratio is the median of the
+per-turn ratios to eager PyTorch. ONNX Runtime training runs in its own environment, where its worker interleaves it
+pass by pass with eager PyTorch (``export.ort_training.step_times``). The report prints the load average. Every
+export passes its parity check before it is timed.
 
 Usage: python benchmarks/runtimes.py [--models fedavg_cnn dsfl_mnist_cnn] [--batch 50] [--repeats 20]
            [--fl-dataset digits] [--fl-rounds 10] [--json out.json]
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -34,7 +38,7 @@ from edge_client.backends.runners import OnnxRunner, PteRunner, PteTrainer
 from export.cache import ExportingSource
 from export.executorch import export_inference, export_training
 from export.onnx import export_onnx
-from export.ort_training import ort_training_step_ms
+from export.ort_training import step_times_in_env
 from export.parity import check_onnx, check_pte, check_training, require
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.algorithms.fedntd import NotTrueDistillation
@@ -45,15 +49,34 @@ from fedge.training import SGDSettings, TrainRequest
 from sim.run import run_inprocess
 
 
-def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3) -> dict[str, dict[str, float]]:
+    """Each function once per repeat, in turn (so every runtime sees the same machine load, step by step): per
+    function its median ms and the median of its per-repeat ratio to the first function's time (the baseline)."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1000.0 * statistics.median(times)
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    base = next(iter(times.values()))
+    return {
+        name: {
+            "ms": 1000.0 * statistics.median(ts),
+            "ratio": statistics.median(t / b for t, b in zip(ts, base, strict=True)),
+        }
+        for name, ts in times.items()
+    }
+
+
+def load_average() -> str:
+    """The machine's load while the numbers were taken (ratios hold under load; absolute times do not)."""
+    try:
+        return " / ".join(f"{v:.2f}" for v in os.getloadavg()) + f" on {os.cpu_count()} cores"
+    except OSError:
+        return "unknown"
 
 
 def bench_model(spec: ModelSpec, batch: int, repeats: int, threads: int) -> dict[str, Any]:
@@ -95,10 +118,11 @@ def bench_model(spec: ModelSpec, batch: int, repeats: int, threads: int) -> dict
         "ExecuTorch XNNPACK": pte.logits,
         "ExecuTorch portable (client)": trainer.logits,
     }
-    inference = {
-        name: {n: median_ms(functools.partial(run, x), repeats) for n, x in ((1, x1), (batch, xb))}
-        for name, run in runners.items()
+    by_batch = {
+        n: interleaved({name: functools.partial(run, x) for name, run in runners.items()}, repeats)
+        for n, x in ((1, x1), (batch, xb))
     }
+    inference = {name: {n: by_batch[n][name] for n in by_batch} for name in runners}
 
     sgd = SGDSettings(lr=0.01, momentum=0.9, weight_decay=1e-5)
     train_model = spec.build(seed=0).train()
@@ -117,15 +141,19 @@ def bench_model(spec: ModelSpec, batch: int, repeats: int, threads: int) -> dict
     inputs = trainer.step_inputs(request, idx)
     before_opt = before.optimizer(sgd)
     before_inputs = before.step_inputs(request, idx)
-    training = {
-        "eager PyTorch": median_ms(eager_step, repeats),
-        "ExecuTorch training program": median_ms(lambda: trainer.step(et_opt, inputs), repeats),
-        # seconds per step: a few repeats are enough
-        "ExecuTorch before lowering": median_ms(lambda: before.step(before_opt, before_inputs), 3, warmup=1),
-    }
-    ort = ort_training_step_ms(spec, batch, repeats, threads)
+    training = interleaved(
+        {"eager PyTorch": eager_step, "ExecuTorch training program": lambda: trainer.step(et_opt, inputs)}, repeats
+    )
+    # Seconds per step: a few repeats are enough, each beside an eager step for its ratio.
+    slow = interleaved(
+        {"eager PyTorch": eager_step, "before": lambda: before.step(before_opt, before_inputs)}, 3, warmup=1
+    )
+    training["ExecuTorch before lowering"] = slow["before"]
+    # ONNX Runtime training lives in its own environment: its worker times it pass by pass against eager PyTorch
+    # in the same process (export.ort_training.step_times), so its ratio is from one run too.
+    ort = step_times_in_env(spec, batch=batch, threads=threads, repeats=max(3, repeats // 4))
     if ort is not None:
-        training["ONNX Runtime training"] = ort
+        training["ONNX Runtime training"] = {"ms": ort["ort_training_ms"], "ratio": ort["ratio"]}
     return {
         "model": spec.name,
         "input_shape": list(spec.input_shape),
@@ -134,7 +162,8 @@ def bench_model(spec: ModelSpec, batch: int, repeats: int, threads: int) -> dict
         "state_bytes": sum(v.numel() * v.element_size() for v in weights.values()),
         "export_s": export_s,
         "inference_ms": inference,
-        "train_step_ms": training,
+        "train_step": training,
+        "load_average": load_average(),
     }
 
 
@@ -193,24 +222,25 @@ def print_report(results: list[dict[str, Any]], fl: dict[str, Any] | None, batch
             f"| {r['model']} {r['input_shape']} | {r['parameters']:,} | {r['state_bytes']:,} | {f['onnx']:,} | "
             f"{f['pte (XNNPACK)']:,} | {f['pte training (ntd)']:,} |"
         )
+    print("\nEvery ratio is the median of per-repeat ratios, the runtimes interleaved step by step with eager PyTorch.")
+    print("Load average while measuring: " + "; ".join(f"{r['model']}: {r['load_average']}" for r in results))
     print("\n## Inference latency (median ms; ratio to eager PyTorch)\n")
     print(f"| model | runtime | batch 1 | x | batch {batch} | x |")
     print("|---|---|---:|---:|---:|---:|")
     for r in results:
-        base = r["inference_ms"]["eager PyTorch"]
-        for name, ms in r["inference_ms"].items():
+        for name, by in r["inference_ms"].items():
+            one, big = by[1], by[batch]
             print(
-                f"| {r['model']} | {name} | {ms[1]:.3f} | {ms[1] / base[1]:.2f} | {ms[batch]:.2f} | "
-                f"{ms[batch] / base[batch]:.2f} |"
+                f"| {r['model']} | {name} | {one['ms']:.3f} | {one['ratio']:.2f} | {big['ms']:.2f} | "
+                f"{big['ratio']:.2f} |"
             )
     print(f"\n## Training step, batch {batch}, FedNTD loss, momentum SGD (median ms; ratio to eager PyTorch)\n")
     print("| model | runtime | ms per step | x eager |")
     print("|---|---|---:|---:|")
     for r in results:
-        t = r["train_step_ms"]
-        for name, ms in t.items():
-            print(f"| {r['model']} | {name} | {ms:.2f} | {ms / t['eager PyTorch']:.2f} |")
-    if not any("ONNX Runtime training" in r["train_step_ms"] for r in results):
+        for name, t in r["train_step"].items():
+            print(f"| {r['model']} | {name} | {t['ms']:.2f} | {t['ratio']:.2f} |")
+    if not any("ONNX Runtime training" in r["train_step"] for r in results):
         print("\n(ONNX Runtime training not measured: its environment is missing; `make ort-training` installs it.)")
     if fl is not None:
         c = fl["config"]

@@ -618,13 +618,6 @@ def step_times_in_env(
     return result
 
 
-def ort_training_step_ms(spec: ModelSpec, batch: int, repeats: int, threads: int) -> float | None:
-    """Median ms per FedNTD training step on ONNX Runtime training (see :func:`step_times`), measured in
-    ``.venv-ort-training``; None when that environment is not installed."""
-    times = step_times_in_env(spec, batch=batch, threads=threads, repeats=max(1, repeats // 4))
-    return None if times is None else times["ort_training_ms"]
-
-
 # --- command line (in .venv-ort-training) ---------------------------------------------------------------------------
 
 
