@@ -80,6 +80,14 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--connect-timeout", type=float, default=60.0, help="seconds to keep trying to reach the broker at start"
     )
+    p.add_argument(
+        "--idle-warning",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="warn (with the run name and the topic this client listens on) when no task came for this long, then "
+        "after twice as long, and so on; 0: never",
+    )
     p.add_argument("--fail-at-round", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
 
 
@@ -118,6 +126,8 @@ def run_client(
         raise ConfigError("say which client this is: --client-id ID, or --bundle DIR from a fleet kit")
     args.run = args.run or "default"
     check_name(args.client_id, "client id")
+    if not args.idle_warning >= 0:  # also refuses nan
+        raise ConfigError(f"--idle-warning must be >= 0 seconds, got {args.idle_warning}")
     if args.threads < 0:
         raise ConfigError(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
@@ -178,6 +188,7 @@ def run_client(
         announce_host=args.announce_host,
         capabilities=runtime_capabilities(args.runtime, args.predict_only),
         max_packet_size=connection.max_packet_size,
+        idle_warning_s=args.idle_warning,
     )
 
     def _stop(signum: int, frame: FrameType | None) -> None:
