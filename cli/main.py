@@ -284,6 +284,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return run_export_cli(args)
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: fedge's version and, from a git checkout, its commit (what run directories record)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from common.provenance import version_text
+
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedge",
@@ -291,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
         "simulated in one process or deployed over MQTT, with every byte accounted for.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument(
+        "--version", action=_VersionAction, nargs=0, help="print fedge's version (and git commit) and exit"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser(

@@ -1,12 +1,12 @@
 """The run directory every kind of run writes: config, partition, metrics per round, byte ledger, model, summary.
 
 Layout (the same for in-process and MQTT runs):
-  config.json          the resolved RunConfig
+  config.json          the resolved RunConfig, and under "fedge" the version (and git commit) that wrote it
   partition.json       class counts per client
   metrics.jsonl        one JSON object per round, appended as rounds complete
   ledger.csv           every message, bytes at three levels (see fedge.ledger), appended as rounds complete
   global_model.safetensors   final global weights (absent for FD, which has no global model)
-  summary.json         final/best accuracy, totals, ComU@x, dropped and rejected messages
+  summary.json         final/best accuracy, totals, ComU@x, dropped and rejected messages; "fedge": as in config.json
   journal.json, journal-<round>.safetensors   the state after the last completed round (common.journal)
 
 A run without summary.json stopped early; ``fedge report`` reads it all the same, ``--resume`` continues it.
@@ -29,6 +29,7 @@ from typing import Any, BinaryIO
 import torch
 from safetensors.torch import save_file
 
+from common.provenance import provenance
 from fedge.config import RunConfig
 from fedge.errors import JournalError
 from fedge.ledger import ByteLedger, LedgerEntry
@@ -79,7 +80,8 @@ class RunWriter:
         self.path = path
         path.mkdir(parents=True, exist_ok=True)
         if committed is None:
-            (path / "config.json").write_text(config.to_json() + "\n")
+            written = {**config.to_dict(), "fedge": provenance()}  # RunConfig.from_dict skips "fedge"
+            (path / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
             (path / "partition.json").write_text(json.dumps(partition, indent=1) + "\n")
         metrics_bytes, ledger_bytes = committed or (0, 0)
         self._metrics = _continue(path / "metrics.jsonl", metrics_bytes)
@@ -114,6 +116,7 @@ class RunWriter:
             )
         summary = summarize(rounds, initial_bytes)
         summary.update(extra or {})
+        summary["fedge"] = provenance()  # the version that finished the run (a resumed run may have changed it)
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 

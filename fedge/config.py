@@ -114,6 +114,7 @@ class RunConfig:
         (a config written before settings were per algorithm) are ignored with a warning.
         """
         raw = dict(raw)
+        raw.pop("fedge", None)  # which fedge wrote a run's config.json (common.provenance): a record, not a setting
         train = _sub(TrainConfig, raw.pop("train", {}) or {}, "train")
         algo_raw = dict(raw.pop("algo", {}) or {})
         for moved in ("open_size", "private_size"):  # run settings now; older configs kept them under algo

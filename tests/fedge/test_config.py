@@ -48,6 +48,8 @@ def test_json_round_trip_and_unknown_keys(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(cfg.to_json())
     assert RunConfig.from_json_file(path) == cfg
+    # A run directory's config.json also says which fedge wrote it: a record, read past.
+    assert RunConfig.from_dict({**cfg.to_dict(), "fedge": {"version": "0.1.0", "commit": "0" * 40}}) == cfg
     with pytest.raises(ConfigError, match="unknown train setting"):
         RunConfig.from_dict({"train": {"learning_rate": 1}})
     with pytest.raises(ConfigError, match="unknown algo"):
