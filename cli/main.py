@@ -106,11 +106,10 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
     must not skip a round).
     """
     chosen_clip = chosen_quorum = base is not None  # a resumed run keeps what its config.json says
-    if getattr(args, "config", None):
-        raw = json.loads(Path(args.config).read_text())
-        raw = raw if isinstance(raw, dict) else {}
-        chosen_clip, chosen_quorum = "clip_factor" in (raw.get("algo") or {}), "min_replies" in raw
     config = base or (RunConfig.from_json_file(args.config) if getattr(args, "config", None) else RunConfig())
+    if getattr(args, "config", None):
+        raw = json.loads(Path(args.config).read_text())  # valid: from_json_file read it (one-line errors)
+        chosen_clip, chosen_quorum = "clip_factor" in (raw.get("algo") or {}), "min_replies" in raw
     changes: dict[str, dict[str, Any]] = {"run": {}, "train": {}, "algo": {}}
     for key, value in vars(args).items():
         if "." in key and value is not None:
