@@ -146,9 +146,20 @@ def run_cost(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from sim.report import write_report
+    from sim.report import not_a_run, write_report
 
+    runs = []
+    for path in args.runs:  # a glob such as runs/*-fedavg-* may also match a failed start or another directory
+        reason = not_a_run(path)
+        if reason is None:
+            runs.append(path)
+        else:
+            print(f"fedge report: skipping {path}: it {reason}", file=sys.stderr)
+    if not runs:
+        raise ConfigError(
+            "no run directory to report on (pass directories written by `fedge sim` or `fedge coordinator`)"
+        )
     out = args.out or (args.runs[0] if len(args.runs) == 1 else Path("report"))
-    path = write_report(args.runs, out, accounting=args.accounting)
+    path = write_report(runs, out, accounting=args.accounting)
     print(f"report: {path}")
     return 0
