@@ -12,7 +12,10 @@ import argparse
 import dataclasses
 import json
 import logging
+import shlex
+import signal
 import sys
+import threading
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +37,21 @@ _HELP = {
     "dataset": "digits (bundled with scikit-learn, no download), synthetic, mnist, fashion_mnist, cifar10",
     "data_dir": "directory with the dataset files (e.g. ../shared/data/mnist)",
     "model": "fedavg_cnn, dsfl_mnist_cnn, dsfl_fmnist_cnn, reuters_mlp, imdb_lstm, tiny_mlp (default: per dataset)",
+    "num_clients": "clients the training data is split among",
+    "rounds": "communication rounds",
+    "shards_per_client": "shards partition: label-sorted shards per client",
+    "dirichlet_alpha": "dirichlet partition: concentration (smaller is more skewed)",
+    "min_client_size": "dirichlet partition: redraw until every client holds at least this many samples",
+    "train_size": "train on a seeded subset of this many training samples (0 = all)",
+    "seed": "seed of the partition, sampling, model initialization and batch order",
+    "eval_every": "evaluate the global model every this many rounds",
+    "lr": "local learning rate",
+    "momentum": "local SGD momentum (its buffers never leave the client)",
+    "weight_decay": "local SGD weight decay",
+    "lr_decay": "per-round learning-rate decay: round r trains at lr * lr_decay^(r-1)",
+    "local_epochs": "local epochs per round",
+    "batch_size": "local mini-batch size",
+    "augment": "none, or paper: FedNTD's random crop, flip and Cutout of training batches",
     "client_fraction": "share of clients sampled per round",
     "partition": "iid, shards or dirichlet",
     "min_replies": "quorum: share of sampled clients that must reply for the round to be aggregated",
@@ -64,9 +82,9 @@ def _add_flag(group: argparse._ArgumentGroup, dest: str, f: dataclasses.Field[An
     default = f.default if f.default is not dataclasses.MISSING else None
     flag = "--" + f.name.replace("_", "-")
     described = _HELP.get(f.name) or f.metadata.get("help", "")
-    # "%(default).0s" prints nothing: it stops ArgumentDefaultsHelpFormatter from adding the flag's own default
-    # (None, meaning "keep the config's value") after the setting's real default.
-    help_text = " ".join(x for x in (described, extra, f"(default: {default})") if x) + "%(default).0s"
+    # The setting's own default; the flag's (None: "keep the config's value") is never shown (see _HelpFormatter).
+    shown = f"(default: {default})" if default is not None and "(default" not in described else ""
+    help_text = " ".join(x for x in (described, extra, shown) if x)
     if typ is bool:
         group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
     else:
@@ -106,11 +124,10 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
     must not skip a round).
     """
     chosen_clip = chosen_quorum = base is not None  # a resumed run keeps what its config.json says
-    if getattr(args, "config", None):
-        raw = json.loads(Path(args.config).read_text())
-        raw = raw if isinstance(raw, dict) else {}
-        chosen_clip, chosen_quorum = "clip_factor" in (raw.get("algo") or {}), "min_replies" in raw
     config = base or (RunConfig.from_json_file(args.config) if getattr(args, "config", None) else RunConfig())
+    if getattr(args, "config", None):
+        raw = json.loads(Path(args.config).read_text())  # valid: from_json_file read it (one-line errors)
+        chosen_clip, chosen_quorum = "clip_factor" in (raw.get("algo") or {}), "min_replies" in raw
     changes: dict[str, dict[str, Any]] = {"run": {}, "train": {}, "algo": {}}
     for key, value in vars(args).items():
         if "." in key and value is not None:
@@ -285,6 +302,27 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return run_export_cli(args)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default said once: argparse's "(default: X)" only where the text does not say it already and the
+    default means something (not None, "not given", and not an off switch's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action) or text
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: fedge's version and, from a git checkout, its commit (what run directories record)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from common.provenance import version_text
+
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedge",
@@ -292,12 +330,15 @@ def build_parser() -> argparse.ArgumentParser:
         "simulated in one process or deployed over MQTT, with every byte accounted for.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument(
+        "--version", action=_VersionAction, nargs=0, help="print fedge's version (and git commit) and exit"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser(
         "sim",
         help="run an algorithm in one process and write a run directory with a report",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--out", type=Path, default=Path("runs"), help="parent directory of the run directory")
     p.add_argument("--name", default="", help="label appended to the run directory's name")
@@ -353,20 +394,39 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo",
         help="FedAvg, FedNTD and DS-FL on non-IID digits over the embedded MQTT broker, with a comparison report",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the three runs and the report go")
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--transport", choices=["mqtt", "inprocess"], default="mqtt")
+    p.add_argument("--rounds", type=int, default=15, help="rounds of each of the three runs")
+    p.add_argument(
+        "--transport",
+        choices=["mqtt", "inprocess"],
+        default="mqtt",
+        help="mqtt: 10 client processes per run over the embedded broker; inprocess: all in this process",
+    )
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("cost", help="per-round communication of FL, FD and DS-FL (default: DS-FL Tables I and II)")
+    p = sub.add_parser(
+        "cost",
+        help="per-round communication of FL, FD and DS-FL (default: DS-FL Tables I and II)",
+        formatter_class=_HelpFormatter,
+    )
     p.add_argument("--model", help="a model name: print the costs for these settings instead of the paper tables")
     p.add_argument("--input-shape", default=None, help="comma-separated input shape for --model, e.g. 1,28,28")
-    p.add_argument("--num-classes", type=int, default=10)
-    p.add_argument("--num-clients", type=int, default=100)
-    p.add_argument("--open-per-round", type=int, default=1000)
-    p.add_argument("--accounting", choices=["multicast", "unicast", "both"], default="multicast")
+    p.add_argument("--num-classes", type=int, default=10, help="classes of --model's output")
+    p.add_argument("--num-clients", type=int, default=100, help="clients per round (K)")
+    p.add_argument(
+        "--open-per-round",
+        type=int,
+        default=1000,
+        help="DS-FL: open samples per round (|o_r|) whose soft labels travel",
+    )
+    p.add_argument(
+        "--accounting",
+        choices=["multicast", "unicast", "both"],
+        default="multicast",
+        help="multicast: a broadcast counted once (the papers' Tables I-II); unicast: once per recipient",
+    )
     p.add_argument(
         "--compress",
         nargs="+",
@@ -377,12 +437,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", type=Path, help="also write the table(s) to this Markdown file")
     p.set_defaults(func=_cmd_cost)
 
-    p = sub.add_parser("report", help="Markdown tables and PNG plots for one or more run directories")
+    p = sub.add_parser(
+        "report", help="Markdown tables and PNG plots for one or more run directories", formatter_class=_HelpFormatter
+    )
     p.add_argument("runs", nargs="+", type=Path, help="run directories (written by fedge sim or fedge coordinator)")
     p.add_argument(
         "--out", type=Path, default=None, help="output directory (default: the run directory if one, else ./report)"
     )
-    p.add_argument("--accounting", choices=["multicast", "unicast"], default="multicast")
+    p.add_argument(
+        "--accounting",
+        choices=["multicast", "unicast"],
+        default="multicast",
+        help="bytes of a broadcast counted once (multicast, as the papers do) or once per recipient (unicast)",
+    )
     p.set_defaults(func=_cmd_report)
 
     from coordinator.cli import add_coordinator_arguments
@@ -391,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "coordinator",
         help="run rounds over an MQTT broker for clients started elsewhere; writes a run directory",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     add_coordinator_arguments(p)
     add_previous_journal_flag(p)
@@ -403,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "client",
         help="an edge client: join a run over an MQTT broker and train on a local data file",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     add_client_arguments(p)
     p.set_defaults(func=_cmd_client)
@@ -411,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "provision",
         help="write each client's data file (and the run's config.json) for a deployment",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--out", type=Path, required=True, help="directory for <client>.safetensors, shared and config")
     p.add_argument(
@@ -458,11 +525,67 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "export",
         help="export a model to ONNX / ExecuTorch (.pte, training programs) and check parity; `export check FILE...`",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     add_export_arguments(p)
     p.set_defaults(func=_cmd_export)
     return parser
+
+
+RESUME_FLAGS = {
+    "sim": ("transport", "broker", "max_packet_size", "executor", "workers", "threads_per_worker", "device"),
+    "coordinator": (
+        "bundle",
+        "broker",
+        "username",
+        "password_file",
+        "ca_file",
+        "cert_file",
+        "key_file",
+        "allow_plaintext",
+        "max_packet_size",
+        "run",
+        "min_clients",
+        "round_timeout",
+        "join_timeout",
+        "rejoin_grace",
+        "broker_counters",
+    ),
+}
+"""The flags a resume command repeats when they were given: how the run reaches its broker and clients and where it
+runs. The run's settings come from its config.json, so no config flag is repeated."""
+
+COMMON_RESUME_FLAGS = ("no_report", "allow_skipped_rounds", "quiet")
+
+
+def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
+    """The command line that continues the interrupted run in ``run_dir`` as ``args`` started it; a broker login
+    never goes into it (the password comes from the same file or environment variable as before)."""
+    from fedge.protocol import BrokerAddress
+
+    defaults = vars(build_parser().parse_args([args.command]))
+    words = ["fedge", args.command, "--resume", str(run_dir)]
+    for dest in (*RESUME_FLAGS[args.command], *COMMON_RESUME_FLAGS):
+        value = getattr(args, dest, None)
+        if dest not in defaults or value == defaults[dest]:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if value is True:
+            words.append(flag)
+        elif dest == "broker":
+            address = BrokerAddress.parse(str(value))
+            words += [flag, address.url]
+            if address.username and not args.username:
+                words += ["--username", address.username]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+def _terminate(signum: int, frame: types.FrameType | None) -> None:
+    from common.rundir import Terminated
+
+    raise Terminated()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -473,14 +596,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    # SIGTERM (systemd, docker stop, kill) stops a run as Ctrl-C does: cleanup, then a resume hint and status 143.
+    in_main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None
     try:
         return int(args.func(args) or 0)
     except FedgeError as exc:
         print(f"fedge: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("fedge: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        from common.rundir import RunInterrupted, Terminated
+
+        terminated = isinstance(exc, Terminated) or (isinstance(exc, RunInterrupted) and exc.terminated)
+        print(f"fedge: {'terminated (SIGTERM)' if terminated else 'interrupted'}", file=sys.stderr)
+        if isinstance(exc, RunInterrupted):
+            if exc.run_dir is None:
+                print("fedge: no round had completed, so there is nothing to resume", file=sys.stderr)
+            else:
+                print(f"fedge: continue the run with: {resume_command(args, exc.run_dir)}", file=sys.stderr)
+        return 143 if terminated else 130
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

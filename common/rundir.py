@@ -1,12 +1,12 @@
 """The run directory every kind of run writes: config, partition, metrics per round, byte ledger, model, summary.
 
 Layout (the same for in-process and MQTT runs):
-  config.json          the resolved RunConfig
+  config.json          the resolved RunConfig, and under "fedge" the version (and git commit) that wrote it
   partition.json       class counts per client
   metrics.jsonl        one JSON object per round, appended as rounds complete
   ledger.csv           every message, bytes at three levels (see fedge.ledger), appended as rounds complete
   global_model.safetensors   final global weights (absent for FD, which has no global model)
-  summary.json         final/best accuracy, totals, ComU@x, dropped and rejected messages
+  summary.json         final/best accuracy, totals, ComU@x, dropped and rejected messages; "fedge": as in config.json
   journal.json, journal-<round>.safetensors   the state after the last completed round (common.journal)
 
 A run without summary.json stopped early; ``fedge report`` reads it all the same, ``--resume`` continues it.
@@ -14,13 +14,16 @@ A run without summary.json stopped early; ``fedge report`` reads it all the same
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
+import logging
 import os
+import shutil
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from math import isnan
 from pathlib import Path
@@ -29,11 +32,14 @@ from typing import Any, BinaryIO
 import torch
 from safetensors.torch import save_file
 
+from common.provenance import provenance
 from fedge.config import RunConfig
 from fedge.errors import JournalError
 from fedge.ledger import ByteLedger, LedgerEntry
 from fedge.metrics import comu_at
 from fedge.records import RoundRecord
+
+log = logging.getLogger(__name__)
 
 COMU_THRESHOLDS = (0.5, 0.8, 0.9, 0.95, 0.97)
 
@@ -46,6 +52,44 @@ class RunResult:
     config: RunConfig
     rounds: list[RoundRecord]
     summary: dict[str, Any]
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread by the ``fedge`` command's handler: a run stops as on Ctrl-C, cleanup
+    included (a KeyboardInterrupt, so every ``except KeyboardInterrupt`` treats it alike)."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a run. ``run_dir``: the directory ``--resume`` continues, or None when no round had
+    completed (the directory was removed: there was nothing to continue)."""
+
+    def __init__(self, run_dir: Path | None, *, terminated: bool) -> None:
+        super().__init__(str(run_dir))
+        self.run_dir = run_dir
+        self.terminated = terminated
+
+
+@contextlib.contextmanager
+def run_directory(root: str | Path, config: RunConfig, label: str = "", *, resume: Path | None) -> Iterator[Path]:
+    """The directory a run writes: a new one under ``root``, or ``resume``'s.
+
+    A new directory that has no completed round when the run fails (a data or broker error, clients that never
+    joined, Ctrl-C during the wait) is removed: a failed start leaves nothing half-written for ``fedge report`` or a
+    glob to trip on. Ctrl-C and SIGTERM come out as :class:`RunInterrupted`, which says what ``--resume`` can take.
+    """
+    from common.journal import JOURNAL  # the commit point of a completed round
+
+    path = resume if resume is not None else new_run_dir(root, config, label)
+    try:
+        yield path
+    except BaseException as exc:
+        committed = (path / JOURNAL).is_file()
+        if resume is None and not committed:
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed %s: the run stopped before its first round completed", path)
+        if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, RunInterrupted):
+            raise RunInterrupted(path if committed else None, terminated=isinstance(exc, Terminated)) from exc
+        raise
 
 
 def new_run_dir(root: str | Path, config: RunConfig, label: str = "") -> Path:
@@ -79,7 +123,8 @@ class RunWriter:
         self.path = path
         path.mkdir(parents=True, exist_ok=True)
         if committed is None:
-            (path / "config.json").write_text(config.to_json() + "\n")
+            written = {**config.to_dict(), "fedge": provenance()}  # RunConfig.from_dict skips "fedge"
+            (path / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
             (path / "partition.json").write_text(json.dumps(partition, indent=1) + "\n")
         metrics_bytes, ledger_bytes = committed or (0, 0)
         self._metrics = _continue(path / "metrics.jsonl", metrics_bytes)
@@ -114,6 +159,7 @@ class RunWriter:
             )
         summary = summarize(rounds, initial_bytes)
         summary.update(extra or {})
+        summary["fedge"] = provenance()  # the version that finished the run (a resumed run may have changed it)
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 

@@ -60,39 +60,40 @@ def run_coordinator_cli(
     args: argparse.Namespace, config: RunConfig, on_finish: Callable[[Path], None] | None = None
 ) -> int:
     from common.console import round_line
-    from common.rundir import new_run_dir
+    from common.rundir import run_directory
     from coordinator.run import run_coordinator
     from fedge.cost import format_bytes
     from fedge.records import RoundRecord
 
-    resume = args.resume is not None
-    run_dir = args.resume if resume else new_run_dir(args.out, config, args.name)
-    print(f"{'resuming run directory' if resume else 'run directory'}: {run_dir}", flush=True)
-
-    def on_round(r: RoundRecord) -> None:
-        print(round_line(r), flush=True)
-
-    connection = connection_from_args(args)
+    connection = connection_from_args(args)  # checked before a run directory exists
     bundle = connection.bundle
     if bundle is not None and bundle.role != "coordinator":
         raise ConfigError(f"{args.bundle} is client {bundle.client_id}'s bundle; the coordinator needs coordinator/")
     if bundle is not None and args.run not in (None, bundle.run):
         raise ConfigError(f"--run {args.run} differs from the bundle's run {bundle.run!r}")
-    result = run_coordinator(
-        config,
-        run_dir,
-        broker=connection.address,
-        run=bundle.run if bundle is not None else (args.run or "default"),
-        provisioned=bundle.clients if bundle is not None else None,
-        min_clients=args.min_clients,
-        round_timeout=args.round_timeout,
-        join_timeout=args.join_timeout,
-        rejoin_grace=args.rejoin_grace,
-        broker_counters=args.broker_counters != "off",
-        on_round=on_round,
-        resume=resume,
-        max_packet_size=connection.max_packet_size,
-    )
+    resume = args.resume is not None
+
+    def on_round(r: RoundRecord) -> None:
+        print(round_line(r), flush=True)
+
+    # A start that fails (the data, the broker, clients that never join) removes the new directory again.
+    with run_directory(args.out, config, args.name, resume=args.resume) as run_dir:
+        print(f"{'resuming run directory' if resume else 'run directory'}: {run_dir}", flush=True)
+        result = run_coordinator(
+            config,
+            run_dir,
+            broker=connection.address,
+            run=bundle.run if bundle is not None else (args.run or "default"),
+            provisioned=bundle.clients if bundle is not None else None,
+            min_clients=args.min_clients,
+            round_timeout=args.round_timeout,
+            join_timeout=args.join_timeout,
+            rejoin_grace=args.rejoin_grace,
+            broker_counters=args.broker_counters != "off",
+            on_round=on_round,
+            resume=resume,
+            max_packet_size=connection.max_packet_size,
+        )
     s = result.summary
     if s.get("final_accuracy") is not None:
         print(f"final accuracy {100 * s['final_accuracy']:.2f}%  best {100 * s['best_accuracy']:.2f}%")

@@ -43,6 +43,7 @@ from fedge.protocol import (
     BROADCAST_ROUND,
     COMPUTE_CPU_S,
     COMPUTE_S,
+    DEADLINE,
     REFUSED,
     SESSION,
     BrokerAddress,
@@ -270,8 +271,11 @@ class MqttTransport:
             out.entries.append(
                 LedgerEntry.of(plan.broadcast, "down", BROADCAST_CLIENT, sum(sizes), len(plan.tasks), wire)
             )
+        # The wall-clock deadline travels in each task, so a client that gets it late (queued while it was away or
+        # busy) skips work whose reply would be refused as late. Monotonic time is what this side waits on.
+        deadline_at = f"{time.time() + self.round_timeout:.3f}"
         for client, task in sorted(plan.tasks.items()):
-            meta = {SESSION: self.session}
+            meta = {SESSION: self.session, DEADLINE: deadline_at}
             if plan.broadcast is not None:  # tell the client to wait for the broadcast, which travels apart
                 meta[BROADCAST_ROUND] = str(rnd)
             task = replace(task, transport=meta)

@@ -100,6 +100,14 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--connect-timeout", type=float, default=60.0, help="seconds to keep trying to reach the broker at start"
     )
+    p.add_argument(
+        "--idle-warning",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="warn (with the run name and the topic this client listens on) when no task came for this long, then "
+        "after twice as long, and so on; 0: never",
+    )
     p.add_argument("--fail-at-round", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
 
 
@@ -139,6 +147,8 @@ def run_client(
         raise ConfigError("say which client this is: --client-id ID, or --bundle DIR from a fleet kit")
     args.run = args.run or "default"
     check_name(args.client_id, "client id")
+    if not args.idle_warning >= 0:  # also refuses nan
+        raise ConfigError(f"--idle-warning must be >= 0 seconds, got {args.idle_warning}")
     if args.threads < 0:
         raise ConfigError(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
@@ -205,6 +215,7 @@ def run_client(
         state=None
         if args.no_state
         else ClientStateFiles(args.state_dir or Path(args.data).parent / "state", args.run, args.client_id),
+        idle_warning_s=args.idle_warning,
     )
 
     def _stop(signum: int, frame: FrameType | None) -> None:

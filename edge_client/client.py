@@ -18,6 +18,7 @@ class EdgeClient:
         self.backend = backend
         self.store: dict = {}
 
-    def handle(self, task: Message, broadcast: Message | None) -> Message:
-        """Compute the update a task asks for."""
-        return run_client_step(task, broadcast, self.data, self.backend, self.store)
+    def handle(self, task: Message, broadcast: Message | None, backend: Backend | None = None) -> Message:
+        """Compute the update a task asks for, on ``backend`` (default: the client's own; the MQTT client passes a
+        wrapper of it that logs progress, :class:`edge_client.progress.ObservedBackend`)."""
+        return run_client_step(task, broadcast, self.data, backend or self.backend, self.store)

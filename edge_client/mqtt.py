@@ -6,6 +6,13 @@ client half as the in-process simulator — and publishes the update. A task tha
 for it (the two travel on different topics, so they may arrive in either order). Its :class:`EdgeClient` object, and
 with it the client's own state (FD/DS-FL local models), lives as long as the process, across reconnects.
 
+The client says what it does at INFO: each task received, each epoch (:mod:`edge_client.progress`), the time of
+each part, and why a task is dropped. It reads ahead of the task it is about to compute: once a newer coordinator
+session has spoken (a coordinator restarted or resumed under the same run name), the older session's queued tasks are
+dropped rather than computed for a coordinator that is gone. A task past its deadline (the Unix time the coordinator
+stamps in it, :data:`fedge.protocol.DEADLINE`) is skipped, and training stops between epochs once either happens:
+the coordinator would refuse the reply as late. With no task for a while, it warns with the topic it listens on.
+
 Messages larger than the link's packet limit travel as chunks both ways (:mod:`fedge.chunking`): the client
 reassembles what arrives on each of its two topics within a byte budget, and :meth:`MqttLink.send` chunks its
 update. With chunking off, an update the broker would refuse is answered with an error message saying so.
@@ -19,12 +26,14 @@ import os
 import platform
 import threading
 import time
+from collections import deque
 
 import torch
 
 from common.mqtt import Inbound, MqttLink, PacketLimit, PacketTooLarge, Will
 from edge_client.client import EdgeClient
 from edge_client.data import ClientDataInfo
+from edge_client.progress import ObservedBackend, TaskAbandoned
 from edge_client.state import ClientStateFiles
 from fedge import chunking
 from fedge.algorithms import ALGORITHMS
@@ -42,6 +51,7 @@ from fedge.protocol import (
     Topics,
     encode_status,
     error_message,
+    task_deadline,
 )
 from fedge.wire import printable
 
@@ -54,6 +64,8 @@ MAX_INBOUND_BYTES = 256 << 20
 """The largest chunked message a client reassembles per topic (its task topic, the broadcast): 20x the largest
 model fedge has (Reuters, 20.8 MB); a coordinator's chunks beyond it are dropped with a logged reason."""
 REASSEMBLY_TIMEOUT_S = 600.0  # a chunked message still incomplete after this long is dropped (its round is over)
+IDLE_WARNING_S = 300.0  # default: warn when no task for this client arrived for this long (then after 2x, 4x ...)
+_KEEP_RETIRED = 16  # coordinator sessions remembered as over, so that their late tasks are dropped too
 
 
 class MqttEdgeClient:
@@ -73,22 +85,32 @@ class MqttEdgeClient:
         announce_host: bool = False,
         capabilities: tuple[str, ...] | None = None,
         max_packet_size: PacketLimit = "auto",
+        idle_warning_s: float = IDLE_WARNING_S,
         state: ClientStateFiles | None = None,
     ) -> None:
         """``announce_host``: put this machine's host name and process id in the hello (off by default: anyone who
         may read statuses would learn them). ``capabilities``: the algorithms this client's runtime can run (default
         all); the coordinator refuses a client whose hello does not list the run's algorithm. ``max_packet_size``:
         the largest MQTT packet to publish (:class:`common.mqtt.MqttLink`); a larger update travels as chunks.
-        ``state``: where the client's algorithm state is kept between rounds, for restarts and resumed runs."""
+        ``idle_warning_s``: warn when no task arrived for this long, again after twice as long, and so on (0: never).
+        ``state``: where the client's algorithm state is kept between rounds, for restarts and resumed runs.
+        """
         self.client = client
         self.state = state
         self._state_round = 0  # the round the state in client.store comes from (0: none)
+        self._fresh_session = False  # a new session spoke: its first task sets the local state
         self.topics = Topics(run)
         self.fail_at_round = fail_at_round
         self._stop = threading.Event()
         self._broadcasts: dict[tuple[str, int], Message] = {}  # by (session, round)
         self._pending: Message | None = None  # a task waiting for its broadcast
-        self._session: str | None = None  # the coordinator run being served
+        self._session: str | None = None  # the coordinator run being served: the latest that spoke
+        self._retired: dict[str, None] = {}  # sessions a newer one replaced, oldest first: their tasks are dropped
+        self._backlog: deque[Message] = deque()  # messages read ahead of the task being computed, in arrival order
+        self.idle_warning_s = idle_warning_s
+        self._quiet_since = time.monotonic()  # the latest task's arrival, or the start
+        self._next_idle_warning = idle_warning_s
+        self.tasks_dropped = 0
         self._done: set[int] = set()  # rounds of this session already answered: QoS 1 may deliver twice
         # The encoded replies of this session's latest rounds: a reply lost with a dropped link is sent again after
         # the reconnect, and a task delivered again is answered with it (the coordinator keeps the first copy).
@@ -145,13 +167,20 @@ class MqttEdgeClient:
     def serve(self, connect_timeout: float = 60.0) -> None:
         """Connect, then handle messages until :meth:`stop`; leave cleanly (empty retained status)."""
         self.link.start(connect_timeout)
-        log.info("client %s connected to %s, serving run %r", self.client.client_id, self.link.address, self.topics.run)
+        log.info(
+            "client %s connected to %s, serving run %r: waiting for tasks on %s",
+            self.client.client_id,
+            self.link.address,
+            self.topics.run,
+            self.topics.task(self.client.client_id),
+        )
+        self._quiet_since = time.monotonic()
         try:
             while not self._stop.is_set():
                 if self._reconnected.is_set():
                     self._reconnected.clear()
                     self._resend_latest()
-                item = self.link.get(timeout=0.2)
+                self._read_ahead(timeout=0.2)
                 for dropped in self._reassembly.expire(time.monotonic()):
                     log.warning(
                         "dropped a chunked message on %s: %d of %d chunks (%s)",
@@ -160,30 +189,110 @@ class MqttEdgeClient:
                         dropped.count,
                         dropped.reason,
                     )
-                if item is None:
-                    continue
-                payload = self._whole(item)
-                if payload is None:
-                    continue
-                try:
-                    msg = decode(payload)
-                except CodecError as exc:
-                    log.warning("ignoring an unreadable message on %s: %s", item.topic, exc)
-                    continue
-                if msg.kind == BROADCAST:
-                    self._on_broadcast(msg)
-                elif msg.kind == TASK:
-                    self._on_task(msg)
-                elif msg.kind == REFUSED and msg.client == self.client.client_id and msg.run == self.topics.run:
-                    self.refused = printable(msg.params.get("reason", ""), 500) or "no reason given"
-                    log.error("the coordinator of run %s refused this client: %s", msg.run, self.refused)
-                    self._stop.set()
-                else:
-                    log.warning("ignoring a %r message on %s", msg.kind, item.topic)
+                self._warn_if_idle(time.monotonic())
+                while self._backlog and not self._stop.is_set():
+                    msg = self._backlog.popleft()
+                    if msg.kind == BROADCAST:
+                        self._on_broadcast(msg)
+                    elif msg.kind == TASK:
+                        self._on_task(msg)
+                    elif msg.kind == REFUSED and msg.client == self.client.client_id and msg.run == self.topics.run:
+                        self.refused = printable(msg.params.get("reason", ""), 500) or "no reason given"
+                        log.error("the coordinator of run %s refused this client: %s", msg.run, self.refused)
+                        self._stop.set()
+                    else:
+                        log.warning("ignoring a %r message of round %d", printable(msg.kind, 40), msg.round)
         finally:
             # An empty retained message deletes the hello: this client left on purpose (the will is for crashes).
             self.link.close(final=[(self.topics.status(self.client.client_id), b"", True)])
             log.info("client %s stopped after %d updates", self.client.client_id, self.updates_sent)
+
+    def _read_ahead(self, timeout: float) -> None:
+        """Move every message that has arrived (waiting up to ``timeout`` s for the first) into the backlog, noting
+        each coordinator session that speaks: a task queued behind a newer session's message is then known to be
+        stale before it is computed."""
+        item = self.link.get(timeout)
+        while item is not None:
+            payload = self._whole(item)
+            if payload is not None:
+                try:
+                    msg = decode(payload)
+                except CodecError as exc:
+                    log.warning("ignoring an unreadable message on %s: %s", item.topic, exc)
+                else:
+                    self._note_session(msg)
+                    self._backlog.append(msg)
+            item = self.link.get(0)
+
+    def _note_session(self, msg: Message) -> None:
+        """A task or broadcast of this run from a session not heard before makes it the one served: the session
+        served until then is over (its queued tasks are dropped) and the client's local state starts fresh."""
+        if msg.kind not in (TASK, BROADCAST) or msg.run != self.topics.run:
+            return
+        if msg.kind == TASK and msg.client != self.client.client_id:
+            return
+        session = msg.transport.get(SESSION, "")
+        if session == self._session or session in self._retired:
+            return
+        if self._session is not None:  # a new coordinator run: the old local state belongs to the old run
+            log.info(
+                "round %d %s of a new coordinator session %s: session %s is over (its queued tasks are dropped)",
+                msg.round,
+                msg.kind,
+                printable(session, 40),
+                printable(self._session, 40),
+            )
+            self._retired[self._session] = None
+            while len(self._retired) > _KEEP_RETIRED:  # dicts keep insertion order: forget the oldest
+                del self._retired[next(iter(self._retired))]
+            if self._pending is not None:
+                self._drop(self._pending, "its coordinator session is over")
+                self._pending = None
+        self._session = session
+        self._done.clear()
+        self._replies.clear()
+        # The local state is set when this session's first task starts (_enter_session), not now: a task of the old
+        # session may still be computing, and writes its state when it ends.
+        self._fresh_session = True
+
+    def _drop(self, task: Message, reason: str) -> None:
+        log.info("round %d: task dropped: %s", task.round, reason)
+        self.tasks_dropped += 1
+
+    def _abandon_reason(self, task: Message) -> str | None:
+        """Why computing ``task`` (further) is pointless, or None: a newer session spoke, or its deadline passed."""
+        self._read_ahead(0)
+        session = task.transport.get(SESSION, "")
+        if session in self._retired:
+            return (
+                f"it belongs to coordinator session {printable(session, 40)}, over since session "
+                f"{printable(self._session or '', 40)} spoke"
+            )
+        deadline = task_deadline(task)
+        late = time.time() - deadline if deadline is not None else -1.0
+        if late >= 0:
+            return (
+                f"its deadline passed {late:.0f} s ago, so the coordinator would refuse the reply as late (if every "
+                "task is dropped so, check that this device's clock agrees with the coordinator's)"
+            )
+        return None
+
+    def _warn_if_idle(self, now: float) -> None:
+        quiet = now - self._quiet_since
+        if self.idle_warning_s <= 0 or quiet < self._next_idle_warning:
+            return
+        log.warning(
+            "no task for client %s of run %r in %.0f s (listening on %s and %s at %s): is a coordinator running with "
+            "--run %s on this broker? (one that does not sample this client sends it no task either)",
+            self.client.client_id,
+            self.topics.run,
+            quiet,
+            self.topics.task(self.client.client_id),
+            self.topics.broadcast,
+            self.link.address,
+            self.topics.run,
+        )
+        self._next_idle_warning *= 2
 
     def _whole(self, item: Inbound) -> bytes | None:
         """The message ``item`` is, or completes; None while chunks are missing or when one is refused."""
@@ -198,7 +307,12 @@ class MqttEdgeClient:
         if msg.run != self.topics.run:
             log.warning("ignoring a broadcast of run %r (serving %r)", msg.run, self.topics.run)
             return
-        key = (msg.transport.get(SESSION, ""), msg.round)
+        self._note_session(msg)
+        session = msg.transport.get(SESSION, "")
+        if session in self._retired:
+            log.info("round %d: ignoring a broadcast of the earlier coordinator session %s", msg.round, session)
+            return
+        key = (session, msg.round)
         self._broadcasts[key] = msg
         while len(self._broadcasts) > _KEEP_BROADCASTS:  # dicts keep insertion order: drop the oldest
             del self._broadcasts[next(iter(self._broadcasts))]
@@ -212,12 +326,19 @@ class MqttEdgeClient:
         if task.client != cid or task.run != self.topics.run:
             log.warning("ignoring a task for client %r of run %r", task.client, task.run)
             return
-        session = task.transport.get(SESSION, "")
-        if session != self._session:
-            self._enter_session(task.round, session)
-            self._session = session
-            self._done.clear()
-            self._replies.clear()
+        self._quiet_since, self._next_idle_warning = time.monotonic(), self.idle_warning_s
+        log.info("round %d: task received: %s", task.round, self._describe(task))
+        self._note_session(task)
+        if task.transport.get(SESSION, "") in self._retired:
+            self._drop(
+                task,
+                f"it belongs to coordinator session {task.transport.get(SESSION)}, over since session "
+                f"{self._session} spoke",
+            )
+            return
+        if self._fresh_session:
+            self._fresh_session = False
+            self._enter_session(task.round, task.transport.get(SESSION, ""))
         if task.round in self._done:
             stored = self._replies.get(task.round)
             if stored is None:
@@ -235,7 +356,10 @@ class MqttEdgeClient:
             return
         broadcast = self._broadcasts.get(wanted)
         if broadcast is None:
+            if self._pending is not None:
+                self._drop(self._pending, f"round {task.round}'s task came before its broadcast")
             self._pending = task  # the broadcast is on its way on the other topic
+            log.info("round %d: waiting for the round's broadcast", task.round)
             return
         self._run_task(task, broadcast)
 
@@ -246,8 +370,7 @@ class MqttEdgeClient:
         self.client.store.clear()
         self._state_round = 0
         if self.state is None:
-            if self._session is not None:
-                log.info("round %d of a new coordinator session (%s): fresh local state", rnd, session)
+            log.info("round %d of coordinator session %s: fresh local state", rnd, printable(session, 40))
             return
         if rnd <= 1:
             self.state.clear()
@@ -260,13 +383,43 @@ class MqttEdgeClient:
         self.client.store.update(tensors)
         log.info("round %d of coordinator session %s: client state of round %d restored", rnd, session, restored[0])
 
+    def _describe(self, task: Message) -> str:
+        """The task's algorithm, epochs, samples and time left, for its log line (the peer's text made printable)."""
+        p = task.params
+        deadline = task_deadline(task)
+        due = f", due in {deadline - time.time():.0f} s" if deadline is not None else ""
+        return (
+            f"{printable(p.get('algorithm', '?'), 40)}, {printable(p.get('epochs', '?'), 12)} local epoch(s) on "
+            f"{len(self.client.data)} samples{due}"
+        )
+
     def _run_task(self, task: Message, broadcast: Message | None) -> None:
+        reason = self._abandon_reason(task)
+        if reason is not None:
+            self._drop(task, reason)
+            return
+        observed = ObservedBackend(self.client.backend, task.round, check=lambda: self._abandon_reason(task))
         started, cpu_started = time.perf_counter(), time.process_time()
         try:
-            update = self.client.handle(task, broadcast)
+            update = self.client.handle(task, broadcast, observed)
+        except TaskAbandoned as exc:
+            log.info("round %d: task abandoned %.1f s into it: %s", task.round, time.perf_counter() - started, exc)
+            self.tasks_dropped += 1
+            return
         except (CodecError, ConfigError, ValueError) as exc:  # a task this client cannot do: say why, stay up
             log.error("round %d: cannot do the task: %s", task.round, exc)
             self._send(task, error_message(task, str(exc)))
+            return
+        log.info(
+            "round %d: update computed in %.1f s (training %.1f s over %d epoch(s), inference %.1f s)",
+            task.round,
+            time.perf_counter() - started,
+            observed.train_s,
+            observed.epochs,
+            observed.infer_s,
+        )
+        if task.transport.get(SESSION, "") in self._retired:  # a newer session spoke while this one was computed
+            self._drop(task, "its coordinator session ended while it was computed")
             return
         timing = {
             COMPUTE_S: repr(time.perf_counter() - started),
@@ -285,6 +438,7 @@ class MqttEdgeClient:
     def _send(self, task: Message, reply: Message) -> bool:
         """Publish ``reply`` to ``task``; False when it could not go out and an error message went instead."""
         self._done.add(task.round)
+        started = time.perf_counter()
         payload = encode(reply)
         topic = self.topics.update(self.client.client_id)
         try:
@@ -294,7 +448,14 @@ class MqttEdgeClient:
             self.link.publish(topic, encode(error_message(task, str(exc))), qos=1)
             return False
         chunks = f" in {len(sizes)} chunks" if len(sizes) > 1 else ""
-        log.info("round %d: sent %s (%d bytes%s)", task.round, reply.kind, len(payload), chunks)
+        log.info(
+            "round %d: sent %s (%d bytes%s; encoded and queued in %.2f s)",
+            task.round,
+            reply.kind,
+            len(payload),
+            chunks,
+            time.perf_counter() - started,
+        )
         self._replies[task.round] = payload
         while len(self._replies) > _KEEP_REPLIES:  # dicts keep insertion order: drop the oldest
             del self._replies[next(iter(self._replies))]

@@ -33,7 +33,7 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
         "--model", help="model name (fedavg_cnn, dsfl_mnist_cnn, dsfl_fmnist_cnn, reuters_mlp, imdb_lstm, ...)"
     )
     p.add_argument("--input-shape", default=None, help="per-sample input shape, e.g. 1,28,28 (none: the paper's)")
-    p.add_argument("--num-classes", type=int, default=10)
+    p.add_argument("--num-classes", type=int, default=10, help="classes of the model's output")
     p.add_argument(
         "--weights", type=Path, default=None, help="exchanged state to export (.safetensors, e.g. a run's global_model)"
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,7 +115,11 @@ class RunConfig:
         The ``algo`` section is read with the settings of ``algorithm``. Settings that belong to another algorithm
         (a config written before settings were per algorithm) are ignored with a warning.
         """
+        for section in ("train", "algo"):
+            if not isinstance(raw.get(section) or {}, dict):
+                raise ConfigError(f"{section} must be a JSON object of settings, got {json.dumps(raw[section])[:80]}")
         raw = dict(raw)
+        raw.pop("fedge", None)  # which fedge wrote a run's config.json (common.provenance): a record, not a setting
         train = _sub(TrainConfig, raw.pop("train", {}) or {}, "train")
         algo_raw = dict(raw.pop("algo", {}) or {})
         for moved in ("open_size", "private_size"):  # run settings now; older configs kept them under algo
@@ -135,7 +141,12 @@ class RunConfig:
             raise ConfigError(f"config file {path} does not exist") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid JSON: {exc}") from exc
-        return cls.from_dict(raw)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a JSON object of settings, got {type(raw).__name__}")
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
 
 
 def _algorithm(name: str) -> Any:
@@ -156,7 +167,35 @@ def _sub(kind: Any, raw: dict[str, Any], section: str) -> Any:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown {section} setting(s) {unknown}; known: {sorted(known)}")
+    hints = typing.get_type_hints(kind)
+    for name, value in raw.items():
+        _check_type(value, hints[name], f"{section} setting {name!r}")
     return kind(**raw)
+
+
+_TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "a string", type(None): "null"}
+
+
+def _check_type(value: Any, hint: Any, what: str) -> None:
+    """A ConfigError naming the setting when a JSON value has the wrong type ("lr": "0.01x"), not a TypeError later.
+
+    JSON numbers: an integer is a valid float; true/false are neither (bool is an int subclass in Python)."""
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if hint is Any or any(dataclasses.is_dataclass(t) for t in allowed):
+        return
+
+    def fits(t: Any) -> bool:
+        if t is float:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+        if t is int:
+            return isinstance(value, int) and not isinstance(value, bool)
+        if t is type(None):
+            return value is None
+        return isinstance(value, t)
+
+    if not any(fits(t) for t in allowed):
+        wanted = " or ".join(_TYPE_NAMES.get(t, getattr(t, "__name__", str(t))) for t in allowed)
+        raise ConfigError(f"{what} must be {wanted}, got {json.dumps(value)[:80]}")
 
 
 def _check(condition: bool, message: str) -> None:

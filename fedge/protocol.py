@@ -44,6 +44,7 @@ SESSION = "session"  # in tasks and broadcasts: one coordinator run; a new one r
 COMPUTE_S = "compute_s"  # in an update: wall seconds of the client step
 COMPUTE_CPU_S = "compute_cpu_s"  # in an update: CPU seconds of the client step (this process)
 STATE_ROUND = "state_round"  # in an update: the round the client's own state came from (0: it had none)
+DEADLINE = "deadline"  # in a task: Unix time (s) when the coordinator stops waiting for the round's replies
 
 
 # --- names and topics -------------------------------------------------------------------------------------------
@@ -300,6 +301,19 @@ def decode_status(payload: bytes) -> ClientStatus:
         reason=text("reason"),
         extra=extra,
     )
+
+
+def task_deadline(task: Message) -> float | None:
+    """The Unix time after which ``task``'s reply would be refused as late; None when the task carries no deadline
+    (a coordinator from before deadlines) or a malformed one (a peer's bytes: never trusted to stop work)."""
+    text = task.transport.get(DEADLINE)
+    if text is None or len(text) > 32:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 < value < 1e11 else None  # finite and before the year 5138
 
 
 def error_message(task: Message, reason: str) -> Message:

@@ -2,8 +2,10 @@
 
 One contract for local training: a frozen :class:`TrainRequest` (data, objective, optimizer settings, epochs, batch
 size, shuffle seed, the objective's inputs, and the hooks FedProx and SCAFFOLD need), answered with
-:class:`TrainStats`. Every runtime (PyTorch here; ExecuTorch and ONNX Runtime in ``edge_client``) implements it and
-follows the same batch order, :func:`batch_order`, so the same task gives the same weights whichever runtime runs it.
+:class:`TrainStats`. A request may carry an ``on_epoch`` observer, called with an :class:`EpochProgress` after each
+epoch (an edge client logs it, and raises from it to abandon a task whose deadline passed); it never changes results.
+Every runtime (PyTorch here; ExecuTorch and ONNX Runtime in ``edge_client``) implements it and follows the same batch
+order, :func:`batch_order`, so the same task gives the same weights whichever runtime runs it.
 
 The two hooks act on the trainable parameters only (never on batch-norm statistics):
 - ``prox_mu`` and ``anchor`` add FedProx's proximal term ``mu/2 * ||w - w_anchor||^2`` to the loss (FedProx eq. 2);
@@ -69,6 +71,8 @@ class TrainRequest:
     # Per-sample inputs computed on each augmented batch, one tensor per step of batch_order (a teacher's logits on the
     # images the student sees); they replace that input's rows of ``inputs`` (see with_batch_logits).
     step_inputs: Mapping[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    # Called after each epoch; what it raises ends the training (the weights are then partly trained).
+    on_epoch: Callable[[EpochProgress], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.x) != len(self.y):
@@ -127,6 +131,41 @@ class TrainRequest:
 
 
 @dataclass(frozen=True)
+class EpochProgress:
+    """One finished epoch of a training call, for its ``on_epoch`` observer."""
+
+    epoch: int  # 1-based
+    epochs: int
+    steps: int  # mini-batch steps of this epoch
+    mean_loss: float  # mean batch loss of this epoch
+
+
+class EpochMeter:
+    """Counts the steps of :func:`batch_order` and calls a request's ``on_epoch`` at every epoch's end.
+
+    Every epoch of :func:`batch_order` has the same number of batches (the trailing-batch rule depends only on the
+    sample count and the batch size), so an epoch ends every ``len(order) // epochs`` steps.
+    """
+
+    def __init__(self, request: TrainRequest, total_steps: int) -> None:
+        self._hook = request.on_epoch
+        self._epochs = request.epochs
+        self._per_epoch = total_steps // request.epochs if request.epochs else 0
+        self._steps = 0
+        self._loss = 0.0
+
+    def step(self, loss: float) -> None:
+        """Record one step's loss; at an epoch's end, report it."""
+        self._steps += 1
+        self._loss += loss
+        if self._hook is None or self._steps % self._per_epoch:
+            return
+        epoch = self._steps // self._per_epoch
+        self._hook(EpochProgress(epoch, self._epochs, self._per_epoch, self._loss / self._per_epoch))
+        self._loss = 0.0
+
+
+@dataclass(frozen=True)
 class TrainStats:
     """What one local training call did."""
 
@@ -168,7 +207,9 @@ def train(model: nn.Module, request: TrainRequest) -> TrainStats:
     params = dict(model.named_parameters())
     correction = {k: r.correction[k].to(device) for k in params} if r.correction is not None else None
     total, steps, samples = 0.0, 0, 0
-    for step, idx in enumerate(batch_order(len(r.x), r.epochs, r.batch_size, r.seed)):
+    order = batch_order(len(r.x), r.epochs, r.batch_size, r.seed)
+    meter = EpochMeter(r, len(order))
+    for step, idx in enumerate(order):
         xb, yb = r.batch_x(idx, step).to(device), r.y[idx].to(device)
         loss = r.objective.loss(model(xb), yb, r.batch_inputs(idx, step, device))
         if r.prox_mu > 0:
@@ -181,7 +222,9 @@ def train(model: nn.Module, request: TrainRequest) -> TrainStats:
                 if p.grad is not None:
                     p.grad.add_(correction[k])
         opt.step()
-        total += float(loss.detach())
+        value = float(loss.detach())
+        total += value
+        meter.step(value)
         steps += 1
         samples += len(idx)
     return TrainStats(steps=steps, samples=samples, mean_loss=total / steps if steps else 0.0)

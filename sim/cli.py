@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from common.console import round_line, skipped_rounds_status
 from fedge.config import RunConfig
@@ -12,14 +13,43 @@ from fedge.cost import format_bytes
 from fedge.errors import ConfigError
 from fedge.records import RoundRecord
 
+if TYPE_CHECKING:
+    from common.rundir import RunResult
+
 
 def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
+    from common.rundir import run_directory
+
+    if args.transport == "mqtt" and args.executor not in ("auto", "sequential"):
+        raise ConfigError(f"--executor {args.executor} is for in-process runs; over MQTT every client is a process")
+    with run_directory(args.out, config, args.name, resume=args.resume) as run_dir:  # removed if the start fails
+        result = _simulate(args, config, run_dir)
+    s = result.summary
+    print(f"run directory: {result.path}")
+    if s.get("final_accuracy") is not None:
+        print(
+            f"final accuracy {100 * s['final_accuracy']:.2f}%  best {100 * s['best_accuracy']:.2f}%  "
+            f"forgetting F {s['final_forgetting']:.3f}"
+        )
+    tb = s.get("total_bytes", {})
+    print(
+        f"communication (tensor level): {format_bytes(tb.get('tensor_bytes_multicast', 0))} multicast, "
+        f"{format_bytes(tb.get('tensor_bytes_unicast', 0))} unicast; payload "
+        f"{format_bytes(tb.get('payload_bytes_unicast', 0))} unicast"
+    )
+    if not args.no_report:
+        from sim.report import write_report
+
+        report = write_report([result.path], result.path)
+        print(f"report: {report}")
+    return skipped_rounds_status(s, allowed=args.allow_skipped_rounds)
+
+
+def _simulate(args: argparse.Namespace, config: RunConfig, run_dir: Path) -> RunResult:
+    """Run the simulation into ``run_dir`` with a progress bar and per-round lines."""
     from tqdm import tqdm
 
-    from common.rundir import new_run_dir
-
     resume = args.resume is not None
-    run_dir = args.resume if resume else new_run_dir(args.out, config, args.name)
     # Redirected to a log, a bar is a stream of carriage returns: draw it on terminals only; the per-round lines
     # go to both, flushed, so a run of hours can be followed with `tail -f`.
     bar = tqdm(
@@ -48,8 +78,6 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
     if args.transport == "mqtt":
         from sim.laptop import run_over_mqtt
 
-        if args.executor not in ("auto", "sequential"):
-            raise ConfigError(f"--executor {args.executor} is for in-process runs; over MQTT every client is a process")
         result = run_over_mqtt(
             config,
             run_dir,
@@ -73,25 +101,7 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
             threads_per_worker=args.threads_per_worker,
         )
     bar.close()
-    s = result.summary
-    print(f"run directory: {result.path}")
-    if s.get("final_accuracy") is not None:
-        print(
-            f"final accuracy {100 * s['final_accuracy']:.2f}%  best {100 * s['best_accuracy']:.2f}%  "
-            f"forgetting F {s['final_forgetting']:.3f}"
-        )
-    tb = s.get("total_bytes", {})
-    print(
-        f"communication (tensor level): {format_bytes(tb.get('tensor_bytes_multicast', 0))} multicast, "
-        f"{format_bytes(tb.get('tensor_bytes_unicast', 0))} unicast; payload "
-        f"{format_bytes(tb.get('payload_bytes_unicast', 0))} unicast"
-    )
-    if not args.no_report:
-        from sim.report import write_report
-
-        report = write_report([result.path], result.path)
-        print(f"report: {report}")
-    return skipped_rounds_status(s, allowed=args.allow_skipped_rounds)
+    return result
 
 
 def run_cost(args: argparse.Namespace) -> int:
@@ -146,9 +156,20 @@ def run_cost(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from sim.report import write_report
+    from sim.report import not_a_run, write_report
 
+    runs = []
+    for path in args.runs:  # a glob such as runs/*-fedavg-* may also match a failed start or another directory
+        reason = not_a_run(path)
+        if reason is None:
+            runs.append(path)
+        else:
+            print(f"fedge report: skipping {path}: it {reason}", file=sys.stderr)
+    if not runs:
+        raise ConfigError(
+            "no run directory to report on (pass directories written by `fedge sim` or `fedge coordinator`)"
+        )
     out = args.out or (args.runs[0] if len(args.runs) == 1 else Path("report"))
-    path = write_report(args.runs, out, accounting=args.accounting)
+    path = write_report(runs, out, accounting=args.accounting)
     print(f"report: {path}")
     return 0

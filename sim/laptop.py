@@ -117,8 +117,10 @@ def run_over_mqtt(
         def dead_client() -> str | None:
             for cid, proc in procs.items():
                 if proc.poll() is not None:
-                    log_path = run_dir / "logs" / f"{cid}.log"
-                    return f"client {cid} exited with code {proc.returncode} before the run started (see {log_path})"
+                    # Its log goes with the run directory of a failed start: the error carries its last line.
+                    return f"client {cid} exited with code {proc.returncode} before the run started: " + _last_line(
+                        run_dir / "logs" / f"{cid}.log"
+                    )
             return None
 
         result = run_coordinator(
@@ -211,3 +213,15 @@ def _die_with_parent() -> None:
     """In the child, before exec: get SIGTERM when the parent dies, so a killed run leaves no orphan clients (Linux)."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of a client's log (at most 300 characters), or a note that there is none."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - 4096))
+            lines = [line.strip() for line in fh.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        lines = []
+    return lines[-1][:300] if lines else "its log is empty"

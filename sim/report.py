@@ -89,15 +89,25 @@ def run_label(config: RunConfig, *, partition: bool = True, dataset: bool = Fals
     return f"{name} ({', '.join(details)})" if details else name
 
 
+def not_a_run(path: str | Path) -> str | None:
+    """Why ``path`` is not a run directory with a round to report ("is not ...", "has no ..."), or None."""
+    p = Path(path)
+    if not p.is_dir():
+        return "is not a run directory: it does not exist" if not p.exists() else "is not a run directory"
+    missing = [name for name in ("config.json", "metrics.jsonl") if not (p / name).is_file()]
+    if missing:
+        return f"is not a run directory: it has no {' or '.join(missing)}"
+    if (p / "metrics.jsonl").stat().st_size == 0:
+        return "has no completed round yet"
+    return None
+
+
 def load_run(path: str | Path) -> Run:
     """Read a run directory; :class:`FedgeError` naming the path if it is not one."""
     p = Path(path)
-    missing = [name for name in ("config.json", "metrics.jsonl") if not (p / name).is_file()]
-    if missing:
-        raise FedgeError(
-            f"{p} is not a run directory: it has no {' or '.join(missing)} "
-            "(pass directories written by `fedge sim` or `fedge coordinator`)"
-        )
+    reason = not_a_run(p)
+    if reason is not None:
+        raise FedgeError(f"{p} {reason} (pass directories written by `fedge sim` or `fedge coordinator`)")
     try:
         config, rounds, summary = read_run(p)
     except json.JSONDecodeError as exc:

@@ -113,7 +113,11 @@ class ExecuTorchBackend:
                 key[1],
             )
         trainer = self._synced(key)
-        stats = trainer.train(request)
+        try:
+            stats = trainer.train(request)
+        except BaseException:  # abandoned part-way (a task past its deadline): its weights are no longer ours
+            self._loaded[key] = -1
+            raise
         self._state = trainer.get_weights()
         self._version += 1
         self._loaded[key] = self._version

@@ -38,7 +38,7 @@ from fedge.algorithms.fedavg import CrossEntropy
 from fedge.errors import ConfigError, ExportError
 from fedge.models import exchanged_state, load_exchanged_state
 from fedge.programs import WRAPPER_PREFIX, ModelSpec, ProgramMeta, TrainingLoss, program_file_name
-from fedge.training import SGDSettings, TrainRequest, TrainStats, batch_order
+from fedge.training import EpochMeter, SGDSettings, TrainRequest, TrainStats, batch_order
 from fedge.types import StateDict
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,7 @@ class OrtTrainer:
         n_stats = len(self.meta.stats)
         buffers: dict[str, np.ndarray | None] = dict.fromkeys(self.meta.params)  # momentum, fresh per task
         total, samples = 0.0, 0
+        meter = EpochMeter(r, len(order))
         for step, idx in enumerate(order):
             self._push_parameters()
             feeds = self._feeds(r, idx, step)
@@ -244,6 +245,7 @@ class OrtTrainer:
             if not math.isfinite(loss):
                 log.warning("%s: non-finite loss %s", self.source, loss)
             total += loss
+            meter.step(loss)
             samples += len(idx)
         return TrainStats(steps=len(order), samples=samples, mean_loss=total / len(order) if order else 0.0)
 
@@ -301,7 +303,11 @@ class OrtTrainingBackend:
                 loss.tag,
             )
         trainer = self._synced(loss)
-        stats = trainer.train(request)
+        try:
+            stats = trainer.train(request)
+        except BaseException:  # abandoned part-way (a task past its deadline): its weights are no longer ours
+            self._loaded[loss] = -1
+            raise
         self._state = trainer.get_weights()
         self._version += 1
         self._loaded[loss] = self._version

@@ -25,7 +25,7 @@ from fedge.programs import (
     example_training_inputs,
     state_name,
 )
-from fedge.training import SGDSettings, TrainRequest, TrainStats, batch_order
+from fedge.training import EpochMeter, SGDSettings, TrainRequest, TrainStats, batch_order
 from fedge.types import StateDict
 
 log = logging.getLogger(__name__)
@@ -262,8 +262,11 @@ class PteTrainer:
             {k: request.correction[k].to(torch.float32) for k in self.meta.params} if request.correction else None
         )
         total, samples = 0.0, 0
+        meter = EpochMeter(request, len(order))
         for step, idx in enumerate(order):
-            total += self.step(optimizer, self.step_inputs(request, idx, step), correction)
+            loss = self.step(optimizer, self.step_inputs(request, idx, step), correction)
+            total += loss
+            meter.step(loss)
             samples += len(idx)
         return TrainStats(steps=len(order), samples=samples, mean_loss=total / len(order) if order else 0.0)
 

@@ -70,7 +70,7 @@ class DSFLSettings(AlgorithmSettings):
     open_per_round: int = field(default=1_000, metadata=bounded(1, 10_000_000, help="|o_r|, open samples per round"))
     distill_epochs: int = field(default=2, metadata=bounded(0, 10_000, help="epochs of distillation, eq. 10-11"))
     distill_lr: float = field(default=0.1, metadata=bounded(0.0, 1e3, help="learning rate of the distillation"))
-    distill_batch_size: int = field(default=100, metadata=bounded(1, 1_000_000))
+    distill_batch_size: int = field(default=100, metadata=bounded(1, 1_000_000, help="batch size of the distillation"))
     robust: str = field(
         default="mean",
         metadata=server_only("mean (eq. 16), or median or trimmed_mean of the uploads per sample and class"),

@@ -1,10 +1,12 @@
 """The ``fedge`` command as a user runs it."""
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
+import fedge
 from cli.main import build_parser, config_from_args, main
 
 
@@ -31,7 +33,12 @@ def test_sim_writes_a_run_directory_with_report(tmp_path: Path, capsys):
     (run,) = tmp_path.iterdir()
     out = capsys.readouterr().out
     assert str(run) in out and "final accuracy" in out and "round   1" not in out  # --quiet: no per-round lines
-    assert json.loads((run / "config.json").read_text())["num_clients"] == 4
+    config = json.loads((run / "config.json").read_text())
+    assert config["num_clients"] == 4
+    # Which fedge wrote it: the version, and the commit of this checkout, in config.json and summary.json alike.
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert config["fedge"]["version"] == fedge.__version__ and config["fedge"]["commit"] == head
+    assert json.loads((run / "summary.json").read_text())["fedge"] == config["fedge"]
     assert (run / "report.md").exists() and (run / "accuracy_vs_bytes.png").exists()
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
 
@@ -122,3 +129,12 @@ def test_help_lists_the_subcommands(capsys):
     out = capsys.readouterr().out
     for command in ("sim", "cost", "report"):
         assert command in out
+
+
+def test_version_prints_the_version_and_the_checkouts_commit(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"fedge {fedge.__version__} (commit {head[:12]}")

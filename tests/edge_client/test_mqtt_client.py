@@ -9,6 +9,7 @@ import torch
 from edge_client.data import ClientDataInfo
 from edge_client.mqtt import MqttEdgeClient
 from fedge.algorithms.base import ClientData
+from fedge.backend import Backend, TorchBackend
 from fedge.errors import ConfigError
 from fedge.messages import BROADCAST, TASK, UPDATE, Message, decode
 from fedge.protocol import BROADCAST_ROUND, COMPUTE_CPU_S, COMPUTE_S, SESSION, BrokerAddress
@@ -23,8 +24,9 @@ class StubClient:
         self.store: dict[str, torch.Tensor] = {}
         self.calls: list[tuple[int, int | None]] = []
         self.broadcast_sessions: list[str | None] = []  # the coordinator session of the broadcast each call got
+        self.backend = TorchBackend("tiny_mlp", (2,), 2)
 
-    def handle(self, task: Message, broadcast: Message | None) -> Message:
+    def handle(self, task: Message, broadcast: Message | None, backend: Backend | None = None) -> Message:
         if task.params.get("fail"):
             raise ConfigError("no open set here")
         self.calls.append((task.round, None if broadcast is None else broadcast.round))

@@ -48,6 +48,8 @@ def test_json_round_trip_and_unknown_keys(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(cfg.to_json())
     assert RunConfig.from_json_file(path) == cfg
+    # A run directory's config.json also says which fedge wrote it: a record, read past.
+    assert RunConfig.from_dict({**cfg.to_dict(), "fedge": {"version": "0.1.0", "commit": "0" * 40}}) == cfg
     with pytest.raises(ConfigError, match="unknown train setting"):
         RunConfig.from_dict({"train": {"learning_rate": 1}})
     with pytest.raises(ConfigError, match="unknown algo"):
@@ -66,3 +68,25 @@ def test_a_config_written_before_per_algorithm_settings_still_loads(tmp_path):
 def test_clients_per_round():
     assert RunConfig(num_clients=100, client_fraction=0.1).clients_per_round == 10
     assert RunConfig(num_clients=3, client_fraction=0.1).clients_per_round == 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        ({"train": {"lr": "0.01x"}}, "train setting 'lr' must be a number, got \"0.01x\""),
+        ({"rounds": True}, "run setting 'rounds' must be a whole number, got true"),
+        ({"seed": 1.5}, "run setting 'seed' must be a whole number, got 1.5"),
+        ({"dataset": 3}, "run setting 'dataset' must be a string, got 3"),
+        ({"model": 3}, "run setting 'model' must be a string or null, got 3"),
+        ({"algorithm": "fedntd", "algo": {"ntd_beta": "x"}}, "algo (fedntd) setting 'ntd_beta' must be a number"),
+        ({"train": 5}, "train must be a JSON object of settings, got 5"),
+    ],
+)
+def test_a_config_file_with_a_wrongly_typed_value_is_one_error_naming_file_and_setting(tmp_path, raw, says):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as exc:
+        RunConfig.from_json_file(path)
+    assert str(exc.value).startswith(f"config file {path}: {says}") and "\n" not in str(exc.value)
+    # Integers are valid floats, and null is a valid optional string.
+    assert RunConfig.from_dict({"train": {"lr": 1}, "model": None}).train.lr == 1

@@ -156,3 +156,23 @@ def test_client_data_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-de
     (tmp_path / "junk.safetensors").write_bytes(b"not a file")
     with pytest.raises(DatasetError, match=r"junk\.safetensors is not a safetensors file"):
         load_client_data(tmp_path / "junk.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("1790000000.250", 1790000000.25),
+        (None, None),
+        ("soon", None),
+        ("nan", None),
+        ("inf", None),
+        ("-1", None),
+        ("1e12", None),
+        ("9" * 40, None),
+    ],
+)
+def test_a_tasks_deadline_is_read_only_when_it_is_a_plausible_unix_time(value, expected) -> None:
+    from fedge.protocol import DEADLINE, task_deadline
+
+    transport = {} if value is None else {DEADLINE: value}
+    assert task_deadline(Message(TASK, 1, run="r", client="c", transport=transport)) == expected

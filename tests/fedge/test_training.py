@@ -113,3 +113,31 @@ def test_a_request_checks_its_inputs():
     with pytest.raises(ConfigError, match="rows"):
         TrainRequest(x, y, FDDistillation(), SGDSettings(lr=0.1), 1, 4, 0,
                      inputs={"targets": torch.zeros(3, 2), "mask": torch.ones(4, dtype=torch.bool)})  # fmt: skip
+
+
+def test_on_epoch_reports_each_epochs_mean_loss_and_can_stop_the_training_without_changing_results():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 1, 8, 8, generator=g), torch.randint(0, 2, (20,), generator=g)
+    sgd = SGDSettings(lr=0.05, momentum=0.9)
+    plain_model = build_model("tiny_mlp", input_shape=(1, 8, 8), num_classes=2, seed=1)
+    plain = train(plain_model, TrainRequest(x, y, CrossEntropy(), sgd, 3, 8, seed=3))
+    seen = []
+    watched_model = build_model("tiny_mlp", input_shape=(1, 8, 8), num_classes=2, seed=1)
+    watched = train(watched_model, TrainRequest(x, y, CrossEntropy(), sgd, 3, 8, seed=3, on_epoch=seen.append))
+    assert watched == plain and torch.equal(predict_logits(watched_model, x), predict_logits(plain_model, x))
+    # 20 samples in batches of 8: three steps per epoch (8, 8, 4); the mean of the epochs' means is the call's mean.
+    assert [(p.epoch, p.epochs, p.steps) for p in seen] == [(1, 3, 3), (2, 3, 3), (3, 3, 3)]
+    assert sum(p.mean_loss for p in seen) / 3 == pytest.approx(plain.mean_loss)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_two(progress):
+        if progress.epoch == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train(
+            build_model("tiny_mlp", input_shape=(1, 8, 8), num_classes=2, seed=1),
+            TrainRequest(x, y, CrossEntropy(), sgd, 3, 8, seed=3, on_epoch=stop_after_two),
+        )

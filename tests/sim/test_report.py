@@ -267,3 +267,22 @@ def test_not_a_run_directory(tmp_path):
         write_report([tmp_path / "missing"], tmp_path / "out")
     with pytest.raises(ConfigError, match="accounting"):
         write_report([fedntd(tmp_path)], tmp_path / "out", accounting="broadcast")
+
+
+def test_fedge_report_skips_what_is_not_a_run_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cli.main import main
+
+    runs = tmp_path / "runs"
+    good = fedntd(runs)
+    started = runs / "20260101-000000-fedavg-digits"  # a start that failed before its first round
+    RunWriter(started, RunConfig(), {})
+    (runs / "notes").mkdir()
+    assert main(["report", str(good), str(started), str(runs / "notes"), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert f"fedge report: skipping {started}: it has no completed round yet" in err
+    assert f"fedge report: skipping {runs / 'notes'}: it is not a run directory: it has no config.json" in err
+    assert "FedNTD" in (tmp_path / "out" / "report.md").read_text()
+    assert main(["report", str(started)]) == 2  # nothing left to report on: an error, as before
+    assert "no run directory to report on" in capsys.readouterr().err

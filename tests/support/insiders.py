@@ -25,6 +25,7 @@ from edge_client.client import EdgeClient
 from fedge import wire
 from fedge.algorithms import ALGORITHMS
 from fedge.algorithms.base import ClientData, UpdateReport
+from fedge.backend import Backend
 from fedge.compressed import decode_broadcast, encode_update
 from fedge.messages import Message
 from fedge.robust import state_norm, update_norm
@@ -47,13 +48,14 @@ class Insider(EdgeClient):
         self.rehello: Callable[[int], None] | None = None  # publishes a hello with this dataset size (MQTT)
         self.reset: Callable[[], None] | None = None  # publishes its true hello again (MQTT)
 
-    def handle(self, task: Message, broadcast: Message | None) -> Message:
+    def handle(self, task: Message, broadcast: Message | None, backend: Backend | None = None) -> Message:
         assert self.attack in ATTACKS, self.attack
+        backend = backend or self.backend
         self.data = self.rotated_data if self.attack == "label_rotation" else self.honest_data
         if self.attack == "label_rotation":
-            return super().handle(task, broadcast)
+            return super().handle(task, broadcast, backend)
         if self.attack == "confident_wrong":
-            update = super().handle(task, broadcast)
+            update = super().handle(task, broadcast, backend)
             probs = update.tensor("soft_labels")
             wrong = torch.nn.functional.one_hot((probs.argmax(dim=1) + 1) % probs.shape[1], probs.shape[1])
             tensors = {"soft_labels": wrong.to(probs.dtype).contiguous()}
@@ -63,7 +65,7 @@ class Insider(EdgeClient):
         assert broadcast is not None, "a weight-exchange run"
         plain = decode_broadcast(broadcast)
         w_g: StateDict = dict(plain.tensors)
-        update = ALGORITHMS[task.param("algorithm")].client.step(task, plain, self.data, self.backend, self.store)
+        update = ALGORITHMS[task.param("algorithm")].client.step(task, plain, self.data, backend, self.store)
         honest = dict(update.tensors)
         own = update_norm(honest, w_g)
         bound = self.bound_ratio * (max(state_norm(w_g), 1.0) if task.round == 1 else own)
