@@ -258,23 +258,32 @@ def _cmd_provision(args: argparse.Namespace) -> int:
     files = provision(exp, args.out)
     print(f"wrote {len(files)} client data files and config.json to {args.out}")
     if args.fleet_broker:
+        from coordinator.broker_setup import broker_plan, hand_over
         from coordinator.run import provision_fleet
 
+        kit_dir = args.out.absolute() / "kit"
+        plan = broker_plan(kit_dir / "broker", run=args.run, conf_dir=args.fleet_broker_dir)
         kit = provision_fleet(
             exp,
-            args.out / "kit",
+            kit_dir,
             run=args.run,
             broker_hosts=args.fleet_broker,
             port=args.fleet_port or (8883 if not args.no_tls else 1883),
             tls=not args.no_tls,
             client_certificates=args.client_certificates,
-            broker_config_dir=args.fleet_broker_dir,
+            broker_config_dir=plan.conf_dir,
             max_packet_size=args.fleet_max_packet_size,
             bind_address=args.fleet_bind,
         )
-        print(f"wrote the fleet kit to {kit.root}: start mosquitto with `mosquitto -c {kit.mosquitto_conf}`,")
+        hand_over(kit.root, kit.broker_dir)
+        print(f"wrote the fleet kit to {kit.root} ({kit.root / 'README.txt'} says what goes where).")
+        if plan.note:
+            print(f"note: {plan.note}")
+        print("start the broker on this machine with:")
+        for command in plan.commands:
+            print(f"    {command}")
         print(f"the coordinator with `--bundle {kit.coordinator_dir}`, each client with --bundle clients/<id> copied")
-        print(f"to its device ({kit.root / 'README.txt'} says what goes where; keep {kit.root / 'ca'} offline)")
+        print(f"to its device; keep {kit.root / 'ca'} offline")
     return 0
 
 

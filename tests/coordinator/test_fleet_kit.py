@@ -546,6 +546,7 @@ def test_provision_fleet_bind_puts_the_broker_on_one_address_only(tmp_path: Path
     port = free_port()
     argv = ["provision", "--out", str(tmp_path), "--dataset", "synthetic", "--model", "tiny_mlp", "--num-clients", "2"]
     argv += ["--fleet-broker", "127.0.0.1", "--no-tls", "--fleet-port", str(port), "--fleet-bind", "127.0.0.1"]
+    argv += ["--fleet-broker-dir", str(tmp_path / "kit" / "broker")]  # keep it here even where root's tmp is 0700
     assert main(argv) == 0
     conf = (tmp_path / "kit" / "broker" / "mosquitto.conf").read_text()
     assert f"listener {port} 127.0.0.1\n" in conf
