@@ -287,6 +287,12 @@ def _cmd_provision(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from common.monitor import run_status_cli
+
+    return run_status_cli(args)
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from export.cli import run_export_cli
 
@@ -460,6 +466,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_flags(p)
     p.set_defaults(func=_cmd_provision)
+
+    from common.monitor import add_status_arguments
+
+    p = sub.add_parser(
+        "status",
+        help="watch a run live: round, phase, deadline, clients, accuracy, bytes (e.g. --bundle KIT/monitor)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_status_arguments(p)
+    p.set_defaults(func=_cmd_status)
 
     from export.cli import add_export_arguments
 
