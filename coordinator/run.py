@@ -209,6 +209,11 @@ def coordinator_log(run_dir: Path) -> Iterator[None]:
     root.addHandler(handler)  # at the level the CLI set (INFO, or DEBUG with -v)
     try:
         yield
+    except BaseException as exc:
+        # Why the run stopped, into the file only: the CLI prints the error itself, the console needs no copy.
+        why = printable(str(exc) or type(exc).__name__, 1000)
+        handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, "run stopped: %s", (why,), None))
+        raise
     finally:
         root.removeHandler(handler)
         handler.close()

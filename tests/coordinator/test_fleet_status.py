@@ -6,6 +6,7 @@ login reads the run status and nothing else, and cannot replace it."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mqtt_support import require_mosquitto
+from mqtt_support import mosquitto_url, require_mosquitto  # noqa: F401 - a fixture
 
 from common.credentials import load_bundle
 from common.experiment import prepare
@@ -197,3 +198,29 @@ def test_fedge_status_says_when_there_is_nothing_to_show(tmp_path: Path) -> None
         assert "Traceback" not in done.stderr and time.monotonic() - started < 30
         refused = status_once(kit.root / "coordinator", "--timeout", "2")
         assert refused.returncode == 2 and "fedge status needs the kit's monitor/" in refused.stderr
+
+
+def test_a_run_that_stops_says_why_in_its_status(
+    tmp_path: Path,
+    mosquitto_url: str,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A coordinator that gives up (here: nobody joined) leaves a ``stopped`` status with the reason, for monitors
+    that look later, and its log in the run directory."""
+    from coordinator.run import run_coordinator
+    from fedge.errors import TransportError
+
+    caplog.set_level(logging.INFO)  # what `fedge coordinator` logs
+    config = RunConfig(dataset="digits", model="tiny_mlp", num_clients=2, rounds=2)
+    with pytest.raises(TransportError, match="only 0 of 2 clients joined"):
+        run_coordinator(config, tmp_path / "run", broker=mosquitto_url, run="lonely", join_timeout=1.0)
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", "status", "--broker", mosquitto_url, "--run", "lonely", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "stopped after round 0 of 2" in done.stdout and "note: only 0 of 2 clients joined" in done.stdout
+    logged = (tmp_path / "run" / "coordinator.log").read_text()
+    assert "0 of 2 clients ready" in logged and "ERROR coordinator.run: run stopped: only 0 of 2 clients" in logged
