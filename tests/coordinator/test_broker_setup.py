@@ -9,13 +9,11 @@ import os
 import pwd
 import shutil
 import subprocess
-import sys
-import tempfile
 import uuid
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from kit_support import fedge_provision, open_dir, printed_commands, start_as_printed  # noqa: F401 - a fixture
 from mqtt_support import require_mosquitto
 
 from common.credentials import load_bundle
@@ -23,7 +21,7 @@ from common.mqtt import MqttLink
 from coordinator.broker_setup import BROKER_USER, blocked_by, broker_plan
 from coordinator.fleet import FleetSpec, generate_fleet_kit
 from fedge.protocol import Topics
-from sim.brokers import free_port, stop_process, wait_for_port
+from sim.brokers import free_port, stop_process
 
 pytestmark = pytest.mark.broker
 
@@ -39,69 +37,10 @@ def _has_user(name: str) -> bool:
     return True
 
 
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A directory every user can enter (unlike pytest's tmp_path under a 0700 parent)."""
-    folder = Path(tempfile.mkdtemp(prefix="fedge-kit-"))
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def printed_commands(out: str) -> list[str]:
-    """The indented command lines ``fedge provision`` prints under 'start the broker on this machine with:'."""
-    lines = out.splitlines()
-    start = lines.index("start the broker on this machine with:") + 1
-    commands = []
-    for line in lines[start:]:
-        if not line.startswith("    "):
-            break
-        commands.append(line.strip())
-    return commands
-
-
 def provision(out: Path, port: int, run: str, *extra: str) -> str:
-    argv = [
-        "provision",
-        "--out",
-        str(out),
-        "--dataset",
-        "synthetic",
-        "--model",
-        "tiny_mlp",
-        "--num-clients",
-        "2",
-        "--run",
-        run,
-        "--fleet-broker",
-        "127.0.0.1",
-        "--fleet-port",
-        str(port),
-        "--fleet-bind",
-        "127.0.0.1",
-        *extra,
-    ]
-    done = subprocess.run(
-        [sys.executable, "-m", "cli.main", *argv],  # the `fedge` script
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
-
-def start_as_printed(commands: Sequence[str], port: int, *, user: str | None = None) -> subprocess.Popen[bytes]:
-    """Run every printed command in order with a shell; the last one (mosquitto) in the background."""
-    wrap = (lambda c: ["runuser", "-u", user, "--", "bash", "-c", c]) if user else (lambda c: ["bash", "-c", c])
-    for command in commands[:-1]:
-        subprocess.run(wrap(command), check=True, timeout=30)
-    assert commands[-1].startswith("mosquitto -c ")
-    broker = subprocess.Popen(wrap(commands[-1]), stderr=subprocess.PIPE)
-    if not wait_for_port("127.0.0.1", port, 10.0):
-        stop_process(broker)
-        raise AssertionError(f"mosquitto did not start: {broker.stderr.read().decode()[-1000:]}")  # type: ignore[union-attr]
-    return broker
+    argv = ["--out", str(out), "--dataset", "synthetic", "--model", "tiny_mlp", "--num-clients", "2", "--run", run]
+    argv += ["--fleet-broker", "127.0.0.1", "--fleet-port", str(port), "--fleet-bind", "127.0.0.1", *extra]
+    return fedge_provision(argv)
 
 
 def assert_logins_work(kit: Path, run: str) -> None:
@@ -124,7 +63,7 @@ def stop(broker: subprocess.Popen[bytes]) -> None:
 
 
 @needs_root
-def test_provision_as_root_prints_commands_that_start_mosquitto_as_its_own_user(open_dir: Path) -> None:
+def test_provision_as_root_prints_commands_that_start_mosquitto_as_its_own_user(open_dir: Path) -> None:  # noqa: F811
     require_mosquitto()
     if not _has_user(BROKER_USER):
         pytest.skip(f"no user {BROKER_USER} on this machine")
@@ -177,7 +116,7 @@ def test_a_kit_the_broker_user_cannot_reach_is_copied_to_its_home(tmp_path: Path
 
 
 @needs_root
-def test_fleet_broker_dir_prints_the_copy_to_that_directory(tmp_path: Path, open_dir: Path) -> None:
+def test_fleet_broker_dir_prints_the_copy_to_that_directory(tmp_path: Path, open_dir: Path) -> None:  # noqa: F811
     require_mosquitto()
     port, run = free_port(), "lab"
     target = open_dir / "etc" / "fedge-lab"
@@ -192,7 +131,7 @@ def test_fleet_broker_dir_prints_the_copy_to_that_directory(tmp_path: Path, open
 
 
 @pytest.mark.skipif(not AS_ROOT or not _has_user("nobody"), reason="needs root to act as user nobody")
-def test_an_unprivileged_user_starts_the_broker_as_printed(open_dir: Path) -> None:
+def test_an_unprivileged_user_starts_the_broker_as_printed(open_dir: Path) -> None:  # noqa: F811
     """What provision prints for a user who is not root, run by such a user (nobody) on a kit it owns."""
     require_mosquitto()
     nobody = pwd.getpwnam("nobody")

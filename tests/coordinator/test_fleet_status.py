@@ -17,18 +17,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kit_support import fedge_provision, open_dir, printed_commands, start_as_printed  # noqa: F401 - a fixture
 from mqtt_support import mosquitto_url, require_mosquitto  # noqa: F401 - a fixture
 
 from common.credentials import load_bundle
 from common.experiment import prepare
 from common.mqtt import MqttLink
 from coordinator.run import provision_fleet
-from fedge.config import RunConfig, TrainConfig
+from fedge.config import RunConfig
 from fedge.protocol import Topics
 from fedge.run_status import encode_run_status, run_status
 from sim.brokers import fleet_mosquitto, free_port, stop_process
 from sim.laptop import client_processes
-from sim.provision import provision
 
 pytestmark = pytest.mark.broker
 
@@ -108,29 +108,27 @@ def coordinator(kit: Path, data: Path, runs: Path, log: Path) -> Iterator[subpro
             stop_process(proc)
 
 
-def test_fedge_status_shows_a_live_run_from_the_monitor_login(tmp_path: Path) -> None:
+def test_fedge_status_shows_a_live_run_from_the_monitor_login(tmp_path: Path, open_dir: Path) -> None:  # noqa: F811
+    """The deployment path as docs/deployment.md prints it: ``fedge provision`` with a kit, the broker started with
+    the commands it printed (as root: mosquitto then runs as its own user), the coordinator and the clients with
+    their bundles, and the monitor."""
     require_mosquitto()
-    config = RunConfig(
-        algorithm="fedavg",
-        dataset="digits",
-        model="tiny_mlp",
-        num_clients=3,
-        rounds=3,
-        min_replies=0.5,
-        train=TrainConfig(local_epochs=1, batch_size=32),
-    )
-    exp = prepare(config)
-    files = provision(exp, tmp_path / "data")
-    kit = provision_fleet(
-        exp, tmp_path / "kit", run=RUN, broker_hosts=["127.0.0.1"], port=free_port(), bind_address="127.0.0.1"
-    )
-    monitor = kit.root / "monitor"
-    bundles = {c: kit.root / "clients" / c for c in files}
+    port, out = free_port(), open_dir / "fleet"
+    argv = ["--out", str(out), "--run", RUN, "--fleet-broker", "127.0.0.1", "--fleet-port", str(port)]
+    argv += ["--fleet-bind", "127.0.0.1", "--algorithm", "fedavg", "--dataset", "digits", "--model", "tiny_mlp"]
+    argv += ["--num-clients", "3", "--rounds", "3", "--local-epochs", "1", "--batch-size", "32"]
+    printed = fedge_provision(argv)
+    kit = out / "kit"
+    files = {c: out / f"{c}.safetensors" for c in ("c000", "c001", "c002")}
+    monitor = kit / "monitor"
+    bundles = {c: kit / "clients" / c for c in files}
     first, last = {c: files[c] for c in ("c000", "c001")}, {"c002": files["c002"]}
     view = tmp_path / "view.txt"
-    with fleet_mosquitto(kit.broker_dir) as url:
+    broker = start_as_printed(printed_commands(printed), port)
+    url = f"mqtts://127.0.0.1:{port}"
+    try:
         with (
-            coordinator(kit.root, tmp_path / "data", tmp_path / "runs", tmp_path / "coordinator.out") as coord,
+            coordinator(kit, out, tmp_path / "runs", tmp_path / "coordinator.out") as coord,
             watcher(monitor, view) as watching,
         ):
             # One snapshot of the live run, as a script takes it, before any client is there. (A kit's monitor login
@@ -163,6 +161,8 @@ def test_fedge_status_shows_a_live_run_from_the_monitor_login(tmp_path: Path) ->
             link.publish(T.run_status, encode_run_status(run_status(RUN, "forged", "stopped")), retain=True)
             time.sleep(1.0)
         assert "finished after round 3 of 3" in status_once(monitor).stdout
+    finally:
+        stop_process(broker)
 
     assert "online:  -" in joining
     assert watching.returncode == 0  # Ctrl-C leaves quietly
