@@ -472,7 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "status",
         help="watch a run live: round, phase, deadline, clients, accuracy, bytes (e.g. --bundle KIT/monitor)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Show the run status the coordinator keeps on the broker, redrawn as it changes; --once prints "
+        "one snapshot. With a fleet kit, log in with its read-only monitor/ bundle.",
     )
     add_status_arguments(p)
     p.set_defaults(func=_cmd_status)

@@ -29,10 +29,12 @@ _LATE = 30.0  # seconds past a round's deadline after which the view asks whethe
 
 def add_status_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``fedge status``."""
-    add_connection_arguments(p)
+    add_connection_arguments(p, publishes=False)  # a monitor only reads
     p.add_argument("--run", default=None, help="the run to watch (default: the bundle's, else 'default')")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit (for scripts)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker and the first status")
+    p.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for the broker and the first status (default: 10)"
+    )
 
 
 def _names(ids: tuple[str, ...], total: int) -> str:
