@@ -149,3 +149,17 @@ def test_an_unprivileged_user_starts_the_broker_as_printed(open_dir: Path) -> No
     finally:
         stop_process(broker)
     assert (kit_dir / "broker" / "mosquitto.db").stat().st_uid == nobody.pw_uid
+
+
+def test_the_plan_for_a_user_who_is_not_root_and_paths_that_need_quoting(tmp_path: Path) -> None:
+    kit = tmp_path / "my fleet" / "kit" / "broker"
+    target = tmp_path / "srv dir" / "fedge"
+    plan = broker_plan(kit, run="lab", conf_dir=target, as_root=False)
+    assert plan.conf_dir == target and plan.note == ""
+    assert plan.commands == (
+        f"install -d -m 0700 '{target}'",
+        f"cp -a '{kit}'/. '{target}'/",
+        f"mosquitto -c '{target}/mosquitto.conf'",
+    )
+    # Run by a user who is not root, mosquitto stays that user: nothing to hand over, wherever the kit is.
+    assert broker_plan(kit, run="lab", as_root=False).commands == (f"mosquitto -c '{kit}/mosquitto.conf'",)
