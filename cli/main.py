@@ -282,8 +282,16 @@ def _cmd_provision(args: argparse.Namespace) -> int:
         print("start the broker on this machine with:")
         for command in plan.commands:
             print(f"    {command}")
-        print(f"the coordinator with `--bundle {kit.coordinator_dir}`, each client with --bundle clients/<id> copied")
-        print(f"to its device; keep {kit.root / 'ca'} offline")
+        out = args.out.absolute()
+        print("then the coordinator:")
+        print(f"    fedge coordinator --bundle {kit.coordinator_dir} --config {out / 'config.json'} --out runs/")
+        print(
+            "each client, on its device, with clients/<id>/ and <id>.safetensors (and shared.safetensors, if written):"
+        )
+        print("    fedge client --bundle clients/<id> --data <id>.safetensors --device auto")
+        print("and watch the run (read-only login):")
+        print(f"    fedge status --bundle {kit.root / 'monitor'}")
+        print(f"keep {kit.root / 'ca'} offline: it only serves to issue new certificates")
     return 0
 
 
