@@ -119,6 +119,9 @@ def test_fedge_status_shows_a_live_run_from_the_monitor_login(tmp_path: Path, op
     argv += ["--num-clients", "3", "--rounds", "3", "--local-epochs", "1", "--batch-size", "32"]
     printed = fedge_provision(argv)
     kit = out / "kit"
+    # The next steps are printed as commands; below they run with this test's timeouts and file names added.
+    assert f"    fedge coordinator --bundle {kit / 'coordinator'} --config {out / 'config.json'}" in printed
+    assert f"    fedge status --bundle {kit / 'monitor'}\n" in printed
     files = {c: out / f"{c}.safetensors" for c in ("c000", "c001", "c002")}
     monitor = kit / "monitor"
     bundles = {c: kit / "clients" / c for c in files}
