@@ -276,24 +276,47 @@ def _cmd_provision(args: argparse.Namespace) -> int:
     files = provision(exp, args.out)
     print(f"wrote {len(files)} client data files and config.json to {args.out}")
     if args.fleet_broker:
+        from coordinator.broker_setup import broker_plan, hand_over
         from coordinator.run import provision_fleet
 
+        kit_dir = args.out.absolute() / "kit"
+        plan = broker_plan(kit_dir / "broker", run=args.run, conf_dir=args.fleet_broker_dir)
         kit = provision_fleet(
             exp,
-            args.out / "kit",
+            kit_dir,
             run=args.run,
             broker_hosts=args.fleet_broker,
             port=args.fleet_port or (8883 if not args.no_tls else 1883),
             tls=not args.no_tls,
             client_certificates=args.client_certificates,
-            broker_config_dir=args.fleet_broker_dir,
+            broker_config_dir=plan.conf_dir,
             max_packet_size=args.fleet_max_packet_size,
             bind_address=args.fleet_bind,
         )
-        print(f"wrote the fleet kit to {kit.root}: start mosquitto with `mosquitto -c {kit.mosquitto_conf}`,")
-        print(f"the coordinator with `--bundle {kit.coordinator_dir}`, each client with --bundle clients/<id> copied")
-        print(f"to its device ({kit.root / 'README.txt'} says what goes where; keep {kit.root / 'ca'} offline)")
+        hand_over(kit.root, kit.broker_dir)
+        print(f"wrote the fleet kit to {kit.root} ({kit.root / 'README.txt'} says what goes where).")
+        if plan.note:
+            print(f"note: {plan.note}")
+        print("start the broker on this machine with:")
+        for command in plan.commands:
+            print(f"    {command}")
+        out = args.out.absolute()
+        print("then the coordinator:")
+        print(f"    fedge coordinator --bundle {kit.coordinator_dir} --config {out / 'config.json'} --out runs/")
+        print(
+            "each client, on its device, with clients/<id>/ and <id>.safetensors (and shared.safetensors, if written):"
+        )
+        print("    fedge client --bundle clients/<id> --data <id>.safetensors --device auto")
+        print("and watch the run (read-only login):")
+        print(f"    fedge status --bundle {kit.root / 'monitor'}")
+        print(f"keep {kit.root / 'ca'} offline: it only serves to issue new certificates")
     return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from common.monitor import run_status_cli
+
+    return run_status_cli(args)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -519,6 +542,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_flags(p)
     p.set_defaults(func=_cmd_provision)
+
+    from common.monitor import add_status_arguments
+
+    p = sub.add_parser(
+        "status",
+        help="watch a run live: round, phase, deadline, clients, accuracy, bytes (e.g. --bundle KIT/monitor)",
+        description="Show the run status the coordinator keeps on the broker, redrawn as it changes; --once prints "
+        "one snapshot. With a fleet kit, log in with its read-only monitor/ bundle.",
+    )
+    add_status_arguments(p)
+    p.set_defaults(func=_cmd_status)
 
     from export.cli import add_export_arguments
 

@@ -17,8 +17,11 @@ from fedge.errors import ConfigError
 from fedge.protocol import BrokerAddress
 
 
-def add_connection_arguments(p: argparse.ArgumentParser, *, broker_required: bool = False) -> None:
-    """``--broker``, ``--bundle`` and the credential and TLS flags of a role."""
+def add_connection_arguments(
+    p: argparse.ArgumentParser, *, broker_required: bool = False, publishes: bool = True
+) -> None:
+    """``--broker``, ``--bundle`` and the credential and TLS flags of a role; ``--max-packet-size`` for a role that
+    ``publishes``."""
     p.add_argument(
         "--broker",
         required=broker_required,
@@ -47,6 +50,8 @@ def add_connection_arguments(p: argparse.ArgumentParser, *, broker_required: boo
     p.add_argument("--ca-file", type=Path, default=None, help="mqtts: CA certificate to verify the broker with")
     p.add_argument("--cert-file", type=Path, default=None, help="mqtts: client certificate (mutual TLS)")
     p.add_argument("--key-file", type=Path, default=None, help="mqtts: the client certificate's key")
+    if not publishes:
+        return
     p.add_argument(
         "--max-packet-size",
         type=packet_limit_arg,
@@ -87,7 +92,7 @@ def connection_from_args(args: argparse.Namespace) -> Connection:
                 "--broker), or add --allow-plaintext on a network you trust"
             )
         _refuse_plaintext_login(bundle.address, args.allow_plaintext)
-        return Connection(bundle.address, bundle, args.max_packet_size)
+        return Connection(bundle.address, bundle, getattr(args, "max_packet_size", "auto"))
     if args.broker is None:
         raise ConfigError("say where the broker is: --broker mqtt://HOST:PORT, or --bundle DIR from a fleet kit")
     address = with_credentials(
@@ -100,7 +105,7 @@ def connection_from_args(args: argparse.Namespace) -> Connection:
         ca, cert, key = (str(f) if f is not None else None for f in tls_files)
         address = address.with_tls(ca_file=ca, cert_file=cert, key_file=key)
     _refuse_plaintext_login(address, args.allow_plaintext)
-    return Connection(address, max_packet_size=args.max_packet_size)
+    return Connection(address, max_packet_size=getattr(args, "max_packet_size", "auto"))
 
 
 def _refuse_plaintext_login(address: BrokerAddress, allowed: bool) -> None:

@@ -72,7 +72,7 @@ def with_credentials(
     return address.with_login(user, password)
 
 
-Role = Literal["client", "coordinator"]
+Role = Literal["client", "coordinator", "monitor"]
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class Bundle:
 
 
 def load_bundle(directory: str | os.PathLike[str], *, broker: str | None = None) -> Bundle:
-    """Read the bundle a fleet kit made for one device (``clients/<id>/`` or ``coordinator/``).
+    """Read the bundle a fleet kit made for one device (``clients/<id>/``, ``coordinator/`` or ``monitor/``).
 
     ``broker`` replaces the bundle's broker URL (scheme, host and port only; e.g. the port of a test broker).
     """
@@ -103,7 +103,7 @@ def load_bundle(directory: str | os.PathLike[str], *, broker: str | None = None)
     except FileNotFoundError:
         raise ConfigError(
             f"no {BUNDLE_FILE} in {folder}; pass the directory a fleet kit made for this device "
-            "(clients/<id>/ or coordinator/)"
+            "(clients/<id>/, coordinator/ or monitor/)"
         ) from None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read fleet bundle {path}: {exc}") from None
@@ -116,7 +116,7 @@ def load_bundle(directory: str | os.PathLike[str], *, broker: str | None = None)
         base = BrokerAddress.parse(broker or data["broker"])
     except (KeyError, TypeError) as exc:
         raise ConfigError(f"fleet bundle {path} lacks or garbles {exc}; make a new fleet kit") from None
-    if role not in ("client", "coordinator") or (role == "client") != (client_id is not None):
+    if role not in ("client", "coordinator", "monitor") or (role == "client") != (client_id is not None):
         raise ConfigError(f"fleet bundle {path} has role {role!r} and client id {client_id!r}; make a new fleet kit")
 
     def local(key: str) -> str | None:

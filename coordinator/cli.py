@@ -68,7 +68,8 @@ def run_coordinator_cli(
     connection = connection_from_args(args)  # checked before a run directory exists
     bundle = connection.bundle
     if bundle is not None and bundle.role != "coordinator":
-        raise ConfigError(f"{args.bundle} is client {bundle.client_id}'s bundle; the coordinator needs coordinator/")
+        who = f"client {bundle.client_id}'s" if bundle.client_id else f"the {bundle.role}'s"
+        raise ConfigError(f"{args.bundle} is {who} bundle; the coordinator needs coordinator/")
     if bundle is not None and args.run not in (None, bundle.run):
         raise ConfigError(f"--run {args.run} differs from the bundle's run {bundle.run!r}")
     resume = args.resume is not None

@@ -8,6 +8,7 @@ bound to user names (``use_username_as_clientid``) and a least-privilege ACL. Th
                          server.crt, server.key
     <out>/ca/            ca.crt, ca.key: the private CA; keep it offline, it is only needed to issue more certificates
     <out>/coordinator/   a bundle: bundle.json, password, ca.crt [, client.crt, client.key]
+    <out>/monitor/       the same for ``fedge status``: a login that can only read the run status
     <out>/clients/<id>/  one bundle per client, to copy onto that device
 
 A bundle is read with :func:`common.credentials.load_bundle`. User names are ``fedge-<run>-<client>`` and
@@ -15,8 +16,9 @@ A bundle is read with :func:`common.credentials.load_bundle`. User names are ``f
 client id its user name, so nobody can take over another device's connection.
 
 Least privilege, per run: client X publishes only ``update/X`` and ``status/X`` (its hello and last will) and
-reads only ``task/X`` and ``broadcast``; the coordinator publishes tasks and broadcasts and reads updates, statuses
-and the broker's ``$SYS`` byte counters; nobody else reads or writes anything under ``fedge/<run>/``.
+reads only ``task/X`` and ``broadcast``; the coordinator publishes tasks, broadcasts and the run status and reads
+updates, statuses and the broker's ``$SYS`` byte counters; the monitor reads the run status; nobody else reads or
+writes anything under ``fedge/<run>/``.
 
 Secrets come from :mod:`secrets`; every file holding one is created with mode 0600 (directories 0700), and no
 secret is ever logged or put on a command line. Certificates (ECDSA P-256) are made with ``cryptography``.
@@ -52,6 +54,7 @@ from fedge.protocol import ClientStatus, Topics, publish_packet_bytes
 log = logging.getLogger(__name__)
 
 COORDINATOR = "coordinator"
+MONITOR = "monitor"  # the read-only login of `fedge status`: it reads the run status and nothing else
 PASSWORD_FILE = "password"
 # mosquitto_passwd 2.0 writes 101 iterations; the broker reads the count from the file. The passwords are 256-bit
 # random secrets, so the iteration count adds nothing against guessing; 1,000 cost about 1 ms per CONNECT.
@@ -70,7 +73,8 @@ def _is_ip(host: str) -> bool:
 
 
 def fleet_username(run: str, client: str | None) -> str:
-    """The user name (and MQTT client id) of ``client`` in ``run``; ``None`` names the coordinator."""
+    """The user name (and MQTT client id) of ``client`` in ``run``; ``None`` names the coordinator, ``MONITOR``
+    the read-only monitor."""
     return f"fedge-{run}-{client or COORDINATOR}"
 
 
@@ -105,8 +109,9 @@ class FleetSpec:
             raise ConfigError("a fleet kit needs at least one client id")
         if len(set(self.clients)) != len(self.clients):
             raise ConfigError("client ids of a fleet kit must be unique")
-        if COORDINATOR in self.clients:
-            raise ConfigError(f"{COORDINATOR!r} is the coordinator's name; choose another client id")
+        for reserved in (COORDINATOR, MONITOR):
+            if reserved in self.clients:
+                raise ConfigError(f"{reserved!r} is the name of the kit's {reserved} login; choose another client id")
         if not self.broker_hosts:
             raise ConfigError("a fleet kit needs the broker's host name or IP address (what devices connect to)")
         for host in self.broker_hosts:
@@ -154,12 +159,14 @@ class Grant:
 
 
 def fleet_acl(run: str, clients: Sequence[str]) -> dict[str, Grant]:
-    """The least-privilege ACL of a run, by user name (the coordinator first)."""
+    """The least-privilege ACL of a run, by user name (the coordinator first, then the monitor)."""
     t = Topics(run)
     acl = {
         fleet_username(run, None): Grant(
-            write=(f"{t.prefix}/task/+", t.broadcast), read=(t.all_updates, t.all_statuses, *SYS_FILTERS)
-        )
+            write=(f"{t.prefix}/task/+", t.broadcast, t.run_status),
+            read=(t.all_updates, t.all_statuses, *SYS_FILTERS),
+        ),
+        fleet_username(run, MONITOR): Grant(write=(), read=(t.run_status,)),
     }
     for c in clients:
         acl[fleet_username(run, c)] = Grant(write=(t.update(c), t.status(c)), read=(t.task(c), t.broadcast))
@@ -438,7 +445,7 @@ def generate_fleet_kit(
     now = issued_at or dt.datetime.now(dt.timezone.utc)
     broker = _mkdir(root / "broker")
     conf_dir = Path(broker_config_dir) if broker_config_dir is not None else broker
-    users = [None, *spec.clients]
+    users = [None, MONITOR, *spec.clients]
     passwords = {fleet_username(spec.run, c): secrets.token_urlsafe(32) for c in users}
 
     acl = fleet_acl(spec.run, spec.clients)
@@ -463,13 +470,14 @@ def generate_fleet_kit(
     dirs: dict[str, Path] = {}
     _mkdir(root / "clients")
     for client in users:
-        folder = _mkdir(root / COORDINATOR if client is None else root / "clients" / client)
+        role = COORDINATOR if client is None else MONITOR if client == MONITOR else "client"
+        folder = _mkdir(root / role if role != "client" else root / "clients" / str(client))
         username = fleet_username(spec.run, client)
         bundle: dict[str, object] = {
             "format": BUNDLE_FORMAT,
-            "role": "client" if client else COORDINATOR,
+            "role": role,
             "run": spec.run,
-            "client_id": client,
+            "client_id": client if role == "client" else None,
             "username": username,
             "broker": spec.broker_url,
             "password_file": PASSWORD_FILE,
@@ -485,7 +493,7 @@ def generate_fleet_kit(
                 bundle.update(cert_file="client.crt", key_file="client.key")
         if client is None:
             bundle["clients"] = list(spec.clients)
-        else:
+        elif role == "client":
             dirs[client] = folder
         _write(folder / BUNDLE_FILE, json.dumps(bundle, indent=1) + "\n")
     _write(root / "README.txt", _readme(spec, conf_dir))
@@ -502,6 +510,7 @@ def _readme(spec: FleetSpec, conf_dir: Path) -> str:
         "                 root, mosquitto reads its files as user 'mosquitto')",
         f"                 then: mosquitto -c {conf_dir / 'mosquitto.conf'}",
         "coordinator/  -> the machine of the coordinator (its bundle: fedge reads it with --bundle)",
+        "monitor/      -> wherever you watch the run from: fedge status --bundle monitor (reads the run status only)",
         "clients/<id>/ -> device <id>, one directory each (copy it whole, keep its mode: scp -rp)",
     ]
     if spec.tls:

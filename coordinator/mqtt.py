@@ -33,6 +33,7 @@ from common.mqtt import Inbound, MqttLink, PacketLimit
 from coordinator.broker_counters import SYS_FILTERS, SYS_TOPICS, BrokerCounters, SysCounterReader
 from coordinator.presence import Admit, Presence
 from coordinator.replies import RoundContext, judge_chunk, judge_reply, reject
+from coordinator.status_board import StatusBoard
 from coordinator.transport import Exchange, ReplyCheck
 from fedge import chunking
 from fedge.algorithms.base import RoundPlan
@@ -149,6 +150,8 @@ class MqttTransport:
             max_packet_size=max_packet_size,
             clean_session=False,  # updates published while our link is down wait at the broker (QoS 1)
         )
+        # The live fleet view (fedge status): retained on fedge/<run>/run-status, updated at every phase change.
+        self.board = StatusBoard(self.link, self.topics.run_status, run, self.session)
 
     # --- lifecycle --------------------------------------------------------------------------------------------
 
@@ -159,7 +162,7 @@ class MqttTransport:
         return self
 
     def close(self) -> None:
-        self.link.close()
+        self.link.close(final=[self.board.final_message()])  # the last status must reach the broker before we go
 
     def __enter__(self) -> MqttTransport:
         return self.open()
@@ -188,9 +191,12 @@ class MqttTransport:
             self.round_timeout,
         )
         deadline = time.monotonic() + self.round_timeout
+        self.board.update(note=f"waiting for clients to come back: {len(ready)} of {self._wanted}")
         while len(ready) < self._wanted and time.monotonic() < deadline:
             self._pump(0.2)
             ready = self._available()
+            self.board.tick()
+        self.board.update(note="")
         self._seen_connections = self.link.connections
         log.info("%d of %d clients back: %s", len(ready), self._wanted, ", ".join(ready) or "-")
         return ready
@@ -221,6 +227,8 @@ class MqttTransport:
             if len(ready) != last:
                 log.info("%d of %d clients ready: %s", len(ready), n, ", ".join(ready) or "-")
                 last = len(ready)
+                self.board.update(phase="joining", needed=n, online=self.presence.online())
+            self.board.tick()
             if len(ready) >= n:
                 return ready
             reason = abort() if abort is not None else None
@@ -286,7 +294,17 @@ class MqttTransport:
                 state.offline[client] = (state.started, status.reason or "left")
 
         deadline = state.started + self.round_timeout
+        self.board.update(
+            phase="training",
+            round=rnd,
+            deadline=time.time() + self.round_timeout,
+            online=self.presence.online(),
+            sampled=sorted(plan.tasks),
+            replied=(),
+            dropped=(),
+        )
         while True:
+            self.board.tick()
             now = time.monotonic()
             # The grace runs only while our own link is up, from its latest (re)connection at the earliest: last
             # wills that arrive around a broker outage say only that the clients are reconnecting too.
@@ -319,6 +337,12 @@ class MqttTransport:
                 why = f"went offline {after:.1f} s into the round ({will})"
             out.drops.append(Drop(client, why, round(after, 3)))
             log.warning("round %d: client %s dropped: %s", rnd, client, why)
+        self.board.update(
+            phase="aggregating",
+            deadline=0.0,
+            replied=sorted(out.replies),
+            dropped=[(d.client, d.reason) for d in out.drops],
+        )
         return out
 
     def _send_task(self, state: _Round, client: ClientId, task: Message, *, resend: bool) -> None:
@@ -442,6 +466,7 @@ class MqttTransport:
         assert msg is not None
         state.refused_replies.pop(client, None)
         state.out.replies[client] = msg
+        self.board.update(replied=sorted(state.out.replies))
         state.offline.pop(client, None)  # e.g. its connection dropped after it published
         state.incomplete.pop(client, None)  # an earlier attempt that was given up does not matter any more
         sent = state.sent_at.get(client, state.started)
@@ -490,6 +515,8 @@ class MqttTransport:
         change = self.presence.update(client, item.payload)
         if change is not None and change.refused:
             self._tell_refused(client, change.refused)
+        if change is not None and (change.came_online or change.went_offline):
+            self.board.update(online=self.presence.online())
         if change is None or state is None or client not in state.tasks or client in state.out.replies:
             return
         if change.came_online:  # a real reconnect; a hello on a live connection resends nothing

@@ -7,9 +7,10 @@ global model.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ from fedge.records import RoundRecord
 from fedge.wire import printable
 
 log = logging.getLogger(__name__)
+
+COORDINATOR_LOG = "coordinator.log"
 
 
 def admission_rule(exp: Experiment) -> Callable[[ClientStatus], str | None]:
@@ -115,29 +118,41 @@ def run_coordinator(
     if journal.resumed_after:
         log.info("resuming %s after round %d (session %s)", run_dir, journal.resumed_after[-1], transport.session)
     remaining = len(engine.history.rounds) < config.rounds  # no round left: killed before writing its summary
-    with transport:
-        if remaining:
-            transport.wait_for_clients(needed, join_timeout, abort=abort, among=provisioned)
-        before = transport.broker_counters() if broker_counters and remaining else None
+    board = transport.board
+    board.update(rounds=config.rounds, round=len(engine.history.rounds), **_progress(engine.history.rounds))
+    with coordinator_log(run_dir), transport:
+        try:
+            if remaining:
+                transport.wait_for_clients(needed, join_timeout, abort=abort, among=provisioned)
+            before = transport.broker_counters() if broker_counters and remaining else None
+            status_before = board.wire_bytes
 
-        def record(r: RoundRecord) -> None:
-            journal.round(r)
-            if on_round is not None:
-                on_round(r)
+            def record(r: RoundRecord) -> None:
+                journal.round(r)
+                board.update(phase="done", **_progress(engine.history.rounds))
+                if on_round is not None:
+                    on_round(r)
 
-        history = engine.run(record)
-        after, lost = None, ""
-        if broker_counters and before is not None:
-            try:
-                after = transport.broker_counters()
-            except FedgeError as exc:  # the rounds are done and written: a lost broker only loses the comparison
-                lost = f"the broker's counters could not be read after the run ({exc}): not comparable"
-                log.warning("wire bytes: %s", lost)
+            history = engine.run(record)
+            board.update(phase="finished")
+            after, lost = None, ""
+            if broker_counters and before is not None:
+                try:
+                    after = transport.broker_counters()
+                except FedgeError as exc:  # the rounds are done and written: a lost broker only loses the comparison
+                    lost = f"the broker's counters could not be read after the run ({exc}): not comparable"
+                    log.warning("wire bytes: %s", lost)
+            status_wire = board.wire_bytes - status_before
+        except BaseException as exc:
+            board.update(phase="stopped", note=printable(str(exc) or type(exc).__name__))
+            raise
 
     wire = sum(e.wire_bytes for e in history.ledger.entries)
     # The broker's counters were read in this session only: compare them with this session's rounds.
     first = journal.resumed_after[-1] + 1 if journal.resumed_after else 1
     session_wire = sum(e.wire_bytes for e in history.ledger.entries if e.round >= first)
+    # The run-status messages (fedge status) are not part of any round, but the broker counts them too.
+    compared_wire = session_wire + status_wire
     extra: dict[str, Any] = {
         "model": exp.model,
         "transport": "mqtt",
@@ -159,16 +174,51 @@ def run_coordinator(
         extra["resumed_after"] = journal.resumed_after
     if history.state_lost:
         extra["client_state_lost"] = dict(history.state_lost)
+    extra["run_status_messages"] = {"published": board.published, "wire_bytes": status_wire}
     if lost:
-        extra["broker_bytes"] = {"ledger_wire": session_wire, "comparable": False, "note": lost}
+        extra["broker_bytes"] = {"ledger_wire": compared_wire, "comparable": False, "note": lost}
     if before is not None and after is not None:
-        extra["broker_bytes"] = bb = compare_with_broker(session_wire, before, after)
+        extra["broker_bytes"] = bb = compare_with_broker(compared_wire, before, after)
         if bb["comparable"]:
-            log.info("wire bytes: ours %d, broker's %d (%+.2f%%)", session_wire, bb["broker_total"], bb["diff_pct"])
+            log.info("wire bytes: ours %d, broker's %d (%+.2f%%)", compared_wire, bb["broker_total"], bb["diff_pct"])
         else:
-            log.warning("wire bytes: ours %d; %s", session_wire, bb["note"])
+            log.warning("wire bytes: ours %d; %s", compared_wire, bb["note"])
     summary = journal.finish(strategy.global_weights(), initial_bytes=exp.initial_bytes(), extra=extra)
     return RunResult(run_dir, config, history.rounds, summary)
+
+
+def _progress(rounds: Sequence[RoundRecord]) -> dict[str, Any]:
+    """The run-status fields that follow from the completed rounds: last accuracy, skipped rounds, bytes so far."""
+    evaluated = [r for r in rounds if r.accuracy is not None]
+    last = rounds[-1].bytes if rounds else None
+    return {
+        "accuracy": evaluated[-1].accuracy if evaluated else -1.0,
+        "accuracy_round": evaluated[-1].round if evaluated else 0,
+        "skipped": sum(not r.aggregated for r in rounds),
+        "wire_bytes": last.cum_wire if last else 0,
+        "tensor_bytes": last.cum_tensor["multicast"] if last else 0,
+    }
+
+
+@contextlib.contextmanager
+def coordinator_log(run_dir: Path) -> Iterator[None]:
+    """Everything logged while the run goes on, also appended to ``run_dir/coordinator.log`` (a resumed run adds to
+    it): what the console showed, kept with the run's results."""
+    handler = logging.FileHandler(run_dir / COORDINATOR_LOG, encoding="utf-8")
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)  # at the level the CLI set (INFO, or DEBUG with -v)
+    try:
+        yield
+    except BaseException as exc:
+        # Why the run stopped, into the file only: the CLI prints the error itself, the console needs no copy.
+        why = printable(str(exc) or type(exc).__name__, 1000)
+        handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, "run stopped: %s", (why,), None))
+        raise
+    finally:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def largest_update(strategy: Strategy) -> int:

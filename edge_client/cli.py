@@ -138,7 +138,7 @@ def run_client(
     bundle = connection.bundle
     if bundle is not None:
         if bundle.role != "client":
-            raise ConfigError(f"{args.bundle} is the coordinator's bundle; a client needs its own clients/<id>/")
+            raise ConfigError(f"{args.bundle} is the {bundle.role}'s bundle; a client needs its own clients/<id>/")
         for flag, given, own in (("--client-id", args.client_id, bundle.client_id), ("--run", args.run, bundle.run)):
             if given not in (None, own):
                 raise ConfigError(f"{flag} {given} differs from the bundle's {own!r}")

@@ -8,6 +8,7 @@ Topics, all under ``fedge/<run>/`` (``<run>`` names one federation, given to the
   ``update/<client>``  client -> coordinator: an UPDATE, or an ERROR saying why the client could not do its task
   ``status/<client>``  client -> coordinator, retained: the hello (state ``online``), the last will (``offline``);
                        an empty retained message clears it when a client leaves cleanly
+  ``run-status``       coordinator -> monitors, retained: the run's live status (:mod:`fedge.run_status`)
 
 Wire bytes follow MQTT 3.1.1 (OASIS standard, sec. 2-3): every packet is a fixed header (1 byte of type and flags,
 then the "remaining length" as a 1-4 byte varint) plus the remaining length.
@@ -89,6 +90,11 @@ class Topics:
 
     def status(self, client: str) -> str:
         return f"{self.prefix}/status/{check_name(client, 'client id')}"
+
+    @property
+    def run_status(self) -> str:
+        """The coordinator's retained run status (round, phase, clients), read by monitors: fedge.run_status."""
+        return f"{self.prefix}/run-status"
 
     @property
     def all_updates(self) -> str:

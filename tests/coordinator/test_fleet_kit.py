@@ -188,14 +188,23 @@ def test_kit_layout_secrets_and_modes(tmp_path: Path) -> None:
     kit = make_kit(tmp_path, client_certificates=True)
     root = kit.root
     private = [root / "broker/passwd", root / "broker/amqtt-passwd", root / "broker/server.key", root / "ca/ca.key"]
-    for who in ("coordinator", "clients/c001", "clients/c002"):
+    for who in ("coordinator", "monitor", "clients/c001", "clients/c002"):
         private += [root / who / "password", root / who / "client.key"]
     for path in private:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
-    for folder in (root, root / "broker", root / "ca", root / "clients", root / "clients/c001", root / "coordinator"):
+    for folder in (
+        root,
+        root / "broker",
+        root / "ca",
+        root / "clients",
+        root / "clients/c001",
+        root / "coordinator",
+        root / "monitor",
+    ):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
-    passwords = {(root / w / "password").read_text().strip() for w in ("coordinator", "clients/c001", "clients/c002")}
-    assert len(passwords) == 3 and all(len(p) >= 43 for p in passwords)  # 32 random bytes each, all different
+    who = ("coordinator", "monitor", "clients/c001", "clients/c002")
+    passwords = {(root / w / "password").read_text().strip() for w in who}
+    assert len(passwords) == 4 and all(len(p) >= 43 for p in passwords)  # 32 random bytes each, all different
     public = [p for p in root.rglob("*") if p.is_file() and p not in private and p.name != "password"]
     for path in public:  # no secret in a configuration, ACL, bundle or certificate
         assert not any(secret in path.read_text() for secret in passwords), path
@@ -232,11 +241,13 @@ def test_acl_is_least_privilege(tmp_path: Path) -> None:
     assert blocks["user fedge-lab-coordinator"] == [
         "topic write fedge/lab/task/+",
         "topic write fedge/lab/broadcast",
+        "topic write fedge/lab/run-status",
         "topic read fedge/lab/update/+",
         "topic read fedge/lab/status/+",
         "topic read $SYS/broker/bytes/+",
         "topic read $SYS/broker/load/bytes/+",
     ]
+    assert blocks["user fedge-lab-monitor"] == ["topic read fedge/lab/run-status"]  # fedge status: read only
     assert not any(line.startswith(("topic", "pattern")) for line in acl.split("\n\nuser")[0].splitlines())
 
 
@@ -281,7 +292,8 @@ def test_spec_refuses_what_a_broker_or_topic_cannot_carry(tmp_path: Path) -> Non
     good = {"run": RUN, "clients": CLIENTS, "broker_hosts": ("b",), "max_message_bytes": 10}
     for bad, says in (
         ({"clients": ("c 1",)}, "client id 'c 1'"),
-        ({"clients": ("coordinator",)}, "the coordinator's name"),
+        ({"clients": ("coordinator",)}, "the name of the kit's coordinator login"),
+        ({"clients": ("monitor",)}, "the name of the kit's monitor login"),
         ({"clients": ("a", "a")}, "must be unique"),
         ({"clients": ()}, "at least one client id"),
         ({"run": "a/b"}, "run name 'a/b'"),
@@ -546,6 +558,7 @@ def test_provision_fleet_bind_puts_the_broker_on_one_address_only(tmp_path: Path
     port = free_port()
     argv = ["provision", "--out", str(tmp_path), "--dataset", "synthetic", "--model", "tiny_mlp", "--num-clients", "2"]
     argv += ["--fleet-broker", "127.0.0.1", "--no-tls", "--fleet-port", str(port), "--fleet-bind", "127.0.0.1"]
+    argv += ["--fleet-broker-dir", str(tmp_path / "kit" / "broker")]  # keep it here even where root's tmp is 0700
     assert main(argv) == 0
     conf = (tmp_path / "kit" / "broker" / "mosquitto.conf").read_text()
     assert f"listener {port} 127.0.0.1\n" in conf

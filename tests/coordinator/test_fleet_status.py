@@ -1,0 +1,229 @@
+"""The live fleet view against a live run: mosquitto from a fleet kit, ``fedge coordinator`` and three ``fedge client``
+processes with their bundles, and ``fedge status --bundle KIT/monitor`` showing the run while it waits for clients,
+while it trains (a client that dies mid-round shows up dropped, with its reason) and once it is finished. The monitor
+login reads the run status and nothing else, and cannot replace it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kit_support import fedge_provision, open_dir, printed_commands, start_as_printed  # noqa: F401 - a fixture
+from mqtt_support import mosquitto_url, require_mosquitto  # noqa: F401 - a fixture
+
+from common.credentials import load_bundle
+from common.experiment import prepare
+from common.mqtt import MqttLink
+from coordinator.run import provision_fleet
+from fedge.config import RunConfig
+from fedge.protocol import Topics
+from fedge.run_status import encode_run_status, run_status
+from sim.brokers import fleet_mosquitto, free_port, stop_process
+from sim.laptop import client_processes
+
+pytestmark = pytest.mark.broker
+
+RUN = "watched"
+T = Topics(RUN)
+
+
+def status_once(monitor: Path, *extra: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``fedge status --bundle monitor --once``, as a user runs it."""
+    cmd = [sys.executable, "-m", "cli.main", "status", "--bundle", str(monitor), "--once", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def wait_for_output(monitor: Path, pattern: str, timeout: float = 120) -> str:
+    """Ask ``fedge status --once`` until its output matches ``pattern``."""
+    deadline = time.monotonic() + timeout
+    out = ""
+    while time.monotonic() < deadline:
+        done = status_once(monitor)
+        out = done.stdout + done.stderr
+        if done.returncode == 0 and re.search(pattern, out):
+            return done.stdout
+        time.sleep(0.5)
+    raise AssertionError(f"fedge status never showed {pattern!r}; last output:\n{out}")
+
+
+def wait_for_file(path: Path, text: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} never appeared in {path}:\n{path.read_text()[-3000:] if path.exists() else ''}")
+
+
+class Watcher:
+    """``fedge status --bundle monitor`` refreshing into a file (not a terminal: each new status printed once)."""
+
+    def __init__(self, monitor: Path, out: Path) -> None:
+        self.cmd = [sys.executable, "-m", "cli.main", "status", "--bundle", str(monitor), "--timeout", "60"]
+        self.out = out
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.returncode: int | None = None
+
+    def start(self) -> None:
+        with open(self.out, "wb") as fh:
+            self.proc = subprocess.Popen(self.cmd, stdout=fh, stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGINT)  # Ctrl-C
+            try:
+                self.returncode = self.proc.wait(30)
+            finally:
+                stop_process(self.proc)
+
+
+@contextlib.contextmanager
+def watcher(monitor: Path, out: Path) -> Iterator[Watcher]:
+    made = Watcher(monitor, out)
+    try:
+        yield made
+    finally:
+        made.stop()
+
+
+@contextlib.contextmanager
+def coordinator(kit: Path, data: Path, runs: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    cmd = [sys.executable, "-m", "cli.main", "coordinator", "--bundle", str(kit / "coordinator")]
+    cmd += ["--config", str(data / "config.json"), "--out", str(runs), "--round-timeout", "120"]
+    cmd += ["--join-timeout", "300", "--rejoin-grace", "1", "--no-report", "--allow-skipped-rounds"]
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            yield proc
+        finally:
+            stop_process(proc)
+
+
+def test_fedge_status_shows_a_live_run_from_the_monitor_login(tmp_path: Path, open_dir: Path) -> None:  # noqa: F811
+    """The deployment path as docs/deployment.md prints it: ``fedge provision`` with a kit, the broker started with
+    the commands it printed (as root: mosquitto then runs as its own user), the coordinator and the clients with
+    their bundles, and the monitor."""
+    require_mosquitto()
+    port, out = free_port(), open_dir / "fleet"
+    argv = ["--out", str(out), "--run", RUN, "--fleet-broker", "127.0.0.1", "--fleet-port", str(port)]
+    argv += ["--fleet-bind", "127.0.0.1", "--algorithm", "fedavg", "--dataset", "digits", "--model", "tiny_mlp"]
+    argv += ["--num-clients", "3", "--rounds", "3", "--local-epochs", "1", "--batch-size", "32"]
+    printed = fedge_provision(argv)
+    kit = out / "kit"
+    # The next steps are printed as commands; below they run with this test's timeouts and file names added.
+    assert f"    fedge coordinator --bundle {kit / 'coordinator'} --config {out / 'config.json'}" in printed
+    assert f"    fedge status --bundle {kit / 'monitor'}\n" in printed
+    files = {c: out / f"{c}.safetensors" for c in ("c000", "c001", "c002")}
+    monitor = kit / "monitor"
+    bundles = {c: kit / "clients" / c for c in files}
+    first, last = {c: files[c] for c in ("c000", "c001")}, {"c002": files["c002"]}
+    view = tmp_path / "view.txt"
+    broker = start_as_printed(printed_commands(printed), port)
+    url = f"mqtts://127.0.0.1:{port}"
+    try:
+        with (
+            coordinator(kit, out, tmp_path / "runs", tmp_path / "coordinator.out") as coord,
+            watcher(monitor, view) as watching,
+        ):
+            # One snapshot of the live run, as a script takes it, before any client is there. (A kit's monitor login
+            # is one MQTT client id: the refreshing view starts once this one has left.)
+            joining = wait_for_output(monitor, r"waiting for clients, 0 of 3 online")
+            watching.start()
+            with client_processes(first, url, RUN, log_dir=tmp_path / "logs", bundles=bundles):
+                wait_for_file(view, "waiting for clients, 2 of 3 online")  # two of three: the run waits for c002
+                # The third dies when its round-2 task arrives: round 2 goes on without it, and says why.
+                with client_processes(last, url, RUN, log_dir=tmp_path / "logs", bundles=bundles, faults={"c002": 2}):
+                    assert coord.wait(300) == 0, (tmp_path / "coordinator.out").read_text()[-3000:]
+            wait_for_file(view, "finished after round 3 of 3")
+        snapshots = view.read_text().split("\n\n")
+        final = status_once(monitor)
+        assert final.returncode == 0, final.stderr
+        assert "finished after round 3 of 3" in final.stdout
+        assert re.search(r"last accuracy: \d+\.\d\d% \(round 3\)", final.stdout), final.stdout
+        assert re.search(r"bytes so far: wire \d", final.stdout), final.stdout
+
+        # A monitor reads the run status and nothing else of the run (here: a client's retained hello), and cannot
+        # replace the run status (its ACL only reads).
+        bundle, c000 = load_bundle(monitor), load_bundle(bundles["c000"])
+        with MqttLink(c000.address, c000.username).start(10) as device:
+            device.publish(T.status("c000"), b"retained hello", retain=True)
+            time.sleep(0.5)
+        with MqttLink(bundle.address, bundle.username, subscriptions=[(f"{T.prefix}/#", 1)]).start(10) as link:
+            time.sleep(1.0)
+            got = {m.topic for m in iter(lambda: link.get(0.1), None)}
+            assert got == {T.run_status}, got
+            link.publish(T.run_status, encode_run_status(run_status(RUN, "forged", "stopped")), retain=True)
+            time.sleep(1.0)
+        assert "finished after round 3 of 3" in status_once(monitor).stdout
+    finally:
+        stop_process(broker)
+
+    assert "online:  -" in joining
+    assert watching.returncode == 0  # Ctrl-C leaves quietly
+    first_shown = next(i for i, text in enumerate(snapshots) if "2 of 3 online" in text)
+    assert "online:  c000 c001" in snapshots[first_shown]
+    heads = [text.splitlines()[0] for text in snapshots if text.strip()]
+    for rnd in (1, 2, 3):  # every phase of every round, in order
+        seen = [h for h in heads if f"): round {rnd} of 3, " in h]
+        assert [h.split(", ")[1] for h in seen][:1] == ["training"] and "round done" in seen[-1], heads
+    closed = next(text for text in snapshots if "round 2 of 3, aggregating" in text)
+    assert "dropped: c002 (went offline" in closed and "replied: c000 c001\n" in closed, closed
+    assert "1 dropped" in closed
+    print(f"{joining}\n{closed}\n\n{final.stdout}")  # what the docs show
+
+    # The coordinator's log is in its run directory.
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    logged = (run_dir / "coordinator.log").read_text()
+    assert "3 of 3 clients ready" in logged and "client c002 dropped" in logged
+    assert bundle.address.password not in logged
+
+
+def test_fedge_status_says_when_there_is_nothing_to_show(tmp_path: Path) -> None:
+    """No coordinator has published for this run: one line and exit status 2 after --timeout, no traceback."""
+    require_mosquitto()
+    exp = prepare(RunConfig(dataset="digits", model="tiny_mlp", num_clients=1))
+    kit = provision_fleet(
+        exp, tmp_path / "kit", run="idle", broker_hosts=["127.0.0.1"], port=free_port(), bind_address="127.0.0.1"
+    )
+    with fleet_mosquitto(kit.broker_dir):
+        started = time.monotonic()
+        done = status_once(kit.root / "monitor", "--timeout", "2")
+        assert done.returncode == 2 and "no run status on fedge/idle/run-status" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr and time.monotonic() - started < 30
+        refused = status_once(kit.root / "coordinator", "--timeout", "2")
+        assert refused.returncode == 2 and "fedge status needs the kit's monitor/" in refused.stderr
+
+
+def test_a_run_that_stops_says_why_in_its_status(
+    tmp_path: Path,
+    mosquitto_url: str,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A coordinator that gives up (here: nobody joined) leaves a ``stopped`` status with the reason, for monitors
+    that look later, and its log in the run directory."""
+    from coordinator.run import run_coordinator
+    from fedge.errors import TransportError
+
+    caplog.set_level(logging.INFO)  # what `fedge coordinator` logs
+    config = RunConfig(dataset="digits", model="tiny_mlp", num_clients=2, rounds=2)
+    with pytest.raises(TransportError, match="only 0 of 2 clients joined"):
+        run_coordinator(config, tmp_path / "run", broker=mosquitto_url, run="lonely", join_timeout=1.0)
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", "status", "--broker", mosquitto_url, "--run", "lonely", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "stopped after round 0 of 2" in done.stdout and "note: only 0 of 2 clients joined" in done.stdout
+    logged = (tmp_path / "run" / "coordinator.log").read_text()
+    assert "0 of 2 clients ready" in logged and "ERROR coordinator.run: run stopped: only 0 of 2 clients" in logged

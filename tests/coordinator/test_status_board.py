@@ -1,0 +1,56 @@
+"""The coordinator's status board on a real mosquitto: phase changes go out at once, other changes at most once per
+interval, and a status too big for the packet limit goes out without its lists (counts kept), never not at all."""
+
+from __future__ import annotations
+
+import time
+
+from mqtt_support import mosquitto_url  # noqa: F401 - a fixture
+
+from common.mqtt import MqttLink
+from coordinator.status_board import StatusBoard
+from fedge.protocol import BrokerAddress, Topics
+from fedge.run_status import RunStatus, decode_run_status
+
+T = Topics("board")
+
+
+def received(link: MqttLink, wait: float = 1.0) -> list[RunStatus]:
+    got = []
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        item = link.get(0.1)
+        if item is not None and item.payload:
+            got.append(decode_run_status(item.payload, "board"))
+    return got
+
+
+def test_phase_changes_go_out_at_once_and_the_rest_is_throttled(mosquitto_url: str) -> None:  # noqa: F811
+    address = BrokerAddress.parse(mosquitto_url)
+    with (
+        MqttLink(address, "monitor", subscriptions=[(T.run_status, 1)]).start(10) as monitor,
+        MqttLink(address, "coordinator").start(10) as link,
+    ):
+        board = StatusBoard(link, T.run_status, "board", "s1", min_interval=60.0)
+        board.update(phase="training", round=1, sampled=("c0", "c1"))
+        for client in ("c0", "c1"):  # replies within the interval: held back
+            board.update(replied=(client,))
+        assert [(s.phase, s.replied) for s in received(monitor)] == [("training", ())]
+        board.update(phase="aggregating", replied=("c0", "c1"))  # a phase change carries everything pending
+        (closed,) = received(monitor)
+        assert (closed.phase, closed.replied, closed.sampled) == ("aggregating", ("c0", "c1"), ("c0", "c1"))
+        assert board.published == 2 and board.wire_bytes > 0
+
+
+def test_a_status_over_the_packet_limit_goes_out_without_its_lists(mosquitto_url: str) -> None:  # noqa: F811
+    address = BrokerAddress.parse(mosquitto_url)
+    fleet = tuple(f"device-{i:04d}" for i in range(200))  # ~3 kB of ids per list
+    with (
+        MqttLink(address, "monitor", subscriptions=[(T.run_status, 1)]).start(10) as monitor,
+        MqttLink(address, "coordinator", max_packet_size=1024).start(10) as link,
+    ):
+        board = StatusBoard(link, T.run_status, "board", "s1")
+        board.update(phase="training", round=3, online=fleet, sampled=fleet[:50])
+        (shown,) = received(monitor)
+        assert (shown.phase, shown.round, shown.counts) == ("training", 3, (200, 50, 0, 0))
+        assert shown.online == () and shown.sampled == ()
