@@ -42,7 +42,7 @@ typecheck: install
 # --durations: the slowest tests at the end of every run, to keep the suite well under 15 minutes on 2 cores.
 # Two worker processes (pytest-xdist), one test file each at a time (module fixtures such as a fleet's mosquitto stay
 # in one process): many tests wait on brokers, subprocesses and deadlines, so two workers on 2 cores cut the wall
-# time (measured: 16.1 min against 22.6 min in one process, same tree).
+# time (measured on this tree: 16.1 min on a quiet machine; in one process 22.6 min, with another job running).
 test: install ort-training mosquitto lint typecheck
 	$(BIN)/pytest -q -n 2 --dist loadfile --durations=15
 
