@@ -20,7 +20,6 @@ the round before current again (:func:`roll_back_journal`) when the last one is 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from common.manifest import sha256_file
 from fedge.config import RunConfig
 from fedge.errors import JournalError
 
@@ -63,7 +63,7 @@ def write_journal(run_dir: Path, config: RunConfig, state: RunState) -> None:
     tmp = run_dir / f".{name}.tmp"
     tensors = _unshared(state.tensors)
     save_file(tensors, tmp, metadata={"format": FORMAT, "round": str(state.round)})
-    digest = _sha256(tmp)
+    digest = sha256_file(tmp)
     _commit(tmp, run_dir / name)
     record = {
         "format": FORMAT,
@@ -134,7 +134,7 @@ def read_journal(run_dir: Path, config: RunConfig, *, journal: str = JOURNAL) ->
     fallback = _fallback_hint(run_dir) if journal == JOURNAL else ""
     if raw["format"] == _OLD_FORMAT:
         log.warning("%s was written before journals carried digests: its tensors cannot be verified", path)
-    elif _sha256(run_dir / name) != raw.get("tensors_sha256"):
+    elif sha256_file(run_dir / name) != raw.get("tensors_sha256"):
         raise JournalError(
             f"{run_dir / name} is not the file {path.name} recorded (SHA-256 differs): it was altered or damaged"
             + fallback
@@ -176,14 +176,6 @@ def _named_tensor_file(journal_bytes: bytes) -> str | None:
     except (ValueError, AttributeError):
         return None
     return name if isinstance(name, str) else None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:

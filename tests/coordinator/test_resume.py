@@ -67,17 +67,12 @@ def tensor_ledger(run_dir: Path) -> list[tuple[int, str, str, str, int, int]]:
     )
 
 
-def test_a_coordinator_killed_mid_round_resumes_to_the_uninterrupted_model(
-    fleet: tuple[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    url, config = fleet
-    assert main(coordinator_args(url, config, "--out", str(tmp_path / "ref"), "--broker-counters", "off")) == 0
-    (reference,) = (tmp_path / "ref").iterdir()
-
-    # The run to kill: a separate process, SIGKILLed as soon as a client answered round 4 (round 3 is journaled).
+def kill_mid_round(url: str, config: Path, out: Path) -> Path:
+    """Run `fedge coordinator` in its own process and SIGKILL it as soon as a client answered round KILL_IN_ROUND
+    (the round before is journaled); the killed run's directory."""
     sniffer = MqttLink(BrokerAddress.parse(url), "sniffer", subscriptions=[(Topics(RUN).all_updates, 1)]).start(10)
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same float sums as this process
-    args = coordinator_args(url, config, "--out", str(tmp_path / "killed"), "--broker-counters", "off")
+    args = coordinator_args(url, config, "--out", str(out), "--broker-counters", "off")
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], env=env, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
@@ -91,7 +86,19 @@ def test_a_coordinator_killed_mid_round_resumes_to_the_uninterrupted_model(
         sniffer.close(wait=0.5)
         if proc.poll() is None:
             proc.kill()
-    (killed,) = (tmp_path / "killed").iterdir()
+    (killed,) = out.iterdir()
+    return killed
+
+
+def test_a_coordinator_killed_mid_round_resumes_to_the_uninterrupted_model(
+    fleet: tuple[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, config = fleet
+    assert main(coordinator_args(url, config, "--out", str(tmp_path / "ref"), "--broker-counters", "off")) == 0
+    (reference,) = (tmp_path / "ref").iterdir()
+
+    # The run to kill: a separate process, SIGKILLed as soon as a client answered round 4 (round 3 is journaled).
+    killed = kill_mid_round(url, config, tmp_path / "killed")
     journal = json.loads((killed / "journal.json").read_text())
     assert journal["round"] >= KILL_IN_ROUND - 1 and not (killed / "summary.json").exists()
     assert main(["report", str(killed), "--out", str(tmp_path / "report")]) == 0  # a killed run is readable
@@ -150,9 +157,7 @@ STATEFUL = {
 
 
 @pytest.mark.parametrize("algorithm", sorted(STATEFUL))
-def test_clients_keep_their_state_across_a_killed_and_resumed_coordinator(
-    algorithm: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_clients_keep_their_state_across_a_killed_and_resumed_coordinator(algorithm: str, tmp_path: Path) -> None:
     """SCAFFOLD's control variates and DS-FL's own models live on the clients: a resumed coordinator re-runs the
     interrupted round, and each client answers it from its state saved before that round (edge_client/state.py), so
     the resumed run ends with the uninterrupted run's model. The same fleet with its state wiped is reported."""
@@ -162,26 +167,10 @@ def test_clients_keep_their_state_across_a_killed_and_resumed_coordinator(
     assert main(["provision", "--out", str(tmp_path / "data"), *flags]) == 0
     config = tmp_path / "data" / "config.json"
     files = {p.stem: p for p in (tmp_path / "data").glob("c*.safetensors")}
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same float sums as this process
     with mosquitto_broker() as url, client_processes(files, url, RUN, log_dir=tmp_path / "logs"):
         assert main(coordinator_args(url, config, "--out", str(tmp_path / "ref"), "--broker-counters", "off")) == 0
         (reference,) = (tmp_path / "ref").iterdir()
-        sniffer = MqttLink(BrokerAddress.parse(url), "sniffer", subscriptions=[(Topics(RUN).all_updates, 1)]).start(10)
-        args = coordinator_args(url, config, "--out", str(tmp_path / "killed"), "--broker-counters", "off")
-        proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], env=env, stdout=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and proc.poll() is None:
-                item = sniffer.get(0.2)
-                if item is not None and decode(item.payload).round >= KILL_IN_ROUND:
-                    proc.send_signal(signal.SIGKILL)
-                    break
-            assert proc.wait(10) == -signal.SIGKILL, "the coordinator was not killed mid-run"
-        finally:
-            sniffer.close(wait=0.5)
-            if proc.poll() is None:
-                proc.kill()
-        (killed,) = (tmp_path / "killed").iterdir()
+        killed = kill_mid_round(url, config, tmp_path / "killed")
         assert main(coordinator_args(url, config, "--resume", str(killed), "--broker-counters", "off")) == 0
         a, b = load_file(reference / "global_model.safetensors"), load_file(killed / "global_model.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the resumed model differs"
@@ -191,24 +180,9 @@ def test_clients_keep_their_state_across_a_killed_and_resumed_coordinator(
             return
 
         # The same kill, then c001's state files wiped (a device reset): the run goes on and says who lost what.
-        sniffer = MqttLink(BrokerAddress.parse(url), "sniffer", subscriptions=[(Topics(RUN).all_updates, 1)]).start(10)
-        args = coordinator_args(url, config, "--out", str(tmp_path / "wiped"), "--broker-counters", "off")
-        proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], env=env, stdout=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and proc.poll() is None:
-                item = sniffer.get(0.2)
-                if item is not None and decode(item.payload).round >= KILL_IN_ROUND:
-                    proc.send_signal(signal.SIGKILL)
-                    break
-            assert proc.wait(10) == -signal.SIGKILL
-        finally:
-            sniffer.close(wait=0.5)
-            if proc.poll() is None:
-                proc.kill()
+        wiped = kill_mid_round(url, config, tmp_path / "wiped")
         for stale in (tmp_path / "data" / "state").glob(f"{RUN}-c001-*"):
             stale.unlink()
-        (wiped,) = (tmp_path / "wiped").iterdir()
         assert main(coordinator_args(url, config, "--resume", str(wiped), "--broker-counters", "off")) == 0
     lost = json.loads((wiped / "summary.json").read_text())["client_state_lost"]
     assert list(lost) == ["c001"] and "lost its state" in lost["c001"], lost
