@@ -12,6 +12,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from edge_client.state import ClientStateFiles
 from fedge.errors import ConfigError
 from fedge.programs import ModelSpec
 
@@ -130,7 +131,6 @@ def run_client(
     from edge_client.client import EdgeClient
     from edge_client.data import load_client_data
     from edge_client.mqtt import MqttEdgeClient
-    from edge_client.state import ClientStateFiles
     from fedge.backend import TorchBackend
     from fedge.protocol import check_name
 
@@ -212,9 +212,7 @@ def run_client(
         announce_host=args.announce_host,
         capabilities=runtime_capabilities(args.runtime, args.predict_only),
         max_packet_size=connection.max_packet_size,
-        state=None
-        if args.no_state
-        else ClientStateFiles(args.state_dir or Path(args.data).parent / "state", args.run, args.client_id),
+        state=state_files(args),
         idle_warning_s=args.idle_warning,
     )
 
@@ -229,6 +227,14 @@ def run_client(
         print(f"fedge: refused by the coordinator of run {args.run}: {server.refused}", file=sys.stderr)
         return 3
     return 0
+
+
+def state_files(args: argparse.Namespace) -> ClientStateFiles | None:
+    """Where this client keeps its algorithm state (``--state-dir``, default ``state/`` beside ``--data``), or None
+    with ``--no-state``. ``args.run`` and ``args.client_id`` are resolved (a bundle's) by then."""
+    if args.no_state:
+        return None
+    return ClientStateFiles(args.state_dir or Path(args.data).parent / "state", args.run, args.client_id)
 
 
 def _prepare_programs(backend: Any, args: argparse.Namespace, data: ClientData, info: ClientDataInfo) -> None:

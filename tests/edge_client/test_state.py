@@ -42,3 +42,20 @@ def test_state_that_is_not_tensors_is_not_written_and_names_are_checked(tmp_path
     assert files.save(2, {})  # an algorithm without client state: an empty file, harmless
     with pytest.raises(ConfigError):
         ClientStateFiles(tmp_path, "lab/../x", "c001")
+
+
+def test_the_client_flags_choose_where_the_state_lives_or_turn_it_off(tmp_path: Path) -> None:
+    from cli.main import build_parser
+    from edge_client.cli import state_files
+
+    def parsed(*flags: str) -> ClientStateFiles | None:
+        args = build_parser().parse_args(["client", "--data", str(tmp_path / "c001.safetensors"), *flags])
+        args.run, args.client_id = "lab", "c001"  # what run_client resolves before asking
+        return state_files(args)
+
+    default = parsed()
+    assert default is not None and default.directory == tmp_path / "state"
+    chosen = parsed("--state-dir", str(tmp_path / "elsewhere"))
+    assert chosen is not None and chosen.directory == tmp_path / "elsewhere"
+    assert chosen.save(3, {"w": torch.ones(1)}) and (tmp_path / "elsewhere" / "lab-c001-r000003.safetensors").is_file()
+    assert parsed("--no-state") is None
