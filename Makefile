@@ -42,9 +42,10 @@ typecheck: install
 # --durations: the slowest tests at the end of every run, to keep the suite well under 15 minutes on 2 cores.
 # Two worker processes (pytest-xdist), one test file each at a time (module fixtures such as a fleet's mosquitto stay
 # in one process): many tests wait on brokers, subprocesses and deadlines, so two workers on 2 cores cut the wall
-# time (measured on this tree: 16.1 min on a quiet machine; in one process 22.6 min, with another job running).
+# time (measured: 16.1 min on a quiet machine; in one process 22.6 min, with another job running). Files are taken
+# in collection order, the slowest first (tests/conftest.py), so that no worker finishes a long file alone.
 test: install ort-training mosquitto lint typecheck
-	$(BIN)/pytest -q -n 2 --dist loadfile --durations=15
+	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # The unit tests of the core, the journal, the CLI, the reports and the in-process simulator: no broker, no exported
 # program, no fleet of processes. About 2 minutes on 2 cores; `make test` stays the full suite.
