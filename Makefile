@@ -12,17 +12,18 @@ install: $(VENV)/.installed
 # constraints.txt pins the CPU build of torch; pyproject.toml keeps open ranges for Jetson's JetPack wheels.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,export,ray]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,all]'
 	@touch $@
 
 # The onnxruntime-training client runtime lives in its own venv: the package owns the same onnxruntime/ folder as
-# onnxruntime (in .venv) and needs onnx 1.17.0. No `export` extra here (it would pull onnxruntime). docs/on_device.md
+# onnxruntime (in .venv) and needs onnx 1.17.0. No `export` extra here (it would pull onnxruntime); scikit-learn for
+# the artifacts' parity gate (export.parity checks them on its bundled digits). docs/on_device.md
 ORT_VENV ?= .venv-ort-training
 ort-training: $(ORT_VENV)/.installed
 
 $(ORT_VENV)/.installed: pyproject.toml constraints-ort-training.txt
 	$(PYTHON) -m venv $(ORT_VENV)
-	$(ORT_VENV)/bin/pip install -q -c constraints-ort-training.txt onnxruntime-training onnx -e .
+	$(ORT_VENV)/bin/pip install -q -c constraints-ort-training.txt onnxruntime-training onnx scikit-learn -e .
 	@touch $@
 
 demo: install

@@ -622,6 +622,22 @@ def _terminate(signum: int, frame: types.FrameType | None) -> None:
     raise Terminated()
 
 
+# The packages outside fedge's base (pyproject.toml) by the extra that installs them: a client-only install
+# (`pip install fedge[client]`) that runs another role's command is told what to install, not shown a traceback.
+MISSING_EXTRA = {
+    "matplotlib": "coordinator",
+    "sklearn": "coordinator",
+    "cryptography": "coordinator",
+    "amqtt": "sim",
+    "tqdm": "sim",
+    "ray": "ray",
+    "onnxruntime": "client-onnx",
+    "onnx": "client-onnx",
+    "onnxscript": "export",
+    "executorch": "client-executorch",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -637,6 +653,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except FedgeError as exc:
         print(f"fedge: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        extra = MISSING_EXTRA.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"fedge: error: `fedge {args.command}` needs the package {exc.name!r}, which this installation lacks; "
+            f"install it with fedge's '{extra}' extra: pip install 'fedge[{extra}]'",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt as exc:
         from common.rundir import RunInterrupted, Terminated
