@@ -234,7 +234,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
-    from coordinator.cli import run_coordinator_cli
+    from coordinator.cli import apply_run_dir, run_coordinator_cli
+
+    finished = apply_run_dir(args)  # before the config: a run to resume brings its own
+    if finished is not None:
+        print(finished)
+        return 0
 
     def report(path: Path) -> None:
         if args.no_report:
