@@ -315,7 +315,33 @@ def _cmd_provision(args: argparse.Namespace) -> int:
         print("and watch the run (read-only login):")
         print(f"    fedge status --bundle {kit.root / 'monitor'}")
         print(f"keep {kit.root / 'ca'} offline: it only serves to issue new certificates")
+        _write_services(args, kit.root, kit.coordinator_dir, plan.conf_dir)
     return 0
+
+
+def _write_services(args: argparse.Namespace, kit_root: Path, coordinator_bundle: Path, broker_conf_dir: Path) -> None:
+    """The kit's systemd units (coordinator.services), with this machine's fedge and mosquitto."""
+    import shutil
+
+    from coordinator.services import install_commands, write_units
+
+    script = Path(sys.executable).with_name("fedge")
+    fedge = [str(script)] if script.is_file() else [sys.executable, "-m", "cli.main"]
+    out = args.out.absolute()
+    write_units(
+        kit_root / "systemd",
+        args.run,
+        mosquitto=Path(shutil.which("mosquitto") or "/usr/sbin/mosquitto"),
+        broker_conf_dir=broker_conf_dir,
+        fedge=fedge,
+        coordinator_bundle=coordinator_bundle,
+        config=out / "config.json",
+        run_dir=out / "runs" / args.run,
+        device_root=args.fleet_device_root,
+    )
+    print(f"or run them all as services: {kit_root / 'systemd'}")
+    for line in install_commands(args.run, args.fleet_device_root)[1:]:
+        print(f"  {line}")
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -535,6 +561,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="where kit/broker/ will be on the broker host (mosquitto.conf names its files by absolute path)",
+    )
+    p.add_argument(
+        "--fleet-device-root",
+        type=Path,
+        default=Path("/opt/fedge"),
+        metavar="DIR",
+        help="where the kit's systemd client unit expects fedge (DIR/venv) and each device's files (DIR/<run>/<id>/)",
     )
     p.add_argument("--no-tls", action="store_true", help="passwords and ACL without TLS (a loopback laptop run only)")
     p.add_argument(
