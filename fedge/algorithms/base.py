@@ -367,6 +367,7 @@ class Algorithm:
     exchange: Literal["weights", "outputs"] = "weights"
     needs_open_set: bool = False  # DS-FL: clients and server hold the unlabeled open set
     has_global_model: bool = True  # FD has none: clients report their own accuracy
+    hooks: frozenset[str] = frozenset()  # training hooks beyond the proximal term and the correction (training.HOOKS)
     describe: Callable[[Any], str] = field(default=lambda settings: "")  # hyperparameters for report legends
 
 
