@@ -31,6 +31,7 @@ _MODULES = (
     "fedadam",
     "fednova",
     "feddyn",
+    "fedcurv",
     "fd",
     "dsfl",
 )
