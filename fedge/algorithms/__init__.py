@@ -32,6 +32,7 @@ _MODULES = (
     "fednova",
     "feddyn",
     "fedcurv",
+    "moon",
     "fd",
     "dsfl",
 )
