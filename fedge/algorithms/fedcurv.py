@@ -136,9 +136,13 @@ class FedCurv(FedAvg):
         return out
 
     def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
-        """Also refuses a negative Fisher value: a squared gradient is never negative, and a negative weight would
-        push the other clients away from this one's weights."""
+        """Also refuses a negative Fisher value in an uncompressed update: a squared gradient is never negative. A
+        lossy upload codec can move a small value below zero, so compressed values are clamped at 0 instead (in
+        :meth:`aggregate`, as every kept value is): a negative weight would push the other clients away from this
+        one's weights."""
         report = super().check_reply(rnd, client, reply)
+        if self.config.upload_codec != "float32":
+            return report
         for k in self.trainable:
             if bool((reply.tensors[FISHER_U + k] < 0).any()):
                 raise CodecError(f"tensor {FISHER_U + k!r} has negative values; a diagonal Fisher is >= 0")
@@ -149,7 +153,7 @@ class FedCurv(FedAvg):
         for client in sorted(replies):
             t = replies[client].tensors
             self._terms[client] = (
-                {k: t[FISHER_U + k].clone() for k in self.trainable},
+                {k: t[FISHER_U + k].clamp(min=0) for k in self.trainable},
                 {k: t[FISHER_V + k].clone() for k in self.trainable},
             )
         return metrics

@@ -68,6 +68,23 @@ def test_updates_and_broadcasts_carry_the_two_fisher_terms_and_a_negative_fisher
         run.strategy.check_reply(2, "a", hostile)
 
 
+def test_a_lossy_upload_codec_may_move_a_small_fisher_value_below_zero_and_is_clamped_not_refused() -> None:
+    run = TwoClients(dataclasses.replace(config("fedcurv"), upload_codec="int8"))
+    run.round(1)  # over the int8 codec: no rejection
+    replies = dict(run.transport.replies[1])
+    decoded = replies["a"]  # as a lossy decode may give it: a value a little below zero
+    u = decoded.tensors[FISHER_U + "weight"].clone()
+    u[0, 0] = -1e-6
+    replies["a"] = dataclasses.replace(decoded, round=2, tensors={**decoded.tensors, FISHER_U + "weight": u})
+    replies["b"] = dataclasses.replace(replies["b"], round=2)
+    run.strategy.configure(2, ["a", "b"])
+    for c, reply in replies.items():
+        run.strategy.check_reply(2, c, reply)
+    run.strategy.aggregate(2, replies)
+    kept, _ = run.strategy.sums()
+    assert float(kept["weight"][0, 0]) == float(replies["b"].tensors[FISHER_U + "weight"][0, 0])  # a's clamped to 0
+
+
 def test_a_client_whose_runtime_lacks_the_hooks_is_refused_at_admission_with_the_reason() -> None:
     exp = prepare(RunConfig(algorithm="fedcurv", dataset="digits", model="tiny_mlp", num_clients=3))
     admit = admission_rule(exp)
