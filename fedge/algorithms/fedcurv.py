@@ -136,16 +136,21 @@ class FedCurv(FedAvg):
         return out
 
     def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
-        """Also refuses a negative Fisher value in an uncompressed update: a squared gradient is never negative. A
-        lossy upload codec can move a small value below zero, so compressed values are clamped at 0 instead (in
-        :meth:`aggregate`, as every kept value is): a negative weight would push the other clients away from this
-        one's weights."""
+        """Also refuses, in an uncompressed update, a negative Fisher value (a squared gradient is never negative; a
+        negative weight would push the other clients away from this one's weights) and a ``v`` other than ``u * w``
+        of the update's own weights (the client computes it so in float32: anything else moves the others' anchor
+        where this client's weights are not). A lossy upload codec can move a small value below zero or ``v`` off
+        ``u * w`` a little: compressed values are clamped at 0 instead (in :meth:`aggregate`, as every kept one is).
+        The size of ``u`` is bounded only by finiteness."""
         report = super().check_reply(rnd, client, reply)
         if self.config.upload_codec != "float32":
             return report
         for k in self.trainable:
-            if bool((reply.tensors[FISHER_U + k] < 0).any()):
+            u, v = reply.tensors[FISHER_U + k], reply.tensors[FISHER_V + k]
+            if bool((u < 0).any()):
                 raise CodecError(f"tensor {FISHER_U + k!r} has negative values; a diagonal Fisher is >= 0")
+            if not torch.equal(v, u * reply.tensors[k]):
+                raise CodecError(f"tensor {FISHER_V + k!r} is not {FISHER_U + k!r} times the update's weights")
         return report
 
     def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:

@@ -66,6 +66,10 @@ def test_updates_and_broadcasts_carry_the_two_fisher_terms_and_a_negative_fisher
     run.strategy.configure(2, ["a", "b"])
     with pytest.raises(CodecError, match="negative values"):
         run.strategy.check_reply(2, "a", hostile)
+    moved = {**reply.tensors, FISHER_V + "weight": reply.tensors[FISHER_V + "weight"] + 1e-3}  # pulls others off w_a
+    with pytest.raises(CodecError, match=r"is not 'fisher_u\.weight' times the update's weights"):
+        run.strategy.check_reply(2, "a", dataclasses.replace(reply, round=2, tensors=moved))
+    run.strategy.check_reply(2, "a", dataclasses.replace(reply, round=2))  # the honest reply passes
 
 
 def test_a_lossy_upload_codec_may_move_a_small_fisher_value_below_zero_and_is_clamped_not_refused() -> None:
