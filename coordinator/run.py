@@ -22,6 +22,7 @@ from coordinator.engine import RoundEngine
 from coordinator.fleet import FleetKit, FleetSpec, admit_provisioned, generate_fleet_kit
 from coordinator.mqtt import MAX_PAYLOAD_SLACK, MqttTransport
 from coordinator.resume import RunJournal
+from fedge.algorithms import get_algorithm
 from fedge.algorithms.base import Strategy
 from fedge.config import RunConfig
 from fedge.errors import FedgeError
@@ -49,7 +50,9 @@ def admission_rule(exp: Experiment) -> Callable[[ClientStatus], str | None]:
             return f"{s.num_classes} classes, the run has {exp.num_classes}"
         if algorithm not in s.capabilities:  # e.g. an inference-only client in a training run: it would stall rounds
             what = ", ".join(s.capabilities) or "no algorithm"
-            return f"its {s.runtime or 'unknown'} runtime cannot run {algorithm!r} (it can run {what})"
+            hooks = sorted(get_algorithm(algorithm).hooks)
+            needs = f"; {algorithm} needs the training hook(s) {', '.join(hooks)}" if hooks else ""
+            return f"its {s.runtime or 'unknown'} runtime cannot run {algorithm!r} (it can run {what}){needs}"
         own = exp.parts.get(s.client)
         if own is not None and s.dataset_size != len(own):
             # Its data size is its averaging weight: it must be the size of the data provisioned for it.

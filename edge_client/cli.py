@@ -259,6 +259,8 @@ def _prepare_programs(backend: Any, args: argparse.Namespace, data: ClientData, 
         )
         return
     config = RunConfig.from_json_file(path)
+    if config.algorithm not in runtime_capabilities(args.runtime, args.predict_only):
+        return  # this runtime cannot run it: the coordinator refuses the client at its hello, saying why
     started = time.perf_counter()
     plans = planned_trainings(config, args.client_id, data, info.model, info.input_shape)
     for plan in plans:
@@ -272,12 +274,14 @@ def _prepare_programs(backend: Any, args: argparse.Namespace, data: ClientData, 
 
 
 def runtime_capabilities(runtime: str, predict_only: bool) -> tuple[str, ...]:
-    """The algorithms a client on ``runtime`` can really run, for its hello: an ONNX Runtime client cannot train, so
-    it runs none, or, predict-only, the output-sharing ones (FD and DS-FL) that it can serve from its deployed model."""
+    """The algorithms a client on ``runtime`` can really run, for its hello: those whose training hooks the runtime
+    runs (:data:`edge_client.backends.RUNTIME_HOOKS`); an ONNX Runtime client cannot train, so it runs none, or,
+    predict-only, the output-sharing ones (FD and DS-FL) that it can serve from its deployed model."""
+    from edge_client.backends import RUNTIME_HOOKS
     from fedge.algorithms import ALGORITHMS
 
     if runtime != "onnxruntime":
-        return tuple(ALGORITHMS)
+        return tuple(name for name, spec in ALGORITHMS.items() if spec.hooks <= RUNTIME_HOOKS[runtime])
     return tuple(name for name, spec in ALGORITHMS.items() if spec.exchange == "outputs") if predict_only else ()
 
 

@@ -7,7 +7,9 @@
 #   e.g. bash experiments/fedntd_table1_mnist.sh 200 runs/fedntd-table1 "shards dirichlet" "fedavg fedntd"
 # The paper's data pipeline (appendix B.2-B.3: 50,000 training images; random crop, flip and Cutout, fedge.augment):
 #   AUGMENT=paper TRAIN_SIZE=50000 bash experiments/fedntd_table1_mnist.sh 200 runs/fedntd-table1-augmented
-# Algorithms beyond the default four: fednova, feddyn (alpha 0.1, the authors' setting), fedadam.
+# Algorithms beyond the default four: fednova, feddyn (alpha 0.1, the authors' setting), fedadam, fedcurv (lambda 1,
+# 500 Fisher samples: the authors' config/fedcurv.json, fedge's defaults), moon (mu 1, tau 0.5: FedNTD Table 5, fedge's
+# defaults).
 set -euo pipefail
 ROUNDS=${1:-200}
 OUT=${2:-runs/fedntd-table1}

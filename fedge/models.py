@@ -7,8 +7,12 @@ Architectures follow the papers fedge implements:
 - FedNTD (Lee et al., NeurIPS 2022), Appendix B.1: the two-conv CNN of McMahan et al. used for FedAvg.
 
 Every model's ``forward(x)`` returns logits (pre-softmax); the papers' softmax outputs ``F(d|w)`` are computed by
-callers. Forwards are kept export-friendly (``torch.export`` to ONNX and ExecuTorch): no data-dependent control flow,
-no in-place ops, ``torch.flatten(x, 1)``, and max-pooling with an explicit stride because ExecuTorch 1.4.1's XNNPACK
+callers. Every model also splits that forward in two, ``head(representation(x))``: the penultimate layer's output
+(the input of the last linear layer) and the logits from it, for losses that compare representations (MOON); the
+split adds no parameter and changes no output.
+
+Forwards are kept export-friendly (``torch.export`` to ONNX and ExecuTorch): no data-dependent control flow, no
+in-place ops, ``torch.flatten(x, 1)``, and max-pooling with an explicit stride because ExecuTorch 1.4.1's XNNPACK
 partitioner crashes on ``max_pool2d`` without one.
 
 The "exchanged state" of a model is what FL methods ship each round: every floating-point ``state_dict`` entry
@@ -73,6 +77,15 @@ class DSFLMnistCNN(nn.Module):
         """Logits ``(N, num_classes)`` for images ``(N, C, H, W)``."""
         return self.classifier(torch.flatten(self.features(x), 1))
 
+    def representation(self, x: torch.Tensor) -> torch.Tensor:
+        """The penultimate layer's output (the input of the last linear layer): ``head(representation(x))`` is
+        ``forward(x)``."""
+        return self.classifier[:-1](torch.flatten(self.features(x), 1))
+
+    def head(self, z: torch.Tensor) -> Logits:
+        """Logits from :meth:`representation`'s output."""
+        return self.classifier[-1](z)
+
 
 class DSFLFashionCNN(nn.Module):
     """DS-FL Section 4.1 Fashion-MNIST CNN: six 'same' 3x3 convs (32, 32, 64, 64, 128, 128), each with BN+ReLU,
@@ -110,6 +123,15 @@ class DSFLFashionCNN(nn.Module):
         """Logits ``(N, num_classes)`` for images ``(N, C, H, W)``."""
         return self.classifier(torch.flatten(self.features(x), 1))
 
+    def representation(self, x: torch.Tensor) -> torch.Tensor:
+        """The penultimate layer's output (the input of the last linear layer): ``head(representation(x))`` is
+        ``forward(x)``."""
+        return self.classifier[:-1](torch.flatten(self.features(x), 1))
+
+    def head(self, z: torch.Tensor) -> Logits:
+        """Logits from :meth:`representation`'s output."""
+        return self.classifier[-1](z)
+
 
 class FedAvgCNN(nn.Module):
     """The CNN of McMahan et al. used by FedNTD (Appendix B.1): two 5x5 convs (32, 64, padding 2) each with ReLU and
@@ -143,6 +165,15 @@ class FedAvgCNN(nn.Module):
         """Logits ``(N, num_classes)`` for images ``(N, C, H, W)``."""
         return self.classifier(torch.flatten(self.features(x), 1))
 
+    def representation(self, x: torch.Tensor) -> torch.Tensor:
+        """The penultimate layer's output (the input of the last linear layer): ``head(representation(x))`` is
+        ``forward(x)``."""
+        return self.classifier[:-1](torch.flatten(self.features(x), 1))
+
+    def head(self, z: torch.Tensor) -> Logits:
+        """Logits from :meth:`representation`'s output."""
+        return self.classifier[-1](z)
+
 
 class ReutersMLP(nn.Module):
     """DS-FL Section 4.1 Reuters text-DNN on bag-of-words vectors: ``vocab`` -> 512 -> 128 -> ``num_classes``, the
@@ -165,6 +196,13 @@ class ReutersMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> Logits:
         """Logits ``(N, num_classes)`` for binary bag-of-words vectors ``(N, vocab)`` (float)."""
         return self.layers(x)
+
+    def representation(self, x: torch.Tensor) -> torch.Tensor:
+        """The penultimate layer's output (after the last hidden layer's ReLU)."""
+        return self.layers[:-1](x)
+
+    def head(self, z: torch.Tensor) -> Logits:
+        return self.layers[-1](z)
 
 
 class IMDbLSTM(nn.Module):
@@ -190,6 +228,14 @@ class IMDbLSTM(nn.Module):
         _, (h_n, _) = self.lstm(self.embedding(x))  # h_n: (1, N, hidden), the state after step L
         return self.fc(h_n[-1])
 
+    def representation(self, x: torch.Tensor) -> torch.Tensor:
+        """The LSTM's hidden state after the last step (the input of the last linear layer)."""
+        _, (h_n, _) = self.lstm(self.embedding(x))
+        return h_n[-1]
+
+    def head(self, z: torch.Tensor) -> Logits:
+        return self.fc(z)
+
 
 class TinyMLP(nn.Module):
     """A small two-layer perceptron on flattened inputs, for fast tests and smoke runs (not from a paper)."""
@@ -205,6 +251,13 @@ class TinyMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> Logits:
         """Logits ``(N, num_classes)`` for inputs ``(N, *input_shape)``."""
         return self.layers(torch.flatten(x, 1))
+
+    def representation(self, x: torch.Tensor) -> torch.Tensor:
+        """The hidden layer's output after its ReLU."""
+        return self.layers[:-1](torch.flatten(x, 1))
+
+    def head(self, z: torch.Tensor) -> Logits:
+        return self.layers[-1](z)
 
 
 # --- registry ---------------------------------------------------------------------------------------------------

@@ -46,10 +46,21 @@ class Objective(ABC):
 
     kind: ClassVar[str]
     inputs: ClassVar[tuple[ObjectiveInput, ...]] = ()
+    references: ClassVar[tuple[str, ...]] = ()
+    """Frozen models (by name, their weights in :attr:`fedge.training.TrainRequest.references`) whose representation
+    of each batch the loss compares with the trained model's (MOON). An objective that names any is trained through
+    :meth:`representation_loss`, on a runtime that supports the ``representation`` hook."""
 
     @abstractmethod
     def loss(self, logits: Tensor, y: Tensor, inputs: Mapping[str, Tensor]) -> Tensor:
         """Batch-mean loss of ``logits`` (B, C) for labels ``y`` (B,), with this batch's rows of the inputs."""
+
+    def representation_loss(
+        self, logits: Tensor, z: Tensor, y: Tensor, inputs: Mapping[str, Tensor], reference_z: Mapping[str, Tensor]
+    ) -> Tensor:
+        """The loss of an objective with :attr:`references`: also sees the trained model's representation ``z``
+        (B, D) of the batch (its penultimate layer, :mod:`fedge.models`) and each reference model's, ``reference_z``."""
+        raise NotImplementedError(f"objective {self.kind!r} does not use representations")
 
     @property
     def params(self) -> dict[str, str]:

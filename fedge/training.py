@@ -7,10 +7,20 @@ epoch (an edge client logs it, and raises from it to abandon a task whose deadli
 Every runtime (PyTorch here; ExecuTorch and ONNX Runtime in ``edge_client``) implements it and follows the same batch
 order, :func:`batch_order`, so the same task gives the same weights whichever runtime runs it.
 
-The two hooks act on the trainable parameters only (never on batch-norm statistics):
+The training hooks, declared by the request and implemented once per runtime; they act on the trainable parameters
+only (never on batch-norm statistics):
 - ``prox_mu`` and ``anchor`` add FedProx's proximal term ``mu/2 * ||w - w_anchor||^2`` to the loss (FedProx eq. 2);
+  with ``prox_weights`` F it is Fisher-weighted, ``mu/2 * sum F * (w - w_anchor)^2`` per element (FedCurv);
 - ``correction`` is added to each parameter's gradient before the optimizer step, SCAFFOLD's corrected update
-  ``y <- y - lr * (g(y) + c - c_i)`` (SCAFFOLD Algorithm 1, line 10) with ``correction = c - c_i``.
+  ``y <- y - lr * (g(y) + c - c_i)`` (SCAFFOLD Algorithm 1, line 10) with ``correction = c - c_i`` (the gradient of a
+  linear term, FedDyn's);
+- an objective with ``references`` sees the model's representation (its penultimate layer) and that of each frozen
+  reference model in ``references`` on the same batch (MOON);
+- ``fisher_samples`` > 0 asks for the diagonal empirical Fisher information of the trained weights in the answer
+  (:func:`fisher_diagonal`, FedCurv).
+The first two run on every runtime. The others are named in :data:`HOOKS`; a runtime that cannot run one says so
+(``edge_client.backends.RUNTIME_HOOKS``), so a client on it is refused at admission, and refuses such a request
+with :func:`check_hooks` rather than silently dropping the term.
 
 Every runtime takes a batch's inputs from :meth:`TrainRequest.batch_x`, which applies the request's augmentation
 (:mod:`fedge.augment`) on the host, so an exported program trains on exactly the images eager PyTorch does.
@@ -31,6 +41,7 @@ from torch import nn
 
 from fedge.augment import Augmentation, augment_batch, black_level
 from fedge.errors import ConfigError
+from fedge.models import load_exchanged_state
 from fedge.objectives import Objective
 from fedge.types import StateDict
 
@@ -67,6 +78,9 @@ class TrainRequest:
     prox_mu: float = 0.0  # FedProx: weight of the proximal term
     anchor: StateDict | None = None  # FedProx: the weights the proximal term pulls towards
     correction: StateDict | None = None  # SCAFFOLD: added to each trainable parameter's gradient
+    prox_weights: StateDict | None = None  # FedCurv: per-element weights of the proximal term (None: all ones)
+    references: Mapping[str, StateDict] = field(default_factory=dict)  # MOON: frozen models the loss compares with
+    fisher_samples: int = 0  # FedCurv: > 0 returns the diagonal Fisher of the trained weights from this many samples
     augment: Augmentation = field(default_factory=Augmentation)  # random crop/flip/Cutout of each batch (fedge.augment)
     # Per-sample inputs computed on each augmented batch, one tensor per step of batch_order (a teacher's logits on the
     # images the student sees); they replace that input's rows of ``inputs`` (see with_batch_logits).
@@ -83,6 +97,15 @@ class TrainRequest:
             raise ConfigError(f"prox_mu must be >= 0, got {self.prox_mu}")
         if self.prox_mu > 0 and self.anchor is None:
             raise ConfigError("a proximal term (prox_mu > 0) needs anchor weights")
+        if self.prox_weights is not None and self.anchor is None:
+            raise ConfigError("per-element proximal weights need anchor weights")
+        if set(self.references) != set(self.objective.references):
+            raise ConfigError(
+                f"objective {self.objective.kind!r} compares with reference models {sorted(self.objective.references)}"
+                f", got {sorted(self.references)}"
+            )
+        if self.fisher_samples < 0:
+            raise ConfigError(f"fisher_samples must be >= 0, got {self.fisher_samples}")
         names = {i.name for i in self.objective.inputs}
         if set(self.inputs) != names:
             raise ConfigError(
@@ -172,6 +195,31 @@ class TrainStats:
     steps: int
     samples: int
     mean_loss: float
+    fisher: StateDict | None = None  # the diagonal Fisher of the trained weights, when the request asked for it
+
+
+WEIGHTED_PROX = "weighted_prox"
+REPRESENTATION = "representation"
+FISHER = "fisher"
+HOOKS = (WEIGHTED_PROX, REPRESENTATION, FISHER)
+"""The training hooks a runtime may lack (the plain proximal term and the gradient correction run everywhere)."""
+
+
+def required_hooks(request: TrainRequest) -> frozenset[str]:
+    """The hooks of :data:`HOOKS` that ``request`` uses."""
+    used = {
+        WEIGHTED_PROX: request.prox_weights is not None,
+        REPRESENTATION: bool(request.objective.references),
+        FISHER: request.fisher_samples > 0,
+    }
+    return frozenset(name for name, on in used.items() if on)
+
+
+def check_hooks(request: TrainRequest, supported: frozenset[str], runtime: str) -> None:
+    """ConfigError naming the hooks ``request`` uses that ``runtime`` (which runs ``supported``) cannot run."""
+    missing = required_hooks(request) - supported
+    if missing:
+        raise ConfigError(f"the {runtime} runtime cannot run the training hook(s) {', '.join(sorted(missing))}")
 
 
 def batch_order(num_samples: int, epochs: int, batch_size: int, seed: int) -> list[torch.Tensor]:
@@ -190,12 +238,80 @@ def batch_order(num_samples: int, epochs: int, batch_size: int, seed: int) -> li
     return batches
 
 
-def proximal_term(model: nn.Module, anchor: StateDict, mu: float) -> torch.Tensor:
-    """``mu/2 * sum ||w - w_anchor||^2`` over the trainable parameters (FedProx eq. 2)."""
+def proximal_term(model: nn.Module, anchor: StateDict, mu: float, weights: StateDict | None = None) -> torch.Tensor:
+    """``mu/2 * sum ||w - w_anchor||^2`` over the trainable parameters (FedProx eq. 2); with ``weights`` F,
+    ``mu/2 * sum F * (w - w_anchor)^2`` per element (a Fisher-weighted pull, FedCurv)."""
     total = torch.zeros((), device=next(model.parameters()).device)
     for name, p in model.named_parameters():
-        total = total + (p - anchor[name].to(p.device)).pow(2).sum()
+        square = (p - anchor[name].to(p.device)).pow(2)
+        if weights is not None:
+            square = weights[name].to(p.device) * square
+        total = total + square.sum()
     return 0.5 * mu * total
+
+
+def representation_and_logits(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's representation of ``x`` (its penultimate layer, ``model.representation``) and the logits from it
+    (``model.head``); ConfigError for a model without that split (every model of :mod:`fedge.models` has it)."""
+    represent, head = getattr(model, "representation", None), getattr(model, "head", None)
+    if not (callable(represent) and callable(head)):
+        raise ConfigError(f"model {type(model).__name__} has no representation(x)/head(z) split to compare with")
+    z = represent(x)
+    return z, head(z)
+
+
+def _frozen(model: nn.Module, weights: StateDict) -> nn.Module:
+    """A copy of ``model`` with ``weights``, in eval mode and without gradients: a reference the loss compares with."""
+    frozen = copy.deepcopy(model)
+    load_exchanged_state(frozen, weights)
+    frozen.eval()
+    frozen.requires_grad_(False)
+    return frozen
+
+
+def _batch_loss(
+    model: nn.Module,
+    r: TrainRequest,
+    xb: torch.Tensor,
+    yb: torch.Tensor,
+    inputs: Mapping[str, torch.Tensor],
+    references: Mapping[str, nn.Module],
+) -> torch.Tensor:
+    """The objective's loss of one batch, through the representation hook when the objective compares models."""
+    if not references:
+        return r.objective.loss(model(xb), yb, inputs)
+    z, logits = representation_and_logits(model, xb)
+    with torch.no_grad():
+        reference_z = {name: representation_and_logits(m, xb)[0] for name, m in references.items()}
+    return r.objective.representation_loss(logits, z, yb, inputs, reference_z)
+
+
+def fisher_diagonal(model: nn.Module, request: TrainRequest) -> StateDict:
+    """The diagonal empirical Fisher information of ``model``'s trainable parameters on the request's data: the mean
+    over mini-batches of the squared gradient of the batch-mean cross-entropy, as the FedNTD authors' FedCurv computes
+    it (``upload_local_fisher``): one shuffled pass in the request's batch size, stopping after the first batch that
+    takes the count past ``request.fisher_samples``, in training mode. Batch-norm statistics are left as they were."""
+    r = request
+    device = next(model.parameters()).device
+    params = dict(model.named_parameters())
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    seed = int(np.random.SeedSequence([r.seed, 0x46495348]).generate_state(1)[0] & 0x7FFFFFFF)  # "FISH"
+    fisher_request = dataclasses.replace(r, seed=seed, epochs=1, step_inputs={})
+    squares = {k: torch.zeros_like(p) for k, p in params.items()}
+    batches, seen = 0, 0
+    model.train()
+    for step, idx in enumerate(batch_order(len(r.x), 1, r.batch_size, seed)):
+        xb, yb = fisher_request.batch_x(idx, step).to(device), r.y[idx].to(device)
+        grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(xb), yb), list(params.values()))
+        for k, g in zip(params, grads, strict=True):
+            squares[k] += g.detach().pow(2)
+        batches, seen = batches + 1, seen + len(idx)
+        if seen > r.fisher_samples:
+            break
+    with torch.no_grad():
+        for k, b in model.named_buffers():
+            b.copy_(buffers[k])
+    return {k: (s / max(batches, 1)).cpu() for k, s in squares.items()}
 
 
 def train(model: nn.Module, request: TrainRequest) -> TrainStats:
@@ -206,15 +322,16 @@ def train(model: nn.Module, request: TrainRequest) -> TrainStats:
     opt = torch.optim.SGD(model.parameters(), lr=r.sgd.lr, momentum=r.sgd.momentum, weight_decay=r.sgd.weight_decay)
     params = dict(model.named_parameters())
     correction = {k: r.correction[k].to(device) for k in params} if r.correction is not None else None
+    references = {name: _frozen(model, w) for name, w in r.references.items()}
     total, steps, samples = 0.0, 0, 0
     order = batch_order(len(r.x), r.epochs, r.batch_size, r.seed)
     meter = EpochMeter(r, len(order))
     for step, idx in enumerate(order):
         xb, yb = r.batch_x(idx, step).to(device), r.y[idx].to(device)
-        loss = r.objective.loss(model(xb), yb, r.batch_inputs(idx, step, device))
+        loss = _batch_loss(model, r, xb, yb, r.batch_inputs(idx, step, device), references)
         if r.prox_mu > 0:
             assert r.anchor is not None
-            loss = loss + proximal_term(model, r.anchor, r.prox_mu)
+            loss = loss + proximal_term(model, r.anchor, r.prox_mu, r.prox_weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if correction is not None:
@@ -227,7 +344,8 @@ def train(model: nn.Module, request: TrainRequest) -> TrainStats:
         meter.step(value)
         steps += 1
         samples += len(idx)
-    return TrainStats(steps=steps, samples=samples, mean_loss=total / steps if steps else 0.0)
+    fisher = fisher_diagonal(model, r) if r.fisher_samples > 0 else None
+    return TrainStats(steps=steps, samples=samples, mean_loss=total / steps if steps else 0.0, fisher=fisher)
 
 
 # Inference batch sizes. On the CPU, batches of 128 keep a convolution's activations small (fedavg_cnn: 13 MB at 128

@@ -19,12 +19,23 @@ from typing import TYPE_CHECKING
 
 from fedge.backend import Backend, TorchBackend
 from fedge.errors import ConfigError
+from fedge.training import HOOKS
 
 if TYPE_CHECKING:
     from edge_client.backends.executorch import ProgramSource
     from edge_client.backends.ort_training import ArtifactSource
 
 RUNTIMES = ("torch", "executorch", "onnxruntime", "onnxruntime-training")
+
+RUNTIME_HOOKS: dict[str, frozenset[str]] = {
+    "torch": frozenset(HOOKS),
+    "executorch": frozenset(),
+    "onnxruntime": frozenset(),
+    "onnxruntime-training": frozenset(),
+}
+"""The training hooks of :data:`fedge.training.HOOKS` each runtime runs. The exported programs compute a fixed loss
+of the logits with FedProx's plain proximal term; they have no Fisher-weighted term, no representation output and no
+Fisher pass, so FedCurv and MOON clients run on torch only (the others are refused at admission)."""
 
 
 def make_backend(
@@ -95,4 +106,4 @@ def make_backend(
         ) from exc
 
 
-__all__ = ["RUNTIMES", "make_backend"]
+__all__ = ["RUNTIMES", "RUNTIME_HOOKS", "make_backend"]

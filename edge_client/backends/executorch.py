@@ -19,13 +19,14 @@ from typing import Protocol
 import torch
 
 from common import manifest
+from edge_client.backends import RUNTIME_HOOKS
 from edge_client.backends.cache_dir import default_cache_dir
 from edge_client.backends.runners import PteTrainer
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.errors import ConfigError
 from fedge.models import exchanged_state, load_exchanged_state
 from fedge.programs import ModelSpec, TrainingLoss, export_command, program_file_name
-from fedge.training import TrainRequest, TrainStats
+from fedge.training import TrainRequest, TrainStats, check_hooks
 from fedge.types import StateDict
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class ExecuTorchBackend:
         return self._synced(key).logits(x)
 
     def train(self, request: TrainRequest) -> TrainStats:
+        check_hooks(request, RUNTIME_HOOKS[self.runtime], self.runtime)  # never drop a term the program lacks
         key = (TrainingLoss(request.objective, request.prox_mu), batch_bound(request.batch_size))
         if self._prepared and key not in self._trainers:
             log.warning(

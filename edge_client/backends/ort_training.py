@@ -33,12 +33,13 @@ import numpy as np
 import torch
 
 from common import manifest
+from edge_client.backends import RUNTIME_HOOKS
 from edge_client.backends.cache_dir import default_cache_dir
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.errors import ConfigError, ExportError
 from fedge.models import exchanged_state, load_exchanged_state
 from fedge.programs import WRAPPER_PREFIX, ModelSpec, ProgramMeta, TrainingLoss, program_file_name
-from fedge.training import EpochMeter, SGDSettings, TrainRequest, TrainStats, batch_order
+from fedge.training import EpochMeter, SGDSettings, TrainRequest, TrainStats, batch_order, check_hooks
 from fedge.types import StateDict
 
 log = logging.getLogger(__name__)
@@ -295,6 +296,7 @@ class OrtTrainingBackend:
         return self._synced(loss).logits(x)
 
     def train(self, request: TrainRequest) -> TrainStats:
+        check_hooks(request, RUNTIME_HOOKS[self.runtime], self.runtime)  # never drop a term the artifacts lack
         loss = TrainingLoss(request.objective, request.prox_mu)
         if self._prepared and loss not in self._trainers:
             log.warning(

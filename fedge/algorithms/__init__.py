@@ -21,7 +21,21 @@ from fedge.backend import Backend
 from fedge.errors import CodecError, ConfigError
 from fedge.messages import Message
 
-_MODULES = ("fedavg", "fedntd", "fedlsd", "fedcad", "fedprox", "scaffold", "fedadam", "fednova", "feddyn", "fd", "dsfl")
+_MODULES = (
+    "fedavg",
+    "fedntd",
+    "fedlsd",
+    "fedcad",
+    "fedprox",
+    "scaffold",
+    "fedadam",
+    "fednova",
+    "feddyn",
+    "fedcurv",
+    "moon",
+    "fd",
+    "dsfl",
+)
 
 ALGORITHMS: dict[str, Algorithm] = {
     spec.name: spec for spec in (import_module(f"fedge.algorithms.{m}").ALGORITHM for m in _MODULES)

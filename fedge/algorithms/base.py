@@ -77,9 +77,15 @@ class LocalTraining:
         return preset(self.augment, tuple(x.shape[1:]))
 
     def request(
-        self, x: torch.Tensor, y: torch.Tensor, objective: Objective, inputs: Mapping[str, torch.Tensor] | None = None
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        objective: Objective,
+        inputs: Mapping[str, torch.Tensor] | None = None,
+        references: Mapping[str, StateDict] | None = None,
     ) -> TrainRequest:
-        """The local training of these settings on (x, y): one place, so no algorithm forgets the augmentation."""
+        """The local training of these settings on (x, y): one place, so no algorithm forgets the augmentation.
+        ``references``: the frozen models an objective with :attr:`Objective.references` compares with (MOON)."""
         return TrainRequest(
             x,
             y,
@@ -90,6 +96,7 @@ class LocalTraining:
             self.seed,
             inputs=dict(inputs or {}),
             augment=self.augmentation(x),
+            references=dict(references or {}),
         )
 
 
@@ -367,6 +374,7 @@ class Algorithm:
     exchange: Literal["weights", "outputs"] = "weights"
     needs_open_set: bool = False  # DS-FL: clients and server hold the unlabeled open set
     has_global_model: bool = True  # FD has none: clients report their own accuracy
+    hooks: frozenset[str] = frozenset()  # training hooks beyond the proximal term and the correction (training.HOOKS)
     describe: Callable[[Any], str] = field(default=lambda settings: "")  # hyperparameters for report legends
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from export_support import SPECS, loss_of, model_with, program_cache, pte_export, training_program, weights
@@ -186,3 +188,19 @@ def test_a_device_without_exporters_reads_programs_by_their_one_name(tmp_path) -
     # Copied with its manifest entry, as `fedge export --out` writes it: read by its one name, verified.
     manifest.write_file(tmp_path, program_file_name(spec, loss, 64), data, "pte-train")
     assert ProgramDirectory(tmp_path).program(spec, loss, 64) == data
+
+
+def test_the_backend_refuses_a_hook_its_programs_lack_before_making_any_program(tmp_path: Path) -> None:
+    """A Fisher-weighted proximal term (FedCurv) is not in any program: refused, never trained without it."""
+    from edge_client.backends.executorch import ProgramDirectory
+
+    spec = SPECS["tiny_mlp"]
+    backend = ExecuTorchBackend(spec.name, spec.input_shape, spec.num_classes, programs=ProgramDirectory(tmp_path))
+    x, y = torch.zeros(4, *spec.input_shape), torch.tensor([0, 1, 0, 1])
+    anchor = backend.init_weights(0)
+    request = TrainRequest(
+        x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0, prox_mu=0.2, anchor=anchor, prox_weights=anchor
+    )
+    with pytest.raises(ConfigError, match=r"executorch runtime cannot run the training hook\(s\) weighted_prox"):
+        backend.train(request)
+    assert not any(tmp_path.iterdir())

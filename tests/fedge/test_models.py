@@ -188,3 +188,14 @@ def test_export_friendly_forward() -> None:
     program = torch.export.export(model, (x,))
     with torch.no_grad():
         assert torch.allclose(program.module()(x), model(x))
+
+
+@pytest.mark.parametrize(("name", "input_shape", "num_classes"), PAPER_MODELS)
+def test_head_of_the_representation_is_the_forward(name: str, input_shape: tuple[int, ...], num_classes: int) -> None:
+    """The representation/head split (for MOON) adds no parameter and gives the same logits."""
+    model = build_model(name, input_shape=input_shape, num_classes=num_classes, seed=0).eval()
+    x = example_input(name, 3, input_shape)
+    z = model.representation(x)  # type: ignore[operator]
+    last = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
+    assert z.shape == (3, last.in_features)
+    assert torch.equal(model.head(z), model(x))  # type: ignore[operator]

@@ -1,3 +1,6 @@
+import dataclasses
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -5,8 +8,18 @@ import torch.nn.functional as F
 from fedge.algorithms.fd import FDDistillation
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.errors import ConfigError
-from fedge.models import build_model
-from fedge.training import SGDSettings, TrainRequest, batch_order, predict_logits, proximal_term, train
+from fedge.models import build_model, exchanged_state
+from fedge.objectives import Objective
+from fedge.training import (
+    SGDSettings,
+    TrainRequest,
+    batch_order,
+    check_hooks,
+    predict_logits,
+    proximal_term,
+    required_hooks,
+    train,
+)
 
 
 def test_batch_order_is_deterministic_and_covers_every_sample_each_epoch():
@@ -141,3 +154,98 @@ def test_on_epoch_reports_each_epochs_mean_loss_and_can_stop_the_training_withou
             build_model("tiny_mlp", input_shape=(1, 8, 8), num_classes=2, seed=1),
             TrainRequest(x, y, CrossEntropy(), sgd, 3, 8, seed=3, on_epoch=stop_after_two),
         )
+
+
+def test_proximal_weights_of_one_are_the_plain_term_and_weight_each_element():
+    """The Fisher-weighted pull mu/2 * sum F (w - a)^2: F = 1 is FedProx's term bit for bit; otherwise one SGD step
+    adds lr * mu * F * (w - a) per element, by hand."""
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    sgd = SGDSettings(lr=0.1)
+    plain, prox, ones, weighted = _linear(), _linear(), _linear(), _linear()
+    anchor = {k: torch.full_like(v, 0.3) for k, v in prox.named_parameters()}
+    w0 = {k: v.detach().clone() for k, v in prox.named_parameters()}
+    fisher = {k: torch.rand(v.shape, generator=torch.Generator().manual_seed(1)) for k, v in prox.named_parameters()}
+    unit = {k: torch.ones_like(v) for k, v in w0.items()}
+    train(plain, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0))
+    train(prox, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0, prox_mu=0.5, anchor=anchor))
+    train(ones, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0, prox_mu=0.5, anchor=anchor, prox_weights=unit))
+    train(weighted, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0, prox_mu=0.5, anchor=anchor, prox_weights=fisher))
+    for k, p in weighted.named_parameters():
+        assert torch.equal(dict(ones.named_parameters())[k], dict(prox.named_parameters())[k])
+        expected = dict(plain.named_parameters())[k] - 0.1 * 0.5 * fisher[k] * (w0[k] - anchor[k])
+        assert torch.allclose(p, expected, atol=1e-7)
+    with pytest.raises(ConfigError, match="need anchor"):
+        TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0, prox_weights=unit)
+
+
+@dataclass(frozen=True)
+class _PullToReference(Objective):
+    """CE plus the squared distance of the representation to a frozen reference model's (not registered)."""
+
+    kind = "test-pull"
+    references = ("ref",)
+
+    def loss(self, logits, y, inputs):
+        raise AssertionError("an objective with references is trained through representation_loss")
+
+    def representation_loss(self, logits, z, y, inputs, reference_z):
+        return F.cross_entropy(logits, y) + (z - reference_z["ref"]).pow(2).sum(dim=1).mean()
+
+
+def test_a_loss_sees_the_representation_of_the_trained_and_of_the_frozen_reference_model():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 1, 8, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+    model = build_model("tiny_mlp", input_shape=(1, 8, 8), num_classes=3, seed=1)
+    reference = build_model("tiny_mlp", input_shape=(1, 8, 8), num_classes=3, seed=2)
+    by_hand = build_model("tiny_mlp", input_shape=(1, 8, 8), num_classes=3, seed=1)
+    request = TrainRequest(
+        x, y, _PullToReference(), SGDSettings(lr=0.1), 1, 6, 0, references={"ref": exchanged_state(reference)}
+    )
+    train(model, request)
+    z = by_hand.representation(x)
+    loss = F.cross_entropy(by_hand.head(z), y) + (z - reference.representation(x).detach()).pow(2).sum(1).mean()
+    loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), by_hand.named_parameters(), strict=True):
+        assert torch.allclose(p, q - 0.1 * q.grad, atol=1e-6), name
+    with pytest.raises(ConfigError, match="compares with reference models"):
+        TrainRequest(x, y, _PullToReference(), SGDSettings(lr=0.1), 1, 6, 0)
+    linear = torch.nn.Linear(64, 3)  # no representation/head split
+    flat = TrainRequest(x.flatten(1), y, _PullToReference(), SGDSettings(lr=0.1), 1, 6, 0,
+                        references={"ref": exchanged_state(linear)})  # fmt: skip
+    with pytest.raises(ConfigError, match="no representation"):
+        train(linear, flat)
+
+
+def test_the_fisher_diagonal_is_the_squared_gradient_of_the_trained_weights_and_keeps_bn_statistics():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, generator=g), torch.randint(0, 2, (8,), generator=g)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    stats = train(model, TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0))
+    assert stats.fisher is None  # not asked for
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # One batch of all 8 samples: the Fisher is the squared gradient of the mean CE, in training mode.
+    stats = train(model, TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 0, 8, 0, fisher_samples=500))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # weights and BN statistics
+    grads = torch.autograd.grad(F.cross_entropy(model.train()(x), y), list(model.parameters()))
+    assert stats.fisher is not None and list(stats.fisher) == [k for k, _ in model.named_parameters()]
+    for (k, _), gr in zip(model.named_parameters(), grads, strict=True):
+        assert torch.allclose(stats.fisher[k], gr.pow(2), atol=1e-9), k
+    # Batches of 2 until more than 3 samples are seen: two batches, so a different mean than the full batch.
+    model.load_state_dict(before)
+    capped = train(model, TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 0, 2, 0, fisher_samples=3))
+    assert capped.fisher is not None and not torch.allclose(capped.fisher["0.weight"], stats.fisher["0.weight"])
+
+
+def test_a_runtime_refuses_a_hook_it_cannot_run_instead_of_dropping_it():
+    from edge_client.backends import RUNTIME_HOOKS
+
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    anchor = {k: v.detach() for k, v in _linear().named_parameters()}
+    plain = TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0, prox_mu=0.1, anchor=anchor)
+    weighted = dataclasses.replace(plain, prox_weights=anchor, fisher_samples=10)
+    assert required_hooks(plain) == frozenset() and required_hooks(weighted) == {"weighted_prox", "fisher"}
+    check_hooks(weighted, RUNTIME_HOOKS["torch"], "torch")
+    check_hooks(plain, RUNTIME_HOOKS["executorch"], "executorch")
+    with pytest.raises(ConfigError, match=r"executorch runtime cannot run the training hook\(s\) fisher, weighted_"):
+        check_hooks(weighted, RUNTIME_HOOKS["executorch"], "executorch")

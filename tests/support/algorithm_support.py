@@ -7,7 +7,7 @@ the tests choose, so every expected number can be derived by hand from the paper
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -44,13 +44,36 @@ def linear(weights: torch.Tensor = W0) -> nn.Linear:
     return layer
 
 
+class Hidden(nn.Module):
+    """2 features -> tanh hidden layer of 2 -> 3 classes, bias-free, with fixed weights: a model whose representation
+    (the hidden layer) depends on its weights, for losses that compare representations (MOON)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(2, 2, bias=False)
+        self.outer = nn.Linear(2, NUM_CLASSES, bias=False)
+        with torch.no_grad():
+            self.inner.weight.copy_(torch.tensor([[0.5, -0.3], [0.2, 0.4]]))
+            self.outer.weight.copy_(W0)
+
+    def representation(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inner(x))
+
+    def head(self, z: torch.Tensor) -> torch.Tensor:
+        return self.outer(z)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.representation(x))
+
+
 class LinearBackend:
-    """The Backend protocol on :func:`linear`, trained by :func:`fedge.training.train`."""
+    """The Backend protocol on :func:`linear` (or another ``model``), trained by :func:`fedge.training.train`."""
 
     runtime = "torch"
 
-    def __init__(self) -> None:
-        self.model = linear()
+    def __init__(self, model: Callable[[], nn.Module] = linear) -> None:
+        self.factory = model
+        self.model = model()
         self.requests: list[TrainRequest] = []  # every training call, in order, for tests to inspect
 
     def set_weights(self, state: StateDict) -> None:
@@ -60,7 +83,7 @@ class LinearBackend:
         return exchanged_state(self.model)
 
     def init_weights(self, seed: int) -> StateDict:
-        return exchanged_state(linear())
+        return exchanged_state(self.factory())
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return predict_logits(self.model, x)
@@ -104,7 +127,8 @@ class TwoClients:
     """The server half of ``cfg.algorithm`` and two clients, run round by round through the real engine.
 
     ``data`` replaces the clients' (x, y), default ``(X_A, Y_A)`` for "a" and ``(X_B, Y_B)`` for "b"; the test set
-    (and each client's eval data, with ``eval_data``) is the two clients' data together.
+    (and each client's eval data, with ``eval_data``) is the two clients' data together. ``model`` replaces the
+    model factory (default :func:`linear`; :class:`Hidden` has a representation).
     """
 
     def __init__(
@@ -114,13 +138,14 @@ class TwoClients:
         open_x: torch.Tensor | None = None,
         eval_data: bool = False,
         data: Sequence[tuple[torch.Tensor, torch.Tensor]] = ((X_A, Y_A), (X_B, Y_B)),
+        model: Callable[[], nn.Module] = linear,
     ) -> None:
         assert len(data) == 2, "two clients"
         spec = get_algorithm(cfg.algorithm)
-        self.strategy = spec.server(cfg, ServerContext(linear, NUM_CLASSES, run_id="t", open_x=open_x))
+        self.strategy = spec.server(cfg, ServerContext(model, NUM_CLASSES, run_id="t", open_x=open_x))
         test = (torch.cat([x for x, _ in data]), torch.cat([y for _, y in data]))
         self.clients = [
-            EdgeClient(cid, ClientData(x, y, NUM_CLASSES, open_x=open_x), LinearBackend())
+            EdgeClient(cid, ClientData(x, y, NUM_CLASSES, open_x=open_x), LinearBackend(model))
             for cid, (x, y) in zip(("a", "b"), data, strict=True)
         ]
         if eval_data:

@@ -1,0 +1,232 @@
+"""FedCurv (Shoham et al. 2019, "Overcoming Forgetting in Federated Learning on Non-IID Data"): FedAvg whose
+local loss keeps each client near what the other clients learned, weighted by how much each weight mattered to them
+(their diagonal Fisher information, as in elastic weight consolidation).
+
+Client k's local loss in round t is
+
+    CE(w) + lambda * sum_{j != k} (u_j . w^2 - 2 v_j . w)
+
+with ``u_j`` the diagonal Fisher information of client j's last local model ``w_j`` and ``v_j = u_j * w_j``; up to a
+constant this is ``lambda * sum_j (w - w_j)^T diag(u_j) (w - w_j)``. With ``P = sum_{j != k} u_j`` and
+``Q = sum_{j != k} v_j`` it is one Fisher-weighted pull ``lambda * sum P * (w - Q/P)^2`` (a constant apart) to the
+other clients' Fisher-weighted mean weights: the training request's proximal term with ``prox_mu = 2 * lambda``,
+``prox_weights = P`` and ``anchor = Q / P`` (0 where P = 0), a hook only the torch runtime runs (the exported programs
+have no per-element weights, so their clients are refused at admission).
+
+Where the paper is vague, this follows the FedNTD authors' implementation (Lee-Gihun/FedNTD,
+``algorithms/fedcurv``), whose Table 1 includes FedCurv:
+- ``u_k`` is the empirical Fisher: the mean over mini-batches of the squared gradient of the batch-mean cross-entropy
+  at the trained weights, over one shuffled pass that stops after the first batch taking the count past
+  ``fisher_samples`` (500), in training mode (:func:`fedge.training.fisher_diagonal`); over trainable parameters only;
+- lambda = 1 and s = 500 Fisher samples (FedNTD Table 5, and the authors' config/fedcurv.json);
+- the server keeps the latest ``(u_j, v_j)`` of every client it has heard from (not only this round's), and the sums
+  run over all of them but k; in round 1 nothing is kept yet, so the term is zero (their code skips it).
+Their server subtracts client k's own terms from the sums in place, so each later client of a round gets the sums
+minus every earlier client's terms too (a tensor aliasing slip); fedge subtracts client k's own terms only.
+
+Traffic: the server broadcasts the model plus ``U = sum_j u_j`` and ``V = sum_j v_j``, and each client subtracts its
+own last ``(u_k, v_k)``, kept in its store, to get P and Q; each update carries the model plus ``(u_k, v_k)``. Both
+directions carry the model plus two values per trainable parameter, three times FedAvg's parameters. A client that
+lost its store, or whose last update the server refused, subtracts terms the server does not hold (or holds other
+ones): P is clamped at 0 so the pull stays a pull. The server's memory grows with the number of clients heard from:
+two values per trainable parameter per client, journaled with the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fedge.algorithms.base import (
+    Algorithm,
+    ClientStore,
+    CostInputs,
+    RoundPlan,
+    RoundTraffic,
+    ServerContext,
+    StrategyState,
+    TensorSpec,
+    UpdateReport,
+    tensors_like,
+)
+from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
+from fedge.config import RunConfig
+from fedge.errors import CodecError, ConfigError
+from fedge.messages import Message
+from fedge.training import FISHER, WEIGHTED_PROX, TrainRequest, TrainStats
+from fedge.types import ClientId, StateDict
+from fedge.wire import bounded
+
+FISHER_U = "fisher_u."  # broadcast: U = sum_j u_j; update: the client's u_k
+FISHER_V = "fisher_v."  # broadcast: V = sum_j v_j; update: the client's v_k = u_k * w_k
+_SAVED = "fedcurv.{}.{}."  # the server's kept (u_j, v_j) in its saved state: fedcurv.u.<client>.<param>
+_OWN = "fedcurv.own_"  # the client's own last u_k, v_k in its store
+
+
+@dataclass(frozen=True)
+class FedCurvSettings(FedAvgSettings):
+    curv_lambda: float = field(
+        default=1.0, metadata=bounded(0.0, 1e6, help="weight lambda of the Fisher penalty (FedNTD Table 5: 1)")
+    )
+    fisher_samples: int = field(
+        default=500, metadata=bounded(1, 10**7, help="samples for each client's diagonal Fisher (FedNTD Table 5: 500)")
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.curv_lambda >= 0:
+            raise ConfigError(f"curv_lambda must be >= 0, got {self.curv_lambda}")
+
+
+class FedCurv(FedAvg):
+    """Server half: FedAvg's average, plus every client's latest Fisher terms and their sums for the broadcast."""
+
+    def __init__(self, config: RunConfig, context: ServerContext) -> None:
+        super().__init__(config, context)
+        self.trainable = tuple(name for name, _ in self._model.named_parameters())
+        self._terms: dict[ClientId, tuple[StateDict, StateDict]] = {}  # client -> (u_j, v_j), its latest accepted
+
+    def _zeros(self) -> StateDict:
+        return {k: torch.zeros_like(self._weights[k]) for k in self.trainable}
+
+    def state(self) -> StrategyState:
+        tensors, values = super().state()
+        for client, (u, v) in sorted(self._terms.items()):
+            tensors.update({_SAVED.format("u", client) + k: t for k, t in u.items()})
+            tensors.update({_SAVED.format("v", client) + k: t for k, t in v.items()})
+        return tensors, {**values, "fedcurv_clients": sorted(self._terms)}
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
+        super().load_state(tensors, values)
+        clients = values.get("fedcurv_clients", [])
+        if not (isinstance(clients, list) and all(isinstance(c, str) for c in clients)):
+            raise ConfigError("the saved state's fedcurv_clients must be a list of client ids")
+        like = self._zeros()
+        self._terms = {
+            c: (tensors_like(tensors, _SAVED.format("u", c), like), tensors_like(tensors, _SAVED.format("v", c), like))
+            for c in clients
+        }
+
+    def sums(self) -> tuple[StateDict, StateDict]:
+        """U = sum_j u_j and V = sum_j v_j over every client heard from (zeros before any), in client-id order."""
+        u_sum, v_sum = self._zeros(), self._zeros()
+        for client in sorted(self._terms):
+            u, v = self._terms[client]
+            u_sum = {k: u_sum[k] + u[k] for k in u_sum}
+            v_sum = {k: v_sum[k] + v[k] for k in v_sum}
+        return u_sum, v_sum
+
+    def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
+        u_sum, v_sum = self.sums()
+        tensors = {
+            **self._weights,
+            **{FISHER_U + k: t for k, t in u_sum.items()},
+            **{FISHER_V + k: t for k, t in v_sum.items()},
+        }
+        return RoundPlan(broadcast=self.broadcast(rnd, tensors), tasks={c: self.task(rnd, c) for c in clients})
+
+    def reply_tensors(self) -> dict[str, TensorSpec]:
+        out = super().reply_tensors()
+        for prefix in (FISHER_U, FISHER_V):
+            out.update({prefix + k: (tuple(self._weights[k].shape), self._weights[k].dtype) for k in self.trainable})
+        return out
+
+    def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
+        """Also refuses, in an uncompressed update, a negative Fisher value (a squared gradient is never negative; a
+        negative weight would push the other clients away from this one's weights) and a ``v`` other than ``u * w``
+        of the update's own weights (the client computes it so in float32: anything else moves the others' anchor
+        where this client's weights are not). A lossy upload codec can move a small value below zero or ``v`` off
+        ``u * w`` a little: compressed values are clamped at 0 instead (in :meth:`aggregate`, as every kept one is).
+        The size of ``u`` is bounded only by finiteness."""
+        report = super().check_reply(rnd, client, reply)
+        if self.config.upload_codec != "float32":
+            return report
+        for k in self.trainable:
+            u, v = reply.tensors[FISHER_U + k], reply.tensors[FISHER_V + k]
+            if bool((u < 0).any()):
+                raise CodecError(f"tensor {FISHER_U + k!r} has negative values; a diagonal Fisher is >= 0")
+            if not torch.equal(v, u * reply.tensors[k]):
+                raise CodecError(f"tensor {FISHER_V + k!r} is not {FISHER_U + k!r} times the update's weights")
+        return report
+
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
+        metrics = super().aggregate(rnd, replies)
+        for client in sorted(replies):
+            t = replies[client].tensors
+            self._terms[client] = (
+                {k: t[FISHER_U + k].clamp(min=0) for k in self.trainable},
+                {k: t[FISHER_V + k].clone() for k in self.trainable},
+            )
+        return metrics
+
+
+class FedCurvClient(FedAvgClient):
+    settings_type = FedCurvSettings
+
+    def received_weights(self, broadcast: Message) -> StateDict:
+        return {k: v for k, v in broadcast.tensors.items() if not k.startswith((FISHER_U, FISHER_V))}
+
+    def request(self, r: LocalRound) -> TrainRequest:
+        u_sum, v_sum = _sums(r.broadcast, r.global_weights)
+        own_u, own_v = _own(r.store, u_sum)
+        p = {k: (u_sum[k] - own_u[k]).clamp(min=0) for k in u_sum}  # sum over the other clients
+        q = {k: v_sum[k] - own_v[k] for k in v_sum}
+        anchor = {k: torch.where(p[k] > 0, q[k] / p[k], torch.zeros_like(q[k])) for k in p}
+        return dataclasses.replace(
+            super().request(r),
+            prox_mu=2.0 * r.settings.curv_lambda,
+            prox_weights=p,
+            anchor=anchor,
+            fisher_samples=r.settings.fisher_samples,
+        )
+
+    def upload(self, r: LocalRound, weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
+        if stats.fisher is None:
+            raise ConfigError(f"the {r.backend.runtime} runtime returned no Fisher information; FedCurv needs it")
+        u = {k: stats.fisher[k].to(torch.float32).contiguous() for k in _sums(r.broadcast, r.global_weights)[0]}
+        v = {k: (u[k] * weights[k]).contiguous() for k in u}
+        for k in u:
+            r.store[_OWN + "u." + k], r.store[_OWN + "v." + k] = u[k], v[k]
+        return {**weights, **{FISHER_U + k: t for k, t in u.items()}, **{FISHER_V + k: t for k, t in v.items()}}
+
+
+def _sums(broadcast: Message, weights: StateDict) -> tuple[StateDict, StateDict]:
+    """U and V from the broadcast, by parameter name; CodecError unless they are the same parameters of the weights'
+    shapes, non-negative U."""
+    u = {k[len(FISHER_U) :]: t for k, t in broadcast.tensors.items() if k.startswith(FISHER_U)}
+    v = {k[len(FISHER_V) :]: t for k, t in broadcast.tensors.items() if k.startswith(FISHER_V)}
+    if not u or u.keys() != v.keys() or any(k not in weights or u[k].shape != weights[k].shape for k in u):
+        raise CodecError("a FedCurv broadcast carries U and V for the model's parameters")
+    if any(v[k].shape != u[k].shape for k in u) or any(bool((t < 0).any()) for t in u.values()):
+        raise CodecError("a FedCurv broadcast's U must be >= 0 and V of U's shapes")
+    return u, v
+
+
+def _own(store: ClientStore, like: StateDict) -> tuple[StateDict, StateDict]:
+    """This client's last (u_k, v_k), zeros before its first round (or after it lost its store)."""
+    u = {k: store.get(_OWN + "u." + k, torch.zeros_like(t)) for k, t in like.items()}
+    v = {k: store.get(_OWN + "v." + k, torch.zeros_like(t)) for k, t in like.items()}
+    return u, v
+
+
+def fedcurv_traffic(inputs: CostInputs) -> RoundTraffic:
+    """The model plus two Fisher terms (u and v, or their sums) per trainable parameter in each direction."""
+    size = (inputs.model_values + 2 * inputs.trainable_values) * 4
+    return RoundTraffic(up_per_client=size, down_broadcast=size)
+
+
+ALGORITHM = Algorithm(
+    name="fedcurv",
+    label="FedCurv",
+    paper="Shoham et al. 2019 (as the FedNTD authors implement it)",
+    settings=FedCurvSettings,
+    server=FedCurv,
+    client=FedCurvClient(),
+    traffic=fedcurv_traffic,
+    hooks=frozenset({WEIGHTED_PROX, FISHER}),
+    describe=lambda s: f"λ={s.curv_lambda:g}",
+)

@@ -1,0 +1,120 @@
+"""FedCurv, two rounds of two clients, against its local loss by hand, with the FedNTD authors' Fisher."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from algorithm_support import W0, X_A, X_B, Y_A, Y_B, TwoClients, assert_mqtt_run_matches_inprocess, ce_gradient, config
+
+from common.experiment import prepare
+from coordinator.run import admission_rule
+from edge_client.cli import runtime_capabilities
+from fedge.algorithms.base import CostInputs
+from fedge.algorithms.fedcurv import FISHER_U, FISHER_V, FedCurvSettings, fedcurv_traffic
+from fedge.config import RunConfig, TrainConfig
+from fedge.errors import CodecError
+from fedge.protocol import ClientStatus
+
+LAM, LR, STEPS = 0.7, 0.5, 2
+ZERO = torch.zeros_like(W0)
+
+
+def _local(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    for _ in range(STEPS):  # full-batch steps on CE + lambda * (P . w^2 - 2 Q . w)
+        w = w - LR * (ce_gradient(w, x, y) + LAM * (2 * p * w - 2 * q))
+    return w
+
+
+def _fisher(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One batch holds every sample (< 500): the Fisher is the squared gradient of the mean CE at the trained w."""
+    return ce_gradient(w, x, y) ** 2
+
+
+def test_two_rounds_pull_each_client_to_the_other_ones_weights_by_its_fisher() -> None:
+    run = TwoClients(config("fedcurv", FedCurvSettings(curv_lambda=LAM), local_epochs=STEPS))
+    run.round(1)  # nothing kept yet: plain local steps
+    w = {"a": _local(X_A, Y_A, W0, ZERO, ZERO), "b": _local(X_B, Y_B, W0, ZERO, ZERO)}
+    server = (2 * w["a"] + w["b"]) / 3
+    assert torch.allclose(run.global_weight(), server, atol=1e-6)
+    u = {"a": _fisher(w["a"], X_A, Y_A), "b": _fisher(w["b"], X_B, Y_B)}
+    v = {c: u[c] * w[c] for c in u}
+    for c in u:
+        assert torch.allclose(run.upload(1, c, FISHER_U + "weight"), u[c], atol=1e-7)
+        assert torch.allclose(run.upload(1, c, FISHER_V + "weight"), v[c], atol=1e-7)
+    run.round(2)  # the broadcast carries the sums; each client takes its own terms out
+    assert torch.allclose(run.broadcast(2, FISHER_U + "weight"), u["a"] + u["b"], atol=1e-7)
+    a2 = _local(X_A, Y_A, server, u["b"], v["b"])
+    b2 = _local(X_B, Y_B, server, u["a"], v["a"])
+    assert torch.allclose(run.global_weight(), (2 * a2 + b2) / 3, atol=1e-6)
+    assert not torch.allclose(a2, _local(X_A, Y_A, server, ZERO, ZERO), atol=1e-4)  # the penalty changed the steps
+    request = run.backend("a").requests[-1]
+    assert request.prox_mu == 2 * LAM and request.prox_weights is not None and request.fisher_samples == 500
+
+
+def test_updates_and_broadcasts_carry_the_two_fisher_terms_and_a_negative_fisher_is_refused() -> None:
+    run = TwoClients(config("fedcurv"))
+    record = run.round(1)
+    # Three times FedAvg's tensor bytes each way (3 x 2 float32 weights, u and v as many), as the cost model says.
+    traffic = fedcurv_traffic(CostInputs(model_values=6, trainable_values=6, num_classes=3, num_clients=2))
+    assert record.bytes.tensor_up == 2 * traffic.up_per_client == 2 * 3 * 6 * 4
+    assert record.bytes.tensor_down["multicast"] == traffic.down_broadcast
+    reply = run.transport.replies[1]["a"]
+    hostile = dataclasses.replace(reply, round=2, tensors={**reply.tensors, FISHER_U + "weight": -torch.ones(3, 2)})
+    run.strategy.configure(2, ["a", "b"])
+    with pytest.raises(CodecError, match="negative values"):
+        run.strategy.check_reply(2, "a", hostile)
+    moved = {**reply.tensors, FISHER_V + "weight": reply.tensors[FISHER_V + "weight"] + 1e-3}  # pulls others off w_a
+    with pytest.raises(CodecError, match=r"is not 'fisher_u\.weight' times the update's weights"):
+        run.strategy.check_reply(2, "a", dataclasses.replace(reply, round=2, tensors=moved))
+    run.strategy.check_reply(2, "a", dataclasses.replace(reply, round=2))  # the honest reply passes
+
+
+def test_a_lossy_upload_codec_may_move_a_small_fisher_value_below_zero_and_is_clamped_not_refused() -> None:
+    run = TwoClients(dataclasses.replace(config("fedcurv"), upload_codec="int8"))
+    run.round(1)  # over the int8 codec: no rejection
+    replies = dict(run.transport.replies[1])
+    decoded = replies["a"]  # as a lossy decode may give it: a value a little below zero
+    u = decoded.tensors[FISHER_U + "weight"].clone()
+    u[0, 0] = -1e-6
+    replies["a"] = dataclasses.replace(decoded, round=2, tensors={**decoded.tensors, FISHER_U + "weight": u})
+    replies["b"] = dataclasses.replace(replies["b"], round=2)
+    run.strategy.configure(2, ["a", "b"])
+    for c, reply in replies.items():
+        run.strategy.check_reply(2, c, reply)
+    run.strategy.aggregate(2, replies)
+    kept, _ = run.strategy.sums()
+    assert float(kept["weight"][0, 0]) == float(replies["b"].tensors[FISHER_U + "weight"][0, 0])  # a's clamped to 0
+
+
+def test_a_client_whose_runtime_lacks_the_hooks_is_refused_at_admission_with_the_reason() -> None:
+    exp = prepare(RunConfig(algorithm="fedcurv", dataset="digits", model="tiny_mlp", num_clients=3))
+    admit = admission_rule(exp)
+
+    def hello(runtime: str) -> ClientStatus:
+        return ClientStatus(
+            client="c001",
+            state="online",
+            runtime=runtime,
+            dataset_size=len(exp.parts["c001"]),
+            model=exp.model,
+            input_shape=exp.input_shape,
+            num_classes=exp.num_classes,
+            capabilities=runtime_capabilities(runtime, False),
+        )
+
+    assert admit(hello("torch")) is None
+    why = admit(hello("executorch"))
+    assert (
+        why is not None and "cannot run 'fedcurv'" in why and "needs the training hook(s) fisher, weighted_prox" in why
+    )
+
+
+@pytest.mark.broker
+def test_over_the_secured_embedded_broker_it_gives_the_in_process_model(tmp_path: Path) -> None:
+    """Each client process keeps its own (u_k, v_k) across rounds in its store, as the in-process clients do."""
+    train = TrainConfig(local_epochs=1)
+    cfg = RunConfig(algorithm="fedcurv", dataset="digits", model="tiny_mlp", num_clients=3, rounds=3, train=train)
+    assert_mqtt_run_matches_inprocess(cfg, tmp_path)
