@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from common.console import add_skipped_rounds_flag
+from common.tensorboard import add_tensorboard_flag
 from fedge.algorithms import ALGORITHMS
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError, FedgeError
@@ -397,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
         "travel as chunks (auto: the broker's announced limit, else none; off: never chunk)",
     )
     p.add_argument("--no-report", action="store_true", help="skip the Markdown report and plots")
+    add_tensorboard_flag(p)
     p.add_argument(
         "--quiet",
         action="store_true",
@@ -567,7 +569,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 RESUME_FLAGS = {
-    "sim": ("transport", "broker", "max_packet_size", "executor", "workers", "threads_per_worker", "device"),
+    "sim": (
+        "transport",
+        "broker",
+        "max_packet_size",
+        "executor",
+        "workers",
+        "threads_per_worker",
+        "device",
+        "tensorboard",
+    ),
     "coordinator": (
         "bundle",
         "broker",
@@ -584,6 +595,7 @@ RESUME_FLAGS = {
         "join_timeout",
         "rejoin_grace",
         "broker_counters",
+        "tensorboard",
     ),
 }
 """The flags a resume command repeats when they were given: how the run reaches its broker and clients and where it
