@@ -105,3 +105,13 @@ def test_provision_coordinator_and_clients_over_mosquitto(tmp_path: Path, mosqui
     events.Reload()
     accuracy = [(e.step, e.value) for e in events.Scalars("accuracy/accuracy")]
     assert accuracy == [(line["round"], pytest.approx(line["accuracy"], rel=1e-6)) for line in lines]
+
+
+def test_the_plugins_model_exports_to_onnx_and_passes_its_parity_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "exports"
+    flags = ["--model", "wine_mlp", "--input-shape", "13", "--num-classes", "3", "--format", "onnx"]
+    assert main(["export", "--plugin", PLUGIN, *flags, "--out", str(out)]) == 0
+    assert "wine_mlp.onnx: logits parity on onnxruntime ok" in capsys.readouterr().out
+    assert main(["export", "check", str(out / "wine_mlp.onnx")]) == 0
