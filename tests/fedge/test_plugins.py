@@ -72,14 +72,16 @@ def test_an_installed_packages_entry_points_register_their_names(tmp_path: Path,
     # A real distribution on sys.path, as `pip install` leaves one: its entry_points.txt names the objects.
     (tmp_path / "blob_pkg.py").write_text(
         PLUGIN.replace('register_model("{model}", Net)', "").replace(
-            'register_dataset("blobs", blobs, default_model="{model}")', ""
+            'register_dataset("blobs", blobs, default_model="{model}")',
+            "from fedge.plugins import DatasetPlugin\nWITH_DEFAULT = DatasetPlugin(blobs, default_model='ep_net')",
         )
     )
     info = tmp_path / "blob_pkg-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: blob-pkg\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text(
-        "[fedge.models]\nep_net = blob_pkg:Net\n\n[fedge.datasets]\nep_blobs = blob_pkg:blobs\n"
+        "[fedge.models]\nep_net = blob_pkg:Net\n\n"
+        "[fedge.datasets]\nep_blobs = blob_pkg:blobs\nep_blobs2 = blob_pkg:WITH_DEFAULT\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert "ep_net" in plugins.plugin_model_names() and "ep_blobs" in plugins.plugin_dataset_names()
@@ -87,6 +89,7 @@ def test_an_installed_packages_entry_points_register_their_names(tmp_path: Path,
     assert len(load_dataset("ep_blobs")[0]) == 30
     with pytest.raises(ConfigError, match="names no default model: pass --model"):
         default_model_for("ep_blobs")
+    assert default_model_for("ep_blobs2") == "ep_net"  # an entry point to a DatasetPlugin carries its default model
 
 
 def test_a_name_of_a_built_in_or_of_another_plugin_is_refused(tmp_path: Path, monkeypatch):
