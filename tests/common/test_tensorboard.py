@@ -70,3 +70,21 @@ def test_without_the_package_the_error_names_the_extra(tmp_path: Path, monkeypat
     err = capsys.readouterr().err
     assert "pip install 'fedge[tensorboard]'" in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "tb").exists()  # refused before anything was written
+
+
+def test_a_resumed_run_replaces_the_rounds_a_killed_run_wrote_after_its_journal(tmp_path: Path):
+    from common.tensorboard import TensorBoardLog
+    from fedge.records import RoundRecord
+
+    def record(rnd: int, accuracy: float) -> RoundRecord:
+        return RoundRecord.from_json({"round": rnd, "sampled": [], "replied": [], "accuracy": accuracy, "wall_s": 1.0})
+
+    killed = TensorBoardLog(tmp_path, "run")
+    for rnd in (1, 2, 3):  # round 3 was written, but the run died before its journal committed it
+        killed.round(record(rnd, 0.1 * rnd))
+    killed.close()
+    resumed = TensorBoardLog(tmp_path, "run")  # --resume continues after round 2
+    resumed.round(record(3, 0.9))
+    resumed.close()
+    steps = read_scalars(tmp_path / "run")["accuracy/accuracy"]
+    assert steps == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2)), (3, pytest.approx(0.9))]
