@@ -12,17 +12,18 @@ install: $(VENV)/.installed
 # constraints.txt pins the CPU build of torch; pyproject.toml keeps open ranges for Jetson's JetPack wheels.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,export,ray]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,all]'
 	@touch $@
 
 # The onnxruntime-training client runtime lives in its own venv: the package owns the same onnxruntime/ folder as
-# onnxruntime (in .venv) and needs onnx 1.17.0. No `export` extra here (it would pull onnxruntime). docs/on_device.md
+# onnxruntime (in .venv) and needs onnx 1.17.0. No `export` extra here (it would pull onnxruntime); scikit-learn for
+# the artifacts' parity gate (export.parity checks them on its bundled digits). docs/on_device.md
 ORT_VENV ?= .venv-ort-training
 ort-training: $(ORT_VENV)/.installed
 
 $(ORT_VENV)/.installed: pyproject.toml constraints-ort-training.txt
 	$(PYTHON) -m venv $(ORT_VENV)
-	$(ORT_VENV)/bin/pip install -q -c constraints-ort-training.txt onnxruntime-training onnx -e .
+	$(ORT_VENV)/bin/pip install -q -c constraints-ort-training.txt onnxruntime-training onnx scikit-learn -e .
 	@touch $@
 
 demo: install
@@ -42,9 +43,10 @@ typecheck: install
 # --durations: the slowest tests at the end of every run, to keep the suite well under 15 minutes on 2 cores.
 # Two worker processes (pytest-xdist), one test file each at a time (module fixtures such as a fleet's mosquitto stay
 # in one process): many tests wait on brokers, subprocesses and deadlines, so two workers on 2 cores cut the wall
-# time (measured on this tree: 16.1 min on a quiet machine; in one process 22.6 min, with another job running).
+# time (measured: 16.1 min on a quiet machine; in one process 22.6 min, with another job running). Files are taken
+# in collection order, the slowest first (tests/conftest.py), so that no worker finishes a long file alone.
 test: install ort-training mosquitto lint typecheck
-	$(BIN)/pytest -q -n 2 --dist loadfile --durations=15
+	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # The unit tests of the core, the journal, the CLI, the reports and the in-process simulator: no broker, no exported
 # program, no fleet of processes. About 2 minutes on 2 cores; `make test` stays the full suite.

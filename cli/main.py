@@ -261,7 +261,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
-    from coordinator.cli import run_coordinator_cli
+    from coordinator.cli import apply_run_dir, run_coordinator_cli
+
+    finished = apply_run_dir(args)  # before the config: a run to resume brings its own
+    if finished is not None:
+        print(finished)
+        return 0
 
     def report(path: Path) -> None:
         if args.no_report:
@@ -337,7 +342,33 @@ def _cmd_provision(args: argparse.Namespace) -> int:
         print("and watch the run (read-only login):")
         print(f"    fedge status --bundle {kit.root / 'monitor'}")
         print(f"keep {kit.root / 'ca'} offline: it only serves to issue new certificates")
+        _write_services(args, kit.root, kit.coordinator_dir, plan.conf_dir)
     return 0
+
+
+def _write_services(args: argparse.Namespace, kit_root: Path, coordinator_bundle: Path, broker_conf_dir: Path) -> None:
+    """The kit's systemd units (coordinator.services), with this machine's fedge and mosquitto."""
+    import shutil
+
+    from coordinator.services import install_commands, write_units
+
+    script = Path(sys.executable).with_name("fedge")
+    fedge = [str(script)] if script.is_file() else [sys.executable, "-m", "cli.main"]
+    out = args.out.absolute()
+    write_units(
+        kit_root / "systemd",
+        args.run,
+        mosquitto=Path(shutil.which("mosquitto") or "/usr/sbin/mosquitto"),
+        broker_conf_dir=broker_conf_dir,
+        fedge=fedge,
+        coordinator_bundle=coordinator_bundle,
+        config=out / "config.json",
+        run_dir=out / "runs" / args.run,
+        device_root=args.fleet_device_root,
+    )
+    print(f"or run them all as services: {kit_root / 'systemd'}")
+    for line in install_commands(args.run, args.fleet_device_root)[1:]:
+        print(f"  {line}")
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -563,6 +594,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="where kit/broker/ will be on the broker host (mosquitto.conf names its files by absolute path)",
     )
+    p.add_argument(
+        "--fleet-device-root",
+        type=Path,
+        default=Path("/opt/fedge"),
+        metavar="DIR",
+        help="where the kit's systemd client unit expects fedge (DIR/venv) and each device's files (DIR/<run>/<id>/)",
+    )
     p.add_argument("--no-tls", action="store_true", help="passwords and ACL without TLS (a loopback laptop run only)")
     p.add_argument(
         "--fleet-max-packet-size",
@@ -669,6 +707,23 @@ def _terminate(signum: int, frame: types.FrameType | None) -> None:
     raise Terminated()
 
 
+# The packages outside fedge's base (pyproject.toml) by the extra that installs them: a client-only install
+# (`pip install fedge[client]`) that runs another role's command is told what to install, not shown a traceback.
+MISSING_EXTRA = {
+    "matplotlib": "coordinator",
+    "sklearn": "coordinator",
+    "cryptography": "coordinator",
+    "amqtt": "sim",
+    "tqdm": "sim",
+    "ray": "ray",
+    "onnxruntime": "client-onnx",
+    "onnx": "client-onnx",
+    "onnxscript": "export",
+    "executorch": "client-executorch",
+    "tensorboard": "tensorboard",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -686,6 +741,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except FedgeError as exc:
         print(f"fedge: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        extra = MISSING_EXTRA.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"fedge: error: `fedge {args.command}` needs the package {exc.name!r}, which this installation lacks; "
+            f"install it with fedge's '{extra}' extra: pip install 'fedge[{extra}]'",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt as exc:
         from common.rundir import RunInterrupted, Terminated

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from common.provenance import provenance
 from fedge.config import RunConfig
-from fedge.errors import JournalError
+from fedge.errors import ConfigError, JournalError
 from fedge.ledger import ByteLedger, LedgerEntry
 from fedge.metrics import comu_at
 from fedge.records import RoundRecord
@@ -70,8 +70,11 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def run_directory(root: str | Path, config: RunConfig, label: str = "", *, resume: Path | None) -> Iterator[Path]:
-    """The directory a run writes: a new one under ``root``, or ``resume``'s.
+def run_directory(
+    root: str | Path, config: RunConfig, label: str = "", *, resume: Path | None, fixed: Path | None = None
+) -> Iterator[Path]:
+    """The directory a run writes: a new one under ``root``, ``fixed`` itself (made if absent; see
+    :func:`fixed_run_dir_state`), or ``resume``'s.
 
     A new directory that has no completed round when the run fails (a data or broker error, clients that never
     joined, Ctrl-C during the wait) is removed: a failed start leaves nothing half-written for ``fedge report`` or a
@@ -79,7 +82,13 @@ def run_directory(root: str | Path, config: RunConfig, label: str = "", *, resum
     """
     from common.journal import JOURNAL  # the commit point of a completed round
 
-    path = resume if resume is not None else new_run_dir(root, config, label)
+    if resume is not None:
+        path = resume
+    elif fixed is not None:
+        path = fixed
+        path.mkdir(parents=True, exist_ok=True)
+    else:
+        path = new_run_dir(root, config, label)
     try:
         yield path
     except BaseException as exc:
@@ -90,6 +99,27 @@ def run_directory(root: str | Path, config: RunConfig, label: str = "", *, resum
         if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, RunInterrupted):
             raise RunInterrupted(path if committed else None, terminated=isinstance(exc, Terminated)) from exc
         raise
+
+
+def fixed_run_dir_state(path: Path) -> str:
+    """What a fixed run directory (``fedge coordinator --run-dir``, what a service restarts) holds: ``"finished"``
+    (summary.json), ``"resume"`` (a journal: at least one round completed), or ``"start"`` (absent or empty).
+
+    A directory a killed start left behind before its first round completed (its config.json, no journal) is
+    removed and counts as ``"start"``: there is nothing in it to continue. Anything else is not fedge's to touch.
+    """
+    from common.journal import JOURNAL
+
+    if (path / "summary.json").is_file():
+        return "finished"
+    if (path / JOURNAL).is_file():
+        return "resume"
+    if path.is_dir() and any(path.iterdir()):
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--run-dir {path} holds files but no run: empty it or choose another directory")
+        shutil.rmtree(path)
+        log.info("removed %s: its run stopped before its first round completed", path)
+    return "start"
 
 
 def new_run_dir(root: str | Path, config: RunConfig, label: str = "") -> Path:

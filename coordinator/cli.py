@@ -56,6 +56,31 @@ def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
         metavar="RUN_DIR",
         help="continue the killed run in RUN_DIR after its last completed round (its config.json; clients re-sync)",
     )
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="this exact run directory, the same command every time (a service that restarts the coordinator): "
+        "the run starts there, resumes from its journal after a kill, and is left alone once finished (exit 0)",
+    )
+
+
+def apply_run_dir(args: argparse.Namespace) -> str | None:
+    """``--run-dir``: resume the run there when it has a journal (sets ``args.resume``); a message when the run
+    there already finished (nothing to do), else None."""
+    from common.rundir import fixed_run_dir_state
+
+    if args.run_dir is None:
+        return None
+    if args.resume is not None:
+        raise ConfigError("--run-dir and --resume exclude each other: --run-dir resumes by itself")
+    state = fixed_run_dir_state(args.run_dir)
+    if state == "finished":
+        return f"run directory {args.run_dir}: the run has finished (summary.json); nothing to do"
+    if state == "resume":
+        args.resume = args.run_dir
+    return None
 
 
 def run_coordinator_cli(
@@ -85,7 +110,7 @@ def run_coordinator_cli(
         print(round_line(r), flush=True)
 
     # A start that fails (the data, the broker, clients that never join) removes the new directory again.
-    with run_directory(args.out, config, args.name, resume=args.resume) as run_dir:
+    with run_directory(args.out, config, args.name, resume=args.resume, fixed=args.run_dir) as run_dir:
         print(f"{'resuming run directory' if resume else 'run directory'}: {run_dir}", flush=True)
         if args.tensorboard is not None:
             tensorboard = TensorBoardLog(args.tensorboard, run_dir.name)

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import struct
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +29,7 @@ from common.experiment import Experiment, prepare
 from coordinator.run import provision_fleet, run_coordinator
 from fedge.config import RunConfig, TrainConfig
 from sim.brokers import fleet_mosquitto, free_port
+from sim.faults import BrokerOutage, FlakyProxy
 from sim.laptop import client_processes
 from sim.provision import write_client_files
 from sim.run import run_inprocess
@@ -64,43 +62,13 @@ def make_fleet(root: Path, rounds: int) -> Fleet:
     return Fleet(exp, kit.root, kit.broker_dir, dict(files))
 
 
-class Outage:
-    """Stops the kit's mosquitto once ``run_dir/metrics.jsonl`` shows round 1 done, for ``seconds``, then starts it."""
-
-    def __init__(self, broker_dir: Path, run_dir: Path, seconds: float) -> None:
-        self.broker_dir, self.run_dir, self.seconds = broker_dir, run_dir, seconds
-        self.stack = contextlib.ExitStack()
-        self.url = self.stack.enter_context(fleet_mosquitto(broker_dir))
-        self.stopped_at: float | None = None
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            metrics = self.run_dir / "metrics.jsonl"
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                if metrics.exists() and metrics.read_text().count("\n") >= 1:
-                    break
-                time.sleep(0.02)
-            self.stack.close()  # SIGTERM: mosquitto saves its sessions and stops
-            self.stopped_at = time.monotonic()
-            time.sleep(self.seconds)
-            self.stack.enter_context(fleet_mosquitto(self.broker_dir))  # the same kit, the same port
-        except BaseException as exc:  # reported by the test
-            self.error = exc
-
-    def close(self) -> None:
-        self._thread.join(timeout=self.seconds + 30)
-        self.stack.close()
-
-
 @contextlib.contextmanager
-def run_with_outage(fleet: Fleet, root: Path, seconds: float, round_timeout: float) -> Iterator[tuple[object, Outage]]:
+def run_with_outage(
+    fleet: Fleet, root: Path, seconds: float, round_timeout: float
+) -> Iterator[tuple[object, BrokerOutage]]:
     bundle = load_bundle(fleet.kit_root / "coordinator")
     run_dir = root / "run"
-    outage = Outage(fleet.broker_dir, run_dir, seconds)
+    outage = BrokerOutage(fleet.broker_dir, run_dir, seconds)
     try:
         bundles = {c: fleet.kit_root / "clients" / c for c in fleet.files}
         with client_processes(fleet.files, outage.url, RUN, log_dir=root / "logs", bundles=bundles):
@@ -152,70 +120,6 @@ def test_a_broker_stopped_past_the_deadline_skips_at_most_that_round(tmp_path: P
     assert [r.round for r in later] == [3, 4]
     assert all(r.replied == ("c000", "c001", "c002") for r in later), [(r.round, r.replied) for r in later]
     print(f"20 s outage: skipped {skipped}, wall {result.summary['test_wall_s']:.1f} s")  # type: ignore[attr-defined]
-
-
-class FlakyProxy:
-    """A TCP proxy on loopback in front of the broker that ends every connection through it ``cut_after`` seconds
-    after it opened (a flaky Wi-Fi link), alternately cut cleanly (FIN) and dropped (RST, what a lost link looks like
-    to the peer), and holds every chunk of data ``delay`` seconds before passing it on: the client behind it
-    reconnects again and again during the run, over a slow link."""
-
-    def __init__(self, target_port: int, cut_after: float, delay: float = 0.0) -> None:
-        self.target_port, self.cut_after, self.delay = target_port, cut_after, delay
-        self.connections = 0
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.cuts = 0
-        self.first_cut = threading.Event()
-        self._stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        self.server.settimeout(0.2)
-        while not self._stop.is_set():
-            try:
-                down, _ = self.server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            up = socket.create_connection(("127.0.0.1", self.target_port))
-            self.connections += 1
-            drop = self.connections % 2 == 0  # every other connection ends with a reset instead of a clean cut
-            threading.Thread(target=self._pipe, args=(down, up, time.monotonic(), drop), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(up, down, time.monotonic(), drop), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, opened: float, drop: bool) -> None:
-        src.settimeout(0.1)
-        try:
-            while not self._stop.is_set():
-                if time.monotonic() - opened > self.cut_after:
-                    self.cuts += 1
-                    self.first_cut.set()
-                    break
-                try:
-                    data = src.recv(65536)
-                except TimeoutError:
-                    continue
-                if not data:
-                    break
-                if self.delay:
-                    time.sleep(self.delay)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    if drop:  # linger 0: close sends a reset, no FIN
-                        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    else:
-                        s.shutdown(socket.SHUT_RDWR)
-                s.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self.server.close()
 
 
 def test_a_client_behind_a_flapping_link_completes_the_run(tmp_path: Path) -> None:

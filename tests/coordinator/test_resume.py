@@ -25,9 +25,10 @@ from safetensors.torch import load_file
 
 from cli.main import main
 from common.mqtt import MqttLink
+from common.rundir import fixed_run_dir_state
 from coordinator.broker_counters import BrokerCounters
 from coordinator.mqtt import MqttTransport
-from fedge.errors import TransportError
+from fedge.errors import ConfigError, TransportError
 from fedge.ledger import read_ledger_csv
 from fedge.messages import decode
 from fedge.protocol import BrokerAddress, Topics
@@ -67,12 +68,13 @@ def tensor_ledger(run_dir: Path) -> list[tuple[int, str, str, str, int, int]]:
     )
 
 
-def kill_mid_round(url: str, config: Path, out: Path) -> Path:
+def kill_mid_round(url: str, config: Path, out: Path, *, run_dir: bool = False) -> Path:
     """Run `fedge coordinator` in its own process and SIGKILL it as soon as a client answered round KILL_IN_ROUND
-    (the round before is journaled); the killed run's directory."""
+    (the round before is journaled); the killed run's directory (``out`` itself with ``run_dir``: --run-dir OUT)."""
     sniffer = MqttLink(BrokerAddress.parse(url), "sniffer", subscriptions=[(Topics(RUN).all_updates, 1)]).start(10)
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same float sums as this process
-    args = coordinator_args(url, config, "--out", str(out), "--broker-counters", "off")
+    where = ("--run-dir" if run_dir else "--out", str(out))
+    args = coordinator_args(url, config, *where, "--broker-counters", "off")
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], env=env, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
@@ -86,6 +88,8 @@ def kill_mid_round(url: str, config: Path, out: Path) -> Path:
         sniffer.close(wait=0.5)
         if proc.poll() is None:
             proc.kill()
+    if run_dir:
+        return out
     (killed,) = out.iterdir()
     return killed
 
@@ -121,6 +125,34 @@ def test_a_coordinator_killed_mid_round_resumes_to_the_uninterrupted_model(
     capsys.readouterr()
     assert main(coordinator_args(url, config, "--resume", str(killed))) == 2
     assert "is finished: all 6 rounds ran" in capsys.readouterr().err
+
+
+def test_one_run_dir_command_starts_resumes_and_then_leaves_the_finished_run_alone(
+    fleet: tuple[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a service restarting `fedge coordinator --run-dir DIR` sees: the same command every time."""
+    url, config = fleet
+    run_dir = tmp_path / "service" / "run"
+    killed = kill_mid_round(url, config, run_dir, run_dir=True)  # the first start, killed in round 4
+    journal = json.loads((killed / "journal.json").read_text())
+    assert main(coordinator_args(url, config, "--run-dir", str(run_dir))) == 0  # the restart resumes it
+    assert "resuming run directory" in capsys.readouterr().out
+    summary = (run_dir / "summary.json").read_text()
+    assert json.loads(summary)["resumed_after"] == [journal["round"]]
+    assert main(coordinator_args(url, config, "--run-dir", str(run_dir))) == 0  # finished: nothing to do
+    assert "the run has finished" in capsys.readouterr().out
+    assert (run_dir / "summary.json").read_text() == summary
+    # A start killed before its first round completed left config.json and no journal: removed, started anew.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "config.json").write_text("{}")
+    (fresh / "coordinator.log").write_text("")
+    assert fixed_run_dir_state(fresh) == "start" and not fresh.exists()
+    fresh.mkdir()
+    (fresh / "notes.txt").write_text("mine")  # not a run: never touched
+    with pytest.raises(ConfigError, match="holds files but no run"):
+        fixed_run_dir_state(fresh)
+    assert (fresh / "notes.txt").exists()
 
 
 def test_a_broker_restart_during_a_good_run_never_fails_the_cli(

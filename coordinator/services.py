@@ -1,0 +1,156 @@
+"""systemd units for a fleet kit: the broker, the coordinator and each client as services that restart on failure.
+
+``fedge provision --fleet-broker HOST`` writes them to ``kit/systemd/``:
+
+- ``fedge-<run>-broker.service``: mosquitto from the kit's configuration (started as root, it drops to its own user);
+  SIGHUP reloads the password file and ACL (``systemctl reload``).
+- ``fedge-<run>-coordinator.service``: ``fedge coordinator --run-dir DIR`` with the kit's coordinator bundle and the
+  provisioned config.json: the same command starts the run, resumes it from its journal after a crash or a reboot,
+  and leaves it alone once it has finished (exit 0). Ctrl-C/SIGTERM exit codes (130, 143) count as a clean stop; a
+  configuration error (exit 2) is not restarted.
+- ``fedge-<run>-client@.service``: one template for every device, instantiated by client id
+  (``systemctl enable --now fedge-<run>-client@c003``); it expects the device's files under ``DEVICE_ROOT/<run>/<id>/``
+  (its bundle folder ``clients/<id>/`` as ``bundle/``, its data file, and ``shared.safetensors`` when there is one)
+  and fedge installed in ``DEVICE_ROOT/venv``. A client the coordinator refused (exit 3) or started with a wrong
+  configuration (exit 2) is not restarted in a loop: restarting would not change the answer.
+
+The coordinator's paths are this machine's (where ``fedge provision`` ran, which is where the kit says the coordinator
+runs); the broker's are the kit's broker directory on the broker host. Every unit is checked with ``systemd-analyze
+verify`` in ``tests/coordinator/test_services.py``.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_DEVICE_ROOT = Path("/opt/fedge")
+# The exit codes of `fedge client` that a restart cannot cure: 2 a configuration or data error, 3 refused by the
+# coordinator (the reason is in the journal).
+CLIENT_FINAL_EXITS = (2, 3)
+
+
+def _path(path: Path) -> str:
+    """A path as systemd reads it: ``%`` starts a specifier, so a literal one is doubled."""
+    return str(path).replace("%", "%%")
+
+
+def _command(words: Sequence[str]) -> str:
+    """One ExecStart line: systemd splits words as a shell does and honours the same single quotes."""
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def broker_unit(run: str, *, mosquitto: Path, conf_dir: Path) -> str:
+    return f"""[Unit]
+Description=fedge fleet broker of run {run} (mosquitto)
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+ExecStart={_command([_path(mosquitto), "-c", _path(conf_dir / "mosquitto.conf")])}
+ExecReload=/bin/kill -HUP $MAINPID
+Restart=on-failure
+RestartSec=2
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def coordinator_unit(
+    run: str, *, fedge: Sequence[str | Path], bundle: Path, config: Path, run_dir: Path, broker_unit_name: str | None
+) -> str:
+    """``fedge``: the command that runs fedge on the coordinator's machine (e.g. ``[python, "-m", "cli.main"]``)."""
+    after = f" {broker_unit_name}" if broker_unit_name else ""
+    command = [*(_path(Path(w)) for w in fedge), "coordinator", "--bundle", _path(bundle), "--config", _path(config)]
+    command += ["--run-dir", _path(run_dir)]
+    return f"""[Unit]
+Description=fedge coordinator of run {run}
+After=network-online.target{after}
+Wants=network-online.target
+
+[Service]
+ExecStart={_command(command)}
+WorkingDirectory={_path(config.parent)}
+Restart=on-failure
+RestartSec=10
+SuccessExitStatus=130 143
+RestartPreventExitStatus=2
+NoNewPrivileges=yes
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def client_unit(run: str, *, device_root: Path) -> str:
+    """The template ``fedge-<run>-client@.service``; ``%i`` is the client id."""
+    home = f"{_path(device_root / run)}/%i"
+    command = [_path(device_root / "venv" / "bin" / "fedge"), "client", "--bundle", f"{home}/bundle"]
+    command += ["--data", f"{home}/%i.safetensors", "--device", "auto"]
+    return f"""[Unit]
+Description=fedge client %i of run {run}
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+ExecStart={_command(command)}
+WorkingDirectory={home}
+Restart=always
+RestartSec=5
+RestartPreventExitStatus={" ".join(map(str, CLIENT_FINAL_EXITS))}
+NoNewPrivileges=yes
+ProtectSystem=full
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def write_units(
+    out: Path,
+    run: str,
+    *,
+    mosquitto: Path,
+    broker_conf_dir: Path,
+    fedge: Sequence[str | Path],
+    coordinator_bundle: Path,
+    config: Path,
+    run_dir: Path,
+    device_root: Path = DEFAULT_DEVICE_ROOT,
+) -> dict[str, Path]:
+    """Write the three unit files into ``out`` (made if absent); their paths by role."""
+    out.mkdir(parents=True, exist_ok=True)
+    broker = f"fedge-{run}-broker.service"
+    units = {
+        "broker": (broker, broker_unit(run, mosquitto=mosquitto, conf_dir=broker_conf_dir)),
+        "coordinator": (
+            f"fedge-{run}-coordinator.service",
+            coordinator_unit(
+                run, fedge=fedge, bundle=coordinator_bundle, config=config, run_dir=run_dir, broker_unit_name=broker
+            ),
+        ),
+        "client": (f"fedge-{run}-client@.service", client_unit(run, device_root=device_root)),
+    }
+    paths = {}
+    for role, (name, text) in units.items():
+        (out / name).write_text(text)
+        paths[role] = out / name
+    (out / "README.txt").write_text("\n".join(install_commands(run, device_root)) + "\n")
+    return paths
+
+
+def install_commands(run: str, device_root: Path = DEFAULT_DEVICE_ROOT) -> list[str]:
+    """How to install the units, host by host (also printed by ``fedge provision``)."""
+    home = device_root / run
+    return [
+        f"systemd units of run {run!r} (copy each to /etc/systemd/system/ on its host, as root):",
+        f"  broker host:  systemctl enable --now fedge-{run}-broker",
+        f"  coordinator:  systemctl enable --now fedge-{run}-coordinator   (restarted, it resumes the run)",
+        f"  each device:  fedge in {device_root / 'venv'} (python3 -m venv {device_root / 'venv'} && "
+        f"{device_root / 'venv' / 'bin' / 'pip'} install 'fedge[client]'),",
+        f"                clients/<id>/ copied to {home}/<id>/bundle/ (cp -rp: keep its modes), <id>.safetensors",
+        f"                (and shared.safetensors, if written) to {home}/<id>/, then",
+        f"                systemctl enable --now fedge-{run}-client@<id>",
+    ]

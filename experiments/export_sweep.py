@@ -1,0 +1,116 @@
+"""Issue 29's sweep: `fedge export` for every model x objective x batch bound a client's program cache can request,
+from a fresh initialization and from a trained global model, each program through the parity gate.
+
+One `fedge export` process per (model, input shape, weights, FedProx mu) writes every training loss (ce, fd, lsd, ntd,
+soft) at both batch bounds (64: local training at batch <= 64; 128: DS-FL's distillation at batch 100), plus the
+.onnx and the inference .pte, into its own directory; its exit status says whether every program passed the gate.
+Results go to OUT/results.jsonl, one line per command (exit status, wall time, the gate's figures from its output),
+and the log of each command beside it. Resumable: a command already recorded with exit 0 is skipped, so the sweep can
+be spread over several sittings; it is CPU-bound (one to three minutes per program on one core), so run it niced.
+
+Run: ``nice -n 19 .venv/bin/python experiments/export_sweep.py --out runs/export-sweep [--trained W.safetensors]``
+(``--only fedavg_cnn`` to restrict models; ``--list`` prints the commands without running them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+OBJECTIVES = ("ce", "fd", "lsd", "ntd", "soft")
+BOUNDS = ("64", "128")
+# (model, per-sample input shape): the shapes of the datasets fedge trains each model on.
+MODELS = (
+    ("fedavg_cnn", "1,28,28"),  # MNIST, Fashion-MNIST (FedNTD)
+    ("fedavg_cnn", "1,8,8"),  # the bundled digits
+    ("dsfl_mnist_cnn", "1,28,28"),
+    ("dsfl_fmnist_cnn", "1,28,28"),
+    ("tiny_mlp", "1,8,8"),
+    ("reuters_mlp", ""),
+    ("imdb_lstm", ""),
+)
+PROX_MU = "0.01"  # FedProx's programs carry the proximal term (one value stands for the term being present)
+
+
+def commands(trained: dict[str, Path], only: set[str]) -> list[tuple[str, list[str]]]:
+    """(name, fedge export arguments) for every case of the sweep."""
+    out = []
+    for model, shape in MODELS:
+        if only and model not in only:
+            continue
+        weights: list[tuple[str, list[str]]] = [("fresh", ["--seed", "0"])]
+        if model in trained and shape == "1,28,28":
+            weights.append(("trained", ["--weights", str(trained[model])]))
+        for label, flags in weights:
+            for prox in ("", PROX_MU):
+                name = f"{model}-{shape.replace(',', 'x') or 'default'}-{label}" + (f"-prox{prox}" if prox else "")
+                args = ["--model", model, *(["--input-shape", shape] if shape else []), *flags]
+                if prox:  # FedProx trains with ce only
+                    args += ["--format", "pte-train", "--objective", "ce", "--prox-mu", prox]
+                else:
+                    args += ["--format", "onnx", "pte", "pte-train", "--objective", *OBJECTIVES]
+                out.append((name, [*args, "--max-batch", *BOUNDS]))
+    return out
+
+
+GATE = re.compile(r"(step|drift|logits)[^\n]*?(\d\.\d+e[-+]\d+)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("runs/export-sweep"))
+    p.add_argument(
+        "--trained",
+        action="append",
+        default=[],
+        metavar="MODEL=WEIGHTS",
+        help="a trained global model for MODEL (e.g. fedavg_cnn=runs/x/global_model.safetensors); repeatable",
+    )
+    p.add_argument("--only", nargs="*", default=[], help="models to sweep (default: all)")
+    p.add_argument("--list", action="store_true", help="print the commands and stop")
+    args = p.parse_args()
+    trained = {k: Path(v) for k, v in (t.split("=", 1) for t in args.trained)}
+    todo = commands(trained, set(args.only))
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = args.out / "results.jsonl"
+    done = set()
+    if results.exists():
+        done = {r["name"] for r in map(json.loads, results.read_text().splitlines()) if r["exit"] == 0}
+    fedge = [sys.executable, "-m", "cli.main", "export"]
+    for i, (name, cmd) in enumerate(todo, 1):
+        line = " ".join(["fedge export", *cmd, "--out", str(args.out / name)])
+        if args.list:
+            print(line)
+            continue
+        if name in done:
+            print(f"[{i}/{len(todo)}] {name}: done already")
+            continue
+        print(f"[{i}/{len(todo)}] {name}: {line}", flush=True)
+        started = time.monotonic()
+        with open(args.out / f"{name}.log", "w") as log:
+            code = subprocess.run(
+                [*fedge, *cmd, "--out", str(args.out / name)], stdout=log, stderr=subprocess.STDOUT
+            ).returncode
+        text = (args.out / f"{name}.log").read_text()
+        record = {
+            "name": name,
+            "command": line,
+            "exit": code,
+            "wall_s": round(time.monotonic() - started, 1),
+            "load": os.getloadavg()[0],
+            "gate": [f"{kind} {value}" for kind, value in GATE.findall(text)][:40],
+            "failed": [ln for ln in text.splitlines() if "FAIL" in ln or "refus" in ln][:10],
+        }
+        with open(results, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        print(f"    exit {code} in {record['wall_s']} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The fleet kit's systemd units: valid for systemd, and each ExecStart a command fedge accepts.
+
+`fedge provision --fleet-broker` writes the broker, coordinator and client-template units; `systemd-analyze verify`
+(which also checks that each command exists and is executable) accepts them with no warning, the device's layout
+made as the kit's README says. The restart behaviour they rely on (`fedge coordinator --run-dir`: start, resume
+after a kill, leave a finished run alone) is tested in test_resume.py.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli.main import build_parser, main
+from coordinator.broker_setup import broker_plan
+
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+
+
+def exec_start(unit: Path, instance: str = "") -> list[str]:
+    (line,) = [x for x in unit.read_text().splitlines() if x.startswith("ExecStart=")]
+    return shlex.split(line.removeprefix("ExecStart=").replace("%i", instance))
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("services")
+    device_root = root / "device"
+    args = ["provision", "--out", str(root / "fleet"), "--run", "lab", "--fleet-broker", "127.0.0.1"]
+    args += ["--fleet-device-root", str(device_root), "--dataset", "digits", "--num-clients", "3"]
+    assert main(args) == 0
+    return root / "fleet" / "kit" / "systemd", device_root
+
+
+def test_every_exec_start_is_a_command_fedge_and_mosquitto_accept(kit: tuple[Path, Path]) -> None:
+    units, device_root = kit
+    coordinator = exec_start(units / "fedge-lab-coordinator.service")
+    args = build_parser().parse_args(coordinator[coordinator.index("coordinator") :])
+    assert args.run_dir == units.parent.parent / "runs" / "lab" and args.bundle == units.parent / "coordinator"
+    assert Path(args.config).is_file()
+    client = exec_start(units / "fedge-lab-client@.service", "c001")
+    assert client[0] == str(device_root / "venv" / "bin" / "fedge")
+    args = build_parser().parse_args(client[1:])
+    assert (args.bundle, Path(args.data)) == (
+        device_root / "lab" / "c001" / "bundle",
+        device_root / "lab" / "c001" / "c001.safetensors",
+    )
+    broker = exec_start(units / "fedge-lab-broker.service")
+    conf_dir = broker_plan(units.parent / "broker", run="lab").conf_dir  # where the printed commands put the files
+    assert broker[1:] == ["-c", str(conf_dir / "mosquitto.conf")]
+    assert "systemctl enable --now fedge-lab-client@<id>" in (units / "README.txt").read_text()
+
+
+@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is absent (apt-get install systemd)")
+def test_systemd_analyze_verifies_every_unit_without_a_warning(kit: tuple[Path, Path], tmp_path: Path) -> None:
+    units, device_root = kit
+    # The device as the kit's README says to set it up: fedge in DEVICE_ROOT/venv, the files in DEVICE_ROOT/lab/<id>.
+    (device_root / "venv" / "bin").mkdir(parents=True)
+    (device_root / "venv" / "bin" / "fedge").symlink_to(Path(sys.executable).with_name("fedge"))
+    check = tmp_path / "units"
+    shutil.copytree(units, check)
+    (check / "fedge-lab-client@c001.service").symlink_to(check / "fedge-lab-client@.service")
+    names = ["fedge-lab-broker.service", "fedge-lab-coordinator.service", "fedge-lab-client@c001.service"]
+    done = subprocess.run(
+        [str(SYSTEMD_ANALYZE), "verify", "--man=no", *(str(check / n) for n in names)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and not done.stderr.strip() and not done.stdout.strip(), done.stderr + done.stdout
+    # And it does check: a command that is not there fails the verification.
+    (device_root / "venv" / "bin" / "fedge").unlink()
+    done = subprocess.run(
+        [str(SYSTEMD_ANALYZE), "verify", "--man=no", str(check / "fedge-lab-client@c001.service")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "is not executable" in done.stderr
