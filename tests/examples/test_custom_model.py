@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from mqtt_support import mosquitto_url  # noqa: F401 - pytest fixture
+from plugin_support import fresh_plugins  # noqa: F401 - pytest fixture
 
 from cli.main import main
 from fedge import plugins
@@ -20,10 +21,8 @@ PLUGIN = str(EXAMPLE / "wine_plugin.py")
 SMALL = ["--algorithm", "fedavg", "--partition", "iid", "--local-epochs", "2", "--batch-size", "8", "--lr", "0.05"]
 
 
-@pytest.fixture(autouse=True)
-def no_inherited_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--plugin`` adds to FEDGE_PLUGINS: keep that to the test."""
-    monkeypatch.setenv(plugins.ENV, "")
+# Each test as in a new process: the plugin not yet imported (``--plugin`` imports it and sets FEDGE_PLUGINS).
+pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
 
 def final_accuracy(run_parent: Path) -> float:

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from plugin_support import fresh_plugins  # noqa: F401 - pytest fixture
 from torch import nn
 
 from cli.main import main
 from export.diagnose import failing_layer
-from fedge import plugins
 
 GATED = """
 from torch import nn
@@ -38,10 +38,10 @@ register_model("gated_mlp", Gated)
 """
 
 
+@pytest.mark.usefixtures("fresh_plugins")
 def test_the_error_names_the_innermost_layer_that_cannot_be_lowered(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv(plugins.ENV, "")
     plugin = tmp_path / "gated.py"
     plugin.write_text(GATED)
     flags = ["--model", "gated_mlp", "--input-shape", "4", "--num-classes", "3", "--format", "onnx"]

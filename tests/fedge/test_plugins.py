@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from plugin_support import fresh_plugins  # noqa: F401 - pytest fixture
 from torch import nn
 
 from fedge import plugins
@@ -39,16 +39,8 @@ register_dataset("blobs", blobs, default_model="{model}")
 """
 
 
-@pytest.fixture(autouse=True)
-def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Each test starts with no plugin registered or imported, and no FEDGE_PLUGINS."""
-    monkeypatch.setattr(plugins, "_models", {})
-    monkeypatch.setattr(plugins, "_datasets", {})
-    monkeypatch.setattr(plugins, "_origin", {})
-    monkeypatch.setattr(plugins, "_imported", set())
-    monkeypatch.setattr(plugins, "_entry_points_loaded", False)
-    monkeypatch.delenv(plugins.ENV, raising=False)
-    yield
+# Each test starts with no plugin registered or imported, and no FEDGE_PLUGINS.
+pytestmark = pytest.mark.usefixtures("fresh_plugins")
 
 
 def write_plugin(tmp_path: Path, name: str = "my_plugin.py", model: str = "blob_net") -> Path:
