@@ -44,6 +44,8 @@ class WineMLP(nn.Module):
 
 def load_wine_arrays(data_dir: Path | None, seed: int) -> DatasetArrays:
     """scikit-learn's wine data, split 75/25 stratified by ``seed``, standardized with the train split's mean/std."""
+    # Imported here: a device with only fedge[client] (no scikit-learn) imports this plugin to build wine_mlp and
+    # never loads the data (its client data file holds its share).
     from sklearn.datasets import load_wine
     from sklearn.model_selection import train_test_split
 
