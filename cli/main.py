@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from common.console import add_skipped_rounds_flag
+from common.tensorboard import add_tensorboard_flag
 from fedge.algorithms import ALGORITHMS
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError, FedgeError
@@ -34,9 +36,11 @@ missing reply (an attacker's, a flaky device's) does not skip the round; ``fedge
 
 _HELP = {
     "algorithm": f"one of {', '.join(ALGORITHMS)}",
-    "dataset": "digits (bundled with scikit-learn, no download), synthetic, mnist, fashion_mnist, cifar10",
+    "dataset": "digits (bundled with scikit-learn, no download), synthetic, mnist, fashion_mnist, cifar10, or a "
+    "plugin's (--plugin)",
     "data_dir": "directory with the dataset files (e.g. ../shared/data/mnist)",
-    "model": "fedavg_cnn, dsfl_mnist_cnn, dsfl_fmnist_cnn, reuters_mlp, imdb_lstm, tiny_mlp (default: per dataset)",
+    "model": "fedavg_cnn, dsfl_mnist_cnn, dsfl_fmnist_cnn, reuters_mlp, imdb_lstm, tiny_mlp, or a plugin's "
+    "(default: per dataset)",
     "num_clients": "clients the training data is split among",
     "rounds": "communication rounds",
     "shards_per_client": "shards partition: label-sorted shards per client",
@@ -180,6 +184,29 @@ def add_previous_journal_flag(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --resume: continue from the journal of the round before the last (when the last is damaged)",
     )
+
+
+def add_plugin_flag(parser: argparse.ArgumentParser) -> None:
+    """``--plugin``, for the commands that build a model or load a dataset by name."""
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE_OR_FILE",
+        help="import your own models and datasets from this Python module or .py file (repeat for more; also "
+        "FEDGE_PLUGINS=a,b; see docs/custom_models.md)",
+    )
+
+
+def use_plugins(entries: Sequence[str]) -> None:
+    """Import ``--plugin``'s entries now (a bad one fails before anything starts) and add them to ``FEDGE_PLUGINS``,
+    which the processes fedge starts (clients over a broker, executor workers) inherit and import in turn."""
+    from fedge import plugins
+
+    given = [str(Path(e).resolve()) if e.endswith(".py") or os.sep in e else e for e in entries]
+    plugins.load_plugins(given)
+    known = plugins.plugin_entries(os.environ.get(plugins.ENV))
+    os.environ[plugins.ENV] = ",".join([*known, *(e for e in given if e not in known)])
 
 
 def _packet_limit(text: str) -> Any:
@@ -428,6 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
         "travel as chunks (auto: the broker's announced limit, else none; off: never chunk)",
     )
     p.add_argument("--no-report", action="store_true", help="skip the Markdown report and plots")
+    add_tensorboard_flag(p)
     p.add_argument(
         "--quiet",
         action="store_true",
@@ -443,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_previous_journal_flag(p)
     add_skipped_rounds_flag(p)
     _add_config_flags(p)
+    add_plugin_flag(p)
     p.set_defaults(func=_cmd_sim)
 
     p = sub.add_parser(
@@ -489,6 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
         "float16 int8:row,offset topk:k=1 (see --upload-codec of fedge sim)",
     )
     p.add_argument("--markdown", type=Path, help="also write the table(s) to this Markdown file")
+    add_plugin_flag(p)
     p.set_defaults(func=_cmd_cost)
 
     p = sub.add_parser(
@@ -519,6 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_skipped_rounds_flag(p)
     p.add_argument("--no-report", action="store_true", help="skip the Markdown report and plots")
     _add_config_flags(p)
+    add_plugin_flag(p)
     p.set_defaults(func=_cmd_coordinator)
 
     p = sub.add_parser(
@@ -527,6 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     add_client_arguments(p)
+    add_plugin_flag(p)
     p.set_defaults(func=_cmd_client)
 
     p = sub.add_parser(
@@ -579,6 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
         "larger messages as chunks (default: sized to the run's largest message, nothing chunked)",
     )
     _add_config_flags(p)
+    add_plugin_flag(p)
     p.set_defaults(func=_cmd_provision)
 
     from common.monitor import add_status_arguments
@@ -600,12 +633,22 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     add_export_arguments(p)
+    add_plugin_flag(p)
     p.set_defaults(func=_cmd_export)
     return parser
 
 
 RESUME_FLAGS = {
-    "sim": ("transport", "broker", "max_packet_size", "executor", "workers", "threads_per_worker", "device"),
+    "sim": (
+        "transport",
+        "broker",
+        "max_packet_size",
+        "executor",
+        "workers",
+        "threads_per_worker",
+        "device",
+        "tensorboard",
+    ),
     "coordinator": (
         "bundle",
         "broker",
@@ -622,12 +665,13 @@ RESUME_FLAGS = {
         "join_timeout",
         "rejoin_grace",
         "broker_counters",
+        "tensorboard",
     ),
 }
 """The flags a resume command repeats when they were given: how the run reaches its broker and clients and where it
 runs. The run's settings come from its config.json, so no config flag is repeated."""
 
-COMMON_RESUME_FLAGS = ("no_report", "allow_skipped_rounds", "quiet")
+COMMON_RESUME_FLAGS = ("no_report", "allow_skipped_rounds", "quiet", "plugin")
 
 
 def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
@@ -644,6 +688,9 @@ def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
         flag = "--" + dest.replace("_", "-")
         if value is True:
             words.append(flag)
+        elif isinstance(value, list):  # a repeatable flag
+            for item in value:
+                words += [flag, str(item)]
         elif dest == "broker":
             address = BrokerAddress.parse(str(value))
             words += [flag, address.url]
@@ -673,6 +720,7 @@ MISSING_EXTRA = {
     "onnx": "client-onnx",
     "onnxscript": "export",
     "executorch": "client-executorch",
+    "tensorboard": "tensorboard",
 }
 
 
@@ -688,6 +736,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     in_main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None
     try:
+        if getattr(args, "plugin", None):
+            use_plugins(args.plugin)
         return int(args.func(args) or 0)
     except FedgeError as exc:
         print(f"fedge: error: {exc}", file=sys.stderr)

@@ -15,8 +15,9 @@ from fedge.augment import preset as augment_preset
 from fedge.config import RunConfig
 from fedge.data import Dataset, load_dataset
 from fedge.errors import ConfigError
-from fedge.models import build_model, default_model_for
+from fedge.models import MODELS, build_model, default_model_for
 from fedge.partition import class_counts, open_private_split, partition
+from fedge.plugins import check_model_on
 from fedge.types import ClientId
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,9 @@ def prepare(config: RunConfig) -> Experiment:
     """Load the dataset and split it as ``config`` says; deterministic given ``config.seed``."""
     train, test = load_dataset(config.dataset, config.data_dir, seed=config.seed)
     model = config.model or default_model_for(config.dataset)
+    if model not in MODELS:  # a plugin's model: a dry run on two training samples before any client trains it
+        net = build_model(model, input_shape=train.input_shape, num_classes=train.num_classes, seed=0)
+        check_model_on(model, net, train.x[:2], train.num_classes)
     augment_preset(config.train.augment, train.input_shape)  # ConfigError now, not in every client's first round
     rng = np.random.default_rng(derive_seed(config.seed, "partition"))
     pool = np.arange(len(train))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from common.connection import add_connection_arguments, connection_from_args
 from common.console import skipped_rounds_status
+from common.tensorboard import TensorBoardLog, add_tensorboard_flag, check_tensorboard
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 
@@ -47,6 +48,7 @@ def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", type=Path, default=Path("runs"), help="parent directory of the run directory")
     p.add_argument("--name", default="", help="label appended to the run directory's name")
+    add_tensorboard_flag(p)
     p.add_argument(
         "--resume",
         type=Path,
@@ -98,28 +100,39 @@ def run_coordinator_cli(
     if bundle is not None and args.run not in (None, bundle.run):
         raise ConfigError(f"--run {args.run} differs from the bundle's run {bundle.run!r}")
     resume = args.resume is not None
+    if args.tensorboard is not None:
+        check_tensorboard()  # before a run directory exists
+    tensorboard: TensorBoardLog | None = None
 
     def on_round(r: RoundRecord) -> None:
+        if tensorboard is not None:
+            tensorboard.round(r)
         print(round_line(r), flush=True)
 
     # A start that fails (the data, the broker, clients that never join) removes the new directory again.
     with run_directory(args.out, config, args.name, resume=args.resume, fixed=args.run_dir) as run_dir:
         print(f"{'resuming run directory' if resume else 'run directory'}: {run_dir}", flush=True)
-        result = run_coordinator(
-            config,
-            run_dir,
-            broker=connection.address,
-            run=bundle.run if bundle is not None else (args.run or "default"),
-            provisioned=bundle.clients if bundle is not None else None,
-            min_clients=args.min_clients,
-            round_timeout=args.round_timeout,
-            join_timeout=args.join_timeout,
-            rejoin_grace=args.rejoin_grace,
-            broker_counters=args.broker_counters != "off",
-            on_round=on_round,
-            resume=resume,
-            max_packet_size=connection.max_packet_size,
-        )
+        if args.tensorboard is not None:
+            tensorboard = TensorBoardLog(args.tensorboard, run_dir.name)
+        try:
+            result = run_coordinator(
+                config,
+                run_dir,
+                broker=connection.address,
+                run=bundle.run if bundle is not None else (args.run or "default"),
+                provisioned=bundle.clients if bundle is not None else None,
+                min_clients=args.min_clients,
+                round_timeout=args.round_timeout,
+                join_timeout=args.join_timeout,
+                rejoin_grace=args.rejoin_grace,
+                broker_counters=args.broker_counters != "off",
+                on_round=on_round,
+                resume=resume,
+                max_packet_size=connection.max_packet_size,
+            )
+        finally:
+            if tensorboard is not None:
+                tensorboard.close()
     s = result.summary
     if s.get("final_accuracy") is not None:
         print(f"final accuracy {100 * s['final_accuracy']:.2f}%  best {100 * s['best_accuracy']:.2f}%")

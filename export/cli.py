@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORMATS = ("onnx", "pte", "pte-train")
+_FORMAT_LABELS = {"onnx": "ONNX", "pte": "ExecuTorch inference", "pte-train": "ExecuTorch training"}
 WEIGHTS_FILE = "weights.safetensors"
 """The reference weights written beside the exports of one ``fedge export`` call (read back by ``check``)."""
 
@@ -187,7 +188,15 @@ def _export(args: argparse.Namespace) -> int:
     refused = 0
     for job in jobs:
         name = job.name
-        data = _make(job, model, spec, args)
+        try:
+            data = _make(job, model, spec, args)
+        except ExportError as exc:  # torch.export's pages of trace become one line naming the layer to rewrite
+            from export.diagnose import explain_export_failure
+            from fedge.models import example_input
+
+            what = f"{_FORMAT_LABELS[job.format]} export of {spec.name}"
+            example = example_input(model, batch=2, input_shape=spec.input_shape)
+            raise ExportError(explain_export_failure(what, model, example, exc)) from exc
         reports = check_bytes(data, job.format, weights, source=name)
         for r in reports:
             print(f"  {r}")

@@ -376,13 +376,22 @@ def _resolve_dir(data_dir: Path, name: str) -> Path:
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None, *, seed: int = 0) -> tuple[Dataset, Dataset]:
-    """The ``(train, test)`` splits of the dataset called ``name`` (one of :data:`DATASETS`).
+    """The ``(train, test)`` splits of the dataset called ``name`` (one of :data:`DATASETS`, or a plugin's).
 
     File-backed datasets (mnist, fashion_mnist, cifar10) read ``data_dir``, which is either the folder holding the
     files or a data root with a ``<name>/`` subfolder. ``seed`` fixes the split of digits and the synthetic task.
     """
     if name not in DATASETS:
-        raise ConfigError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}")
+        from fedge import plugins  # imported on use: plugins import this module
+
+        splits = plugins.plugin_dataset(name, data_dir, seed)
+        if splits is not None:
+            return splits
+        raise ConfigError(
+            f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}"
+            + "".join(f", {n} (plugin)" for n in plugins.plugin_dataset_names())
+            + f"; a dataset of your own: --plugin MODULE_OR_FILE or {plugins.ENV} (docs/custom_models.md)"
+        )
     if name == "digits":
         return load_digits_dataset(seed=seed)
     if name == "synthetic":

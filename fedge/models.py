@@ -350,23 +350,45 @@ def build_model(name: str, *, input_shape: tuple[int, ...], num_classes: int, se
     it, torch's default initialization draws from the global CPU generator. Raises :class:`ConfigError` for an
     unknown name or an input shape the model cannot take.
     """
-    if name not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}")
+    builder = _builder(name)
     if num_classes < 1:
         raise ConfigError(f"num_classes must be at least 1, got {num_classes}")
     shape = tuple(int(d) for d in input_shape)
     if seed is None:
-        return MODELS[name](shape, num_classes)
+        return builder(shape, num_classes)
     # devices=[]: fork only the CPU generator (models are built on CPU). Seeding through default_generator rather than
     # torch.manual_seed keeps CUDA generators untouched, which fork_rng(devices=[]) would not restore.
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
-        return MODELS[name](shape, num_classes)
+        return builder(shape, num_classes)
+
+
+def _builder(name: str) -> Callable[[tuple[int, ...], int], nn.Module]:
+    """The built-in model ``name``, else a plugin's (:mod:`fedge.plugins`); ConfigError naming both kinds if neither."""
+    if name in MODELS:
+        return MODELS[name]
+    from fedge import plugins  # imported on use: plugins import this module
+
+    factory = plugins.plugin_model(name)
+    if factory is None:
+        raise ConfigError(
+            f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}"
+            + "".join(f", {n} (plugin)" for n in plugins.plugin_model_names())
+            + f"; a model of your own: --plugin MODULE_OR_FILE or {plugins.ENV} (docs/custom_models.md)"
+        )
+    return factory
 
 
 def default_model_for(dataset_name: str) -> str:
     """The registry name of the model used for ``dataset_name`` when the user does not choose one."""
     if dataset_name not in _DEFAULT_MODELS:
+        from fedge import plugins  # imported on use: plugins import this module
+
+        plugin_default = plugins.plugin_default_model(dataset_name)
+        if plugin_default is not None:
+            return plugin_default
+        if dataset_name in plugins.plugin_dataset_names():
+            raise ConfigError(f"dataset {dataset_name!r} (a plugin) names no default model: pass --model NAME")
         raise ConfigError(
             f"no default model for dataset {dataset_name!r}; known datasets: {', '.join(sorted(_DEFAULT_MODELS))}"
         )
@@ -387,7 +409,9 @@ def example_input(
     """
     if isinstance(name_or_model, str):
         if name_or_model not in MODELS:
-            raise ConfigError(f"unknown model {name_or_model!r}; known models: {', '.join(sorted(MODELS))}")
+            _builder(name_or_model)  # ConfigError for a name that is no plugin's either
+            if input_shape is None:
+                raise ConfigError(f"model {name_or_model!r} is a plugin's: give its input shape (--input-shape)")
         shape = input_shape or _DEFAULT_INPUT_SHAPES[name_or_model]
         vocab = 20000 if name_or_model == "imdb_lstm" else None
     else:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.console import round_line, skipped_rounds_status
+from common.tensorboard import TensorBoardLog, check_tensorboard
 from fedge.config import RunConfig
 from fedge.cost import format_bytes
 from fedge.errors import ConfigError
@@ -22,6 +24,8 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
 
     if args.transport == "mqtt" and args.executor not in ("auto", "sequential"):
         raise ConfigError(f"--executor {args.executor} is for in-process runs; over MQTT every client is a process")
+    if args.tensorboard is not None:
+        check_tensorboard()  # before a run directory exists
     with run_directory(args.out, config, args.name, resume=args.resume) as run_dir:  # removed if the start fails
         result = _simulate(args, config, run_dir)
     s = result.summary
@@ -60,8 +64,11 @@ def _simulate(args: argparse.Namespace, config: RunConfig, run_dir: Path) -> Run
         file=sys.stderr,
         dynamic_ncols=True,
     )
+    tensorboard = TensorBoardLog(args.tensorboard, run_dir.name) if args.tensorboard is not None else None
 
     def on_round(r: RoundRecord) -> None:
+        if tensorboard is not None:
+            tensorboard.round(r)
         if resume and bar.n == 0:  # count (and time) a resumed run from the journal's round, not from 0
             bar.initial = bar.n = bar.last_print_n = r.round - 1
         acc = r.accuracy
@@ -75,6 +82,17 @@ def _simulate(args: argparse.Namespace, config: RunConfig, run_dir: Path) -> Run
             bar.write(round_line(r), file=sys.stdout)
             sys.stdout.flush()
 
+    try:
+        return _run(args, config, run_dir, on_round, resume)
+    finally:
+        bar.close()
+        if tensorboard is not None:
+            tensorboard.close()
+
+
+def _run(
+    args: argparse.Namespace, config: RunConfig, run_dir: Path, on_round: Callable[[RoundRecord], None], resume: bool
+) -> RunResult:
     if args.transport == "mqtt":
         from sim.laptop import run_over_mqtt
 
@@ -100,7 +118,6 @@ def _simulate(args: argparse.Namespace, config: RunConfig, run_dir: Path) -> Run
             workers=args.workers,
             threads_per_worker=args.threads_per_worker,
         )
-    bar.close()
     return result
 
 

@@ -38,7 +38,7 @@ def test_every_flag_has_text_and_states_its_default_at_most_once(
 def test_a_setting_shows_its_real_default_and_the_model_its_rule(capsys: pytest.CaptureFixture[str]) -> None:
     out = _help("sim", capsys)
     assert "--lr LR local learning rate (default: 0.01)" in out
-    assert "tiny_mlp (default: per dataset) --num-clients" in out
+    assert "tiny_mlp, or a plugin's (default: per dataset) --num-clients" in out
     assert "--round-timeout ROUND_TIMEOUT seconds a round waits for replies (default: 300.0)" in _help(
         "coordinator", capsys
     )

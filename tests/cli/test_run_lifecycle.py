@@ -126,3 +126,10 @@ def test_the_coordinators_resume_command_repeats_how_it_ran_but_never_a_password
     )
     bundle = build_parser().parse_args(["coordinator", "--bundle", "kit/coordinator", "--min-clients", "3"])
     assert resume_command(bundle, Path("r")) == "fedge coordinator --resume r --bundle kit/coordinator --min-clients 3"
+
+
+def test_the_resume_command_repeats_the_plugins_and_the_tensorboard_folder() -> None:
+    from cli.main import build_parser, resume_command
+
+    args = build_parser().parse_args(["sim", "--plugin", "a.py", "--plugin", "pkg.b", "--tensorboard", "tb"])
+    assert resume_command(args, Path("r")) == "fedge sim --resume r --tensorboard tb --plugin a.py --plugin pkg.b"
