@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from mqtt_support import require_mosquitto
 
-from common.experiment import prepare
+from common.experiment import Experiment, prepare
 from common.web_status import CSP, Board, StatusServer, parse_web_address, render_page, status_json
 from coordinator.run import run_coordinator
 from fedge.config import RunConfig, TrainConfig
@@ -202,45 +202,45 @@ def wait_for_page(url: str, pattern: str, timeout: float = 60) -> str:
 @pytest.mark.broker
 def test_the_page_in_headless_chromium_follows_a_live_run(tmp_path: Path) -> None:
     """``fedge status --web`` beside a real coordinator and two ``fedge client`` processes over mosquitto: the page
-    says no status yet, then that the run waits with one of two clients online, then the finished run."""
+    says no status yet, then that the run waits for its two clients, then the finished run, in which c001 died when
+    its round-2 task arrived (dropped, with the reason)."""
     chromium()
     require_mosquitto()
     config = RunConfig(dataset="digits", model="tiny_mlp", num_clients=2, rounds=2, train=TrainConfig(local_epochs=1))
-    exp = prepare(config)
-    files = write_client_files(exp, tmp_path / "data")
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
+    result: dict[str, object] = {}
+
+    def coordinate(exp: Experiment) -> None:
+        result["run"] = run_coordinator(
+            config, tmp_path / "run", broker=broker, run="web", experiment=exp, join_timeout=120, rejoin_grace=1
+        )
+
     with mosquitto_broker() as broker:
         cmd = [sys.executable, "-m", "cli.main", "status", "--broker", broker, "--run", "web", "--web", str(port)]
         web = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
+            exp = prepare(config)  # while the status process starts
+            files = write_client_files(exp, tmp_path / "data")
             assert web.stdout is not None and url in web.stdout.readline()
             dom = load(url)
-            assert (
-                cell(dom, "state")
-                == "no status yet: nothing on fedge/web/run-status (is the coordinator of run 'web' running?)"
-                and 'class="state none"' in dom
+            assert 'class="state none"' in dom
+            assert cell(dom, "state") == (
+                "no status yet: nothing on fedge/web/run-status (is the coordinator of run 'web' running?)"
             )
-
-            result: dict[str, object] = {}
-            coordinator = threading.Thread(
-                target=lambda: result.update(
-                    run=run_coordinator(
-                        config, tmp_path / "run", broker=broker, run="web", experiment=exp, join_timeout=120
-                    )
-                ),
-            )
-            with client_processes({"c000": files["c000"]}, broker, "web", log_dir=tmp_path / "logs"):
-                coordinator.start()
-                dom = wait_for_page(url, r'id="online">c000<')
-                assert cell(dom, "phase") == "waiting for clients, 1 of 2 online" and cell(dom, "round") == "0 of 2"
-                assert re.search(r'<body data-polled="\d+', dom), "the page's script did not run under its CSP"
-                with client_processes({"c001": files["c001"]}, broker, "web", log_dir=tmp_path / "logs"):
-                    coordinator.join(180)
+            coordinator = threading.Thread(target=coordinate, args=(exp,))
+            coordinator.start()
+            dom = wait_for_page(url, r'id="phase">waiting for clients, 0 of 2 online<')  # needed is in the 2nd status
+            assert 'class="state live"' in dom and cell(dom, "round") == "0 of 2"
+            assert cell(dom, "online") == "-" and cell(dom, "clients").startswith("0 online")
+            assert re.search(r'<body data-polled="\d+', dom), "the page's script did not run under its CSP"
+            with client_processes(files, broker, "web", log_dir=tmp_path / "logs", faults={"c001": 2}):
+                coordinator.join(240)
             assert "run" in result, "the coordinator did not finish"
             dom = wait_for_page(url, r'class="state finished"')
             assert cell(dom, "round") == "2 of 2" and cell(dom, "phase") == "finished"
-            assert cell(dom, "replied") == "c000 c001" and cell(dom, "dropped") == "-"
+            assert cell(dom, "clients") == "1 online, 2 sampled, 1 replied, 1 dropped", dom
+            assert cell(dom, "replied") == "c000" and cell(dom, "dropped").startswith("c001 (went offline"), dom
             assert re.fullmatch(r"\d+\.\d\d% \(round 2\)", cell(dom, "accuracy")), dom
             assert re.match(r"wire \d", cell(dom, "bytes")), dom
             web.send_signal(signal.SIGINT)  # Ctrl-C
