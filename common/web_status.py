@@ -114,6 +114,9 @@ HEADERS = {
 }
 
 
+_PHASE_TEXT = {"done": "round done"}
+
+
 def _names(ids: tuple[str, ...], total: int) -> str:
     shown = " ".join(printable(c, 40) for c in ids) or "-"
     return shown + (f" ... ({total - len(ids)} more)" if total > len(ids) else "")
@@ -138,7 +141,9 @@ def state_of(status: RunStatus | None, now: float, connected: bool, run: str) ->
     if status.phase == "training" and status.deadline and now - status.deadline > LATE:
         late = now - status.deadline
         return "gone", f"coordinator gone? round {status.round}'s deadline passed {late:.0f} s ago with no news"
-    return "live", f"live: round {status.round} of {status.rounds}, {status.phase}"
+    if status.phase == "joining":
+        return "live", f"live: waiting for clients, {status.counts[0]} of {status.needed} online"
+    return "live", f"live: round {status.round} of {status.rounds}, {_PHASE_TEXT.get(status.phase, status.phase)}"
 
 
 def view(status: RunStatus | None, now: float, connected: bool, run: str) -> dict[str, str]:
@@ -154,7 +159,7 @@ def view(status: RunStatus | None, now: float, connected: bool, run: str) -> dic
     if s.phase == "joining":
         shown["phase"] = f"waiting for clients, {s.counts[0]} of {s.needed} online"
     else:
-        shown["phase"] = "round done" if s.phase == "done" else s.phase
+        shown["phase"] = _PHASE_TEXT.get(s.phase, s.phase)
     if s.phase == "training" and s.deadline:
         left = s.deadline - now
         shown["deadline"] = f"in {left:.0f} s" if left >= 0 else f"passed {-left:.0f} s ago"
