@@ -297,16 +297,30 @@ def _host_name(header: str) -> str:
 
 
 class StatusServer(ThreadingHTTPServer):
-    """The page's HTTP server; one daemon thread per request."""
+    """The page's HTTP server; one daemon thread per connection, at most ``max_connections`` at once (a flood of
+    idle connections is closed unanswered instead of growing threads without bound)."""
 
     daemon_threads = True
 
-    def __init__(self, bind: tuple[str, int], board: Board) -> None:
+    def __init__(self, bind: tuple[str, int], board: Board, *, max_connections: int = 32) -> None:
         self.board = board
         self.loopback_only = _is_loopback(bind[0])
+        self._slots = threading.BoundedSemaphore(max_connections)
         if ":" in bind[0]:
             self.address_family = socket.AF_INET6
         super().__init__(bind, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     @property
     def url(self) -> str:

@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -164,6 +165,30 @@ def test_the_server_answers_get_on_its_two_paths_only_with_its_headers() -> None
         refused = ask(server, "GET", "/status.json", host="attacker.example:80")
         assert refused.status == 421 and b"round" not in refused.read()
         assert ask(server, "GET", "/", host="localhost:8080").status == 200
+
+
+def test_idle_connections_beyond_the_bound_are_closed_unanswered() -> None:
+    board = Board("lab", clock=lambda: NOW)
+    server = StatusServer(("127.0.0.1", 0), board, max_connections=2)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        idle = [socket.create_connection(server.server_address[:2], timeout=10) for _ in range(2)]  # they send nothing
+        time.sleep(0.3)
+        with pytest.raises((http.client.RemoteDisconnected, ConnectionResetError)):
+            ask(server, "GET", "/status.json").read()
+        for conn in idle:
+            conn.close()
+        deadline = time.monotonic() + 10
+        while True:  # the idle connections' threads end once their sockets close
+            try:
+                assert ask(server, "GET", "/status.json").status == 200
+                break
+            except (http.client.RemoteDisconnected, ConnectionResetError):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def chromium() -> str:
