@@ -256,7 +256,7 @@ def _is_loopback(host: str) -> bool:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """GET / and GET /status.json; 404 for any other path (other methods: the base class's 501)."""
+    """GET / and GET /status.json; 404 for any other path, 501 for any other method."""
 
     server: StatusServer
     timeout = 10  # seconds a client may take to send its request: a slow one cannot hold a thread for ever
@@ -284,6 +284,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The base class's errors (other methods, malformed requests) as one plain-text line, with the headers."""
+        self.close_connection = True
+        reason = message or self.responses.get(code, ("error",))[0]
+        self._answer(code, "text/plain; charset=utf-8", f"{code} {printable(reason)}\n".encode())
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), printable(format % args))  # not a line a second on stderr

@@ -160,7 +160,9 @@ def test_the_server_answers_get_on_its_two_paths_only_with_its_headers() -> None
         for path in ("/app.js", "/../etc/passwd", "/status.json/", "/favicon.ico"):
             assert ask(server, "GET", path).status == 404, path
         for method in ("POST", "PUT", "DELETE"):
-            assert ask(server, method, "/").status == 501, method
+            refused = ask(server, method, "/")
+            assert refused.status == 501 and refused.getheader("Content-Security-Policy") == CSP, method
+            assert refused.read() == f"501 Unsupported method ({method!r})\n".encode()
         # Bound to loopback, it answers no other Host name (a rebinding page elsewhere reads nothing).
         refused = ask(server, "GET", "/status.json", host="attacker.example:80")
         assert refused.status == 421 and b"round" not in refused.read()
@@ -189,6 +191,11 @@ def test_idle_connections_beyond_the_bound_are_closed_unanswered() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def default_sigint() -> None:
+    """Ctrl-C as on a terminal, even when pytest runs as a background job (which inherits SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def chromium() -> str:
@@ -244,7 +251,9 @@ def test_the_page_in_headless_chromium_follows_a_live_run(tmp_path: Path) -> Non
 
     with mosquitto_broker() as broker:
         cmd = [sys.executable, "-m", "cli.main", "status", "--broker", broker, "--run", "web", "--web", str(port)]
-        web = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        web = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint
+        )
         try:
             exp = prepare(config)  # while the status process starts
             files = write_client_files(exp, tmp_path / "data")
