@@ -129,6 +129,16 @@ def test_web_addresses() -> None:
             parse_web_address(bad)
 
 
+def test_the_command_refuses_web_with_once_and_a_bad_address_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from cli.main import main
+
+    base = ["status", "--broker", "mqtt://127.0.0.1:1", "--run", "lab"]
+    assert main([*base, "--web", "8080", "--once"]) == 2
+    assert capsys.readouterr().err == "fedge: error: --once prints one snapshot; it does not go with --web\n"
+    assert main([*base, "--web", "example.org:8080"]) == 2
+    assert "fedge: error: --web wants [ADDRESS:]PORT with an IP address" in capsys.readouterr().err
+
+
 @contextmanager
 def serving(board: Board, bind: tuple[str, int] = ("127.0.0.1", 0)) -> Iterator[StatusServer]:
     server = StatusServer(bind, board)
