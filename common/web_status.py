@@ -31,6 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
+from common.monitor import _LATE, _names  # the terminal view's rules: one answer to "is it gone?", one list format
 from common.mqtt import MqttLink
 from fedge.cost import format_bytes
 from fedge.errors import CodecError, ConfigError
@@ -40,7 +41,7 @@ from fedge.wire import printable
 
 log = logging.getLogger(__name__)
 
-LATE = 30.0  # seconds past a round's deadline after which the page says the coordinator seems gone (as the terminal)
+LATE = _LATE  # seconds past a round's deadline after which the page, like the terminal, says the coordinator seems gone
 POLL_MS = 1000  # how often the page asks for /status.json
 
 # Display ids of the page, in order, with their labels; the JSON's "view" carries one text per id.
@@ -115,11 +116,6 @@ HEADERS = {
 
 
 _PHASE_TEXT = {"done": "round done"}
-
-
-def _names(ids: tuple[str, ...], total: int) -> str:
-    shown = " ".join(printable(c, 40) for c in ids) or "-"
-    return shown + (f" ... ({total - len(ids)} more)" if total > len(ids) else "")
 
 
 def state_of(status: RunStatus | None, now: float, connected: bool, run: str) -> tuple[str, str]:
