@@ -152,7 +152,7 @@ def serving(board: Board, bind: tuple[str, int] = ("127.0.0.1", 0)) -> Iterator[
 
 
 def ask(server: StatusServer, method: str, path: str, host: str | None = None) -> http.client.HTTPResponse:
-    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=10)
+    conn = http.client.HTTPConnection("127.0.0.1", int(server.server_address[1]), timeout=10)
     headers = {"Host": host} if host else {}
     conn.request(method, path, headers=headers)
     return conn.getresponse()
@@ -184,7 +184,9 @@ def test_idle_connections_beyond_the_bound_are_closed_unanswered() -> None:
     server = StatusServer(("127.0.0.1", 0), board, max_connections=2)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        idle = [socket.create_connection(server.server_address[:2], timeout=10) for _ in range(2)]  # they send nothing
+        idle = [
+            socket.create_connection(("127.0.0.1", int(server.server_address[1])), timeout=10) for _ in range(2)
+        ]  # they send nothing
         time.sleep(0.3)
         with pytest.raises((http.client.RemoteDisconnected, ConnectionResetError)):
             ask(server, "GET", "/status.json").read()
@@ -246,7 +248,7 @@ def wait_for_page(url: str, pattern: str, timeout: float = 60) -> str:
 def test_the_page_in_headless_chromium_follows_a_live_run(tmp_path: Path) -> None:
     """``fedge status --web`` beside a real coordinator and two ``fedge client`` processes over mosquitto: the page
     says no status yet, then that the run waits for its two clients, then the finished run, in which c001 died when
-    its round-2 task arrived (dropped, with the reason)."""
+    its round-2 task arrived (dropped, with the reason), and once the broker is gone, that it lost the broker."""
     chromium()
     require_mosquitto()
     config = RunConfig(dataset="digits", model="tiny_mlp", num_clients=2, rounds=2, train=TrainConfig(local_epochs=1))
@@ -259,12 +261,13 @@ def test_the_page_in_headless_chromium_follows_a_live_run(tmp_path: Path) -> Non
             config, tmp_path / "run", broker=broker, run="web", experiment=exp, join_timeout=120, rejoin_grace=1
         )
 
-    with mosquitto_broker() as broker:
-        cmd = [sys.executable, "-m", "cli.main", "status", "--broker", broker, "--run", "web", "--web", str(port)]
-        web = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint
-        )
-        try:
+    web: subprocess.Popen[str] | None = None
+    try:
+        with mosquitto_broker() as broker:
+            cmd = [sys.executable, "-m", "cli.main", "status", "--broker", broker, "--run", "web", "--web", str(port)]
+            web = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint
+            )
             exp = prepare(config)  # while the status process starts
             files = write_client_files(exp, tmp_path / "data")
             assert web.stdout is not None and url in web.stdout.readline()
@@ -288,9 +291,14 @@ def test_the_page_in_headless_chromium_follows_a_live_run(tmp_path: Path) -> Non
             assert cell(dom, "replied") == "c000" and cell(dom, "dropped").startswith("c001 (went offline"), dom
             assert re.fullmatch(r"\d+\.\d\d% \(round 2\)", cell(dom, "accuracy")), dom
             assert re.match(r"wire \d", cell(dom, "bytes")), dom
-            web.send_signal(signal.SIGINT)  # Ctrl-C
-            assert web.wait(30) == 0
-        finally:
+        # The broker is gone: the page keeps the last status and says that it may be stale.
+        dom = wait_for_page(url, r'class="state offline"')
+        assert cell(dom, "state").startswith("no connection to the broker: this is the status of "), dom
+        assert cell(dom, "round") == "2 of 2"
+        web.send_signal(signal.SIGINT)  # Ctrl-C
+        assert web.wait(30) == 0
+    finally:
+        if web is not None:
             stop_process(web)
-        out = web.stdout.read() if web.stdout else ""
-        assert "Traceback" not in out, out
+    out = web.stdout.read() if web is not None and web.stdout else ""
+    assert "Traceback" not in out, out
