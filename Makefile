@@ -1,11 +1,12 @@
 # The two commands of the README, each doing all set-up from a fresh clone:
 #   make demo   FedAvg, FedNTD and DS-FL on scikit-learn's bundled digits over the embedded MQTT broker, one report
-#   make test   lint, type-check and the full test suite (installs mosquitto for the broker tests if missing)
+#   make test   lint, type-check and the full test suite (installs mosquitto and headless Chromium for the
+#               broker and web-page tests if missing)
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast lint typecheck install mosquitto bench clean ort-training
+.PHONY: demo test test-fast lint typecheck install mosquitto chromium bench clean ort-training
 
 install: $(VENV)/.installed
 
@@ -32,6 +33,10 @@ demo: install
 mosquitto:
 	@bash scripts/install-mosquitto.sh
 
+# For the test that loads `fedge status --web` in a browser (tests/common/test_web_status.py).
+chromium:
+	@bash scripts/install-chromium.sh
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -45,7 +50,7 @@ typecheck: install
 # in one process): many tests wait on brokers, subprocesses and deadlines, so two workers on 2 cores cut the wall
 # time (measured: 16.1 min on a quiet machine; in one process 22.6 min, with another job running). Files are taken
 # in collection order, the slowest first (tests/conftest.py), so that no worker finishes a long file alone.
-test: install ort-training mosquitto lint typecheck
+test: install ort-training mosquitto chromium lint typecheck
 	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # The unit tests of the core, the journal, the CLI, the reports and the in-process simulator: no broker, no exported

@@ -35,6 +35,12 @@ def add_status_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout", type=float, default=10.0, help="seconds to wait for the broker and the first status (default: 10)"
     )
+    p.add_argument(
+        "--web",
+        metavar="[ADDRESS:]PORT",
+        default=None,
+        help="serve the view as a read-only web page on this port (address default: 127.0.0.1) instead of printing it",
+    )
 
 
 def _names(ids: tuple[str, ...], total: int) -> str:
@@ -148,4 +154,10 @@ def run_status_cli(args: argparse.Namespace) -> int:
     else:
         run = check_name(args.run or "default", "run name")
         client_id = f"fedge-{run}-monitor-{secrets.token_hex(4)}"  # unique: monitors must not push each other off
+    if args.web is not None:
+        from common.web_status import parse_web_address, serve
+
+        if args.once:
+            raise ConfigError("--once prints one snapshot; it does not go with --web")
+        return serve(connection.address, client_id, run, parse_web_address(args.web), timeout=args.timeout)
     return watch(connection.address, client_id, run, once=args.once, timeout=args.timeout)
