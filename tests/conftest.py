@@ -24,6 +24,9 @@ SLOW_FILES = (
     "tests/sim/test_ort_training_run.py",
     "tests/sim/test_demo.py",
     "tests/export/test_cli.py",
+    "tests/cli/test_packaging.py",
+    "tests/common/test_web_status.py",
+    "tests/examples/test_custom_model.py",
     "tests/export/test_manifest.py",
 )
 
