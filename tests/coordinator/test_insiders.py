@@ -157,8 +157,8 @@ def attacked(fleet: Fleet, attack: str) -> RunResult:
     return coordinate(exp, fleet.bundle_dir, fleet.url, fleet.root / attack)
 
 
-# rehello last: after its run the next coordinator never saw the insider's hello again (its run showed c005 "offline
-# (left)"), which this module does not yet explain
+# rehello last: its coordinator refuses the insider for the run, and a refused client stops serving
+# (MqttEdgeClient.serve returns and clears its hello), so no later run of this fleet would see it join.
 @pytest.mark.parametrize("attack", ["replacement", "sign_flip", "label_rotation", "int8_offset", "rehello"])
 def test_the_deployment_defaults_survive_one_admitted_attacker(
     fleet: Fleet, request: pytest.FixtureRequest, attack: str
