@@ -1,19 +1,25 @@
-"""One admitted attacker among five honest clients over mosquitto started from fedge's own fleet kit (TLS, passwords,
-ACL), with the defaults ``fedge coordinator`` gives a deployment (updates and weights clipped to the round's median,
-then the mean; quorum 0.5).
+"""Admitted attackers over mosquitto started from fedge's own fleet kit (TLS, passwords, ACL), against the defaults
+``fedge coordinator`` gives a deployment (updates and weights clipped to the round's median, then the mean; quorum
+0.5).
 
-The attacker holds a real device bundle and runs one attack per coordinator run (:mod:`insiders`): model replacement
-at 0.95 x the update bound, a sign flip at the bound, size inflation by a re-hello claiming 2^40 samples (then an
-all-zero model claiming 2^40 examples) and a label-rotating model. Asserted per attack: no round skipped, and the
-final accuracy within 2 points of the all-honest run of the same seed and defaults (in process, the sixth client
-honest). The int8 attack needs a run with int8 uploads: it is in ``experiments/insiders.py``'s table.
+One attacker among five honest clients, one attack per coordinator run (:mod:`insiders`): model replacement at 0.95 x
+the update bound, a sign flip at the bound, size inflation by a re-hello claiming 2^40 samples (then an all-zero model
+claiming 2^40 examples), a label-rotating model, and +5 on the output layer's bias of an int8-coded upload (a run
+with ``--upload-codec int8``, inside the bound). The attacker holds a real device bundle; the honest clients are
+``fedge client`` processes. Asserted per attack: no round skipped, and the final accuracy within 2 points of the
+all-honest run of the same seed and defaults (in process, the sixth client honest).
+
+Three attackers of ten (model replacement toward one rotated model: they collude) with ``--robust median``: within
+5 points of the all-honest run. Every client of that fleet serves from a thread of the test (real bundles, real
+broker), which starts in a fraction of the time of ten processes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -52,11 +58,26 @@ class Fleet:
     root: Path
 
 
-def deployment_config() -> Experiment:
-    """What `fedge coordinator` FLAGS runs: the deployment's defaults, nothing set by hand."""
-    config = _run_config(build_parser().parse_args(["coordinator", *FLAGS]), deployment=True)
-    assert (config.algo.robust, config.algo.clip_factor, config.min_replies) == ("mean", 1.0, 0.5)
+def deployment_config(*extra: str) -> Experiment:
+    """What `fedge coordinator` FLAGS (then ``extra``) runs: the deployment's defaults for what is not set."""
+    config = _run_config(build_parser().parse_args(["coordinator", *FLAGS, *extra]), deployment=True)
+    assert (config.algo.clip_factor, config.min_replies) == (1.0, 0.5)
     return prepare(config)
+
+
+@contextmanager
+def served(clients: Mapping[str, EdgeClient], exp: Experiment, bundles: Mapping[str, Path], url: str) -> Iterator[None]:
+    """Each client served over the broker from a thread of this process, logged in with its own device bundle."""
+    with ExitStack() as stack:
+        for cid, client in clients.items():
+            address = load_bundle(bundles[cid], broker=url).address
+            info = ClientDataInfo(cid, exp.model, exp.input_shape, exp.num_classes)
+            server = MqttEdgeClient(client, info, address, RUN)
+            thread = threading.Thread(target=server.serve, name=cid, daemon=True)
+            thread.start()
+            stack.callback(thread.join, 10)
+            stack.callback(server.stop)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +85,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     require_mosquitto()
     root = tmp_path_factory.mktemp("insiders")
     exp = deployment_config()
+    assert exp.config.algo.robust == "mean"
     files = write_client_files(exp, root / "data")
     kit = provision_fleet(exp, root / "kit", run=RUN, broker_hosts=["127.0.0.1"], port=free_port())
     bundles = {c: kit.root / "clients" / c for c in files}
@@ -101,34 +123,79 @@ def honest_accuracy(fleet: Fleet) -> float:
     return accuracy
 
 
-def attacked(fleet: Fleet, attack: str) -> RunResult:
-    fleet.insider.attack = attack
-    assert fleet.insider.reset is not None
-    fleet.insider.reset()  # a re-hello of an earlier run must not decide this one's admission
-    bundle = load_bundle(fleet.bundle_dir, broker=fleet.url)
+@pytest.fixture(scope="module")
+def honest_int8_accuracy(fleet: Fleet) -> float:
+    """The all-honest run with the same seed and defaults and int8 uploads, in process."""
+    exp = prepare(dataclasses.replace(fleet.exp.config, upload_codec="int8"))
+    accuracy = run_inprocess(exp.config, fleet.root / "honest-int8", experiment=exp).rounds[-1].accuracy
+    assert accuracy is not None and accuracy > 0.85
+    return accuracy
+
+
+def coordinate(exp: Experiment, bundle_dir: Path, url: str, out: Path) -> RunResult:
+    """One coordinator run of ``exp`` over the broker, from the coordinator's own bundle."""
+    bundle = load_bundle(bundle_dir, broker=url)
     return run_coordinator(
-        fleet.exp.config,
-        fleet.root / attack,
+        exp.config,
+        out,
         broker=bundle.address,
         run=bundle.run,
         provisioned=bundle.clients,
-        experiment=fleet.exp,
+        experiment=exp,
         round_timeout=20,
         join_timeout=120,
     )
 
 
-@pytest.mark.parametrize("attack", ["replacement", "sign_flip", "label_rotation", "rehello"])
+def attacked(fleet: Fleet, attack: str) -> RunResult:
+    fleet.insider.attack = attack
+    assert fleet.insider.reset is not None
+    fleet.insider.reset()  # a re-hello of an earlier run must not decide this one's admission
+    exp = fleet.exp
+    if attack == "int8_offset":  # the same fleet: the coordinator's task tells every client how to code its upload
+        exp = prepare(dataclasses.replace(exp.config, upload_codec="int8"))
+    return coordinate(exp, fleet.bundle_dir, fleet.url, fleet.root / attack)
+
+
+# rehello last: its coordinator refuses the insider for the run, and a refused client stops serving
+# (MqttEdgeClient.serve returns and clears its hello), so no later run of this fleet would see it join.
+@pytest.mark.parametrize("attack", ["replacement", "sign_flip", "label_rotation", "int8_offset", "rehello"])
 def test_the_deployment_defaults_survive_one_admitted_attacker(
-    fleet: Fleet, honest_accuracy: float, attack: str
+    fleet: Fleet, request: pytest.FixtureRequest, attack: str
 ) -> None:
+    honest_accuracy = request.getfixturevalue("honest_int8_accuracy" if attack == "int8_offset" else "honest_accuracy")
     result = attacked(fleet, attack)
     assert [r.round for r in result.rounds] == [1, 2, 3, 4]
     assert all(r.aggregated for r in result.rounds), [(r.round, r.replied, r.drops) for r in result.rounds]
     honest = {f"c00{i}" for i in range(5)}
     assert all(honest <= set(r.replied) for r in result.rounds)  # no honest client refused or dropped
-    if attack in ("replacement", "label_rotation"):  # inside every bound: the aggregation alone must hold it off
+    if attack in (
+        "replacement",
+        "label_rotation",
+        "int8_offset",
+    ):  # inside every bound: the aggregation alone must hold it off
         assert ATTACKER in result.rounds[0].replied
     accuracy = result.rounds[-1].accuracy
     # 2 points = 9 of the 450 test images; the sign flip lands on exactly that (measured: 92.67% vs 94.67%).
     assert accuracy is not None and abs(accuracy - honest_accuracy) <= 0.02 + 1e-9, (attack, accuracy, honest_accuracy)
+
+
+def test_a_median_deployment_survives_three_colluding_attackers_of_ten(tmp_path: Path) -> None:
+    require_mosquitto()
+    exp = deployment_config("--num-clients", "10", "--robust", "median")
+    attackers = ["c000", "c004", "c007"]
+    files = write_client_files(exp, tmp_path / "data")
+    kit = provision_fleet(exp, tmp_path / "kit", run=RUN, broker_hosts=["127.0.0.1"], port=free_port())
+    bundles = {c: kit.root / "clients" / c for c in files}
+    clients: dict[str, EdgeClient] = {}
+    for c in files:  # each its own backend: the threads train at the same time
+        client = EdgeClient(c, exp.client_data(c), TorchBackend(exp.model, exp.input_shape, exp.num_classes))
+        clients[c] = Insider(client, "replacement", exp.config.algo.max_update_ratio) if c in attackers else client
+    honest = run_inprocess(exp.config, tmp_path / "honest", experiment=exp).rounds[-1].accuracy
+    assert honest is not None and honest > 0.85
+    with fleet_mosquitto(kit.broker_dir) as url, served(clients, exp, bundles, url):
+        result = coordinate(exp, kit.coordinator_dir, url, tmp_path / "attacked")
+    assert all(r.aggregated for r in result.rounds), [(r.round, r.replied, r.drops) for r in result.rounds]
+    assert set(attackers) <= set(result.rounds[0].replied)  # admitted and inside the bound: the median holds them
+    accuracy = result.rounds[-1].accuracy
+    assert accuracy is not None and honest - accuracy <= 0.05, (accuracy, honest)

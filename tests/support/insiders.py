@@ -21,15 +21,20 @@ from collections.abc import Callable
 
 import torch
 
+from common.experiment import prepare
+from coordinator.engine import RoundEngine
 from edge_client.client import EdgeClient
 from fedge import wire
 from fedge.algorithms import ALGORITHMS
 from fedge.algorithms.base import ClientData, UpdateReport
-from fedge.backend import Backend
+from fedge.algorithms.dsfl import DSFLSettings
+from fedge.backend import Backend, TorchBackend
 from fedge.compressed import decode_broadcast, encode_update
+from fedge.config import RunConfig, TrainConfig
 from fedge.messages import Message
 from fedge.robust import state_norm, update_norm
 from fedge.types import StateDict
+from sim.inprocess import InProcessTransport
 
 ATTACKS = ("replacement", "sign_flip", "rehello", "int8_offset", "label_rotation", "confident_wrong")
 OUTPUT_LAYER = "layers.2."  # tiny_mlp's last Linear
@@ -92,3 +97,27 @@ class Insider(EdgeClient):
             update.transport,
         )
         return encode_update(task, crafted, plain, self.store)
+
+
+def dsfl_accuracies(robust: str, attackers: int, rounds: int = 10, seed: int = 0) -> list[float]:
+    """DS-FL on digits (tiny_mlp, IID, 10 clients, ERA): the accuracy after each round, in process through the
+    coordinator's round engine, the first ``attackers`` clients uploading confidently wrong rows."""
+    config = RunConfig(
+        algorithm="dsfl",
+        dataset="digits",
+        model="tiny_mlp",
+        num_clients=10,
+        rounds=rounds,
+        seed=seed,
+        partition="iid",
+        train=TrainConfig(local_epochs=2, lr=0.1),
+        algo=DSFLSettings(robust=robust, open_per_round=300),
+    )
+    exp = prepare(config)
+    open_x = exp.open_x()
+    backend = TorchBackend(exp.model, exp.input_shape, exp.num_classes)
+    clients: list[EdgeClient] = [EdgeClient(c, exp.client_data(c, open_x), backend) for c in sorted(exp.parts)]
+    clients[:attackers] = [Insider(c, "confident_wrong") for c in clients[:attackers]]
+    test_x, test_y = exp.test_tensors()
+    history = RoundEngine(exp.config, exp.strategy("dsfl"), InProcessTransport(clients), test_x, test_y).run()
+    return [float(r.accuracy or 0.0) for r in history.rounds]

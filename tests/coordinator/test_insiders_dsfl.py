@@ -1,0 +1,27 @@
+"""DS-FL with confidently-wrong uploaders (valid probability rows, each all on a wrong class) under ``--robust
+median``, in process through the coordinator's round engine: 1 of 10 ends within 2 points of the all-honest run of
+the same seed and rule, 3 of 10 within 5, and under the plain mean 3 of 10 ruin the run.
+
+10 rounds, not 5: at round 5 every run is still on the steep part of its learning curve (+10 points a round on this
+seed), where a half-round delay reads as 5 points; the per-round soft labels under 1 attacker stay within 2 points of
+the honest run's accuracy on the open samples (measured, see docs/deployment.md).
+"""
+
+from __future__ import annotations
+
+from insiders import dsfl_accuracies
+
+ROUNDS = 10
+
+
+def test_the_median_holds_one_and_three_confidently_wrong_uploaders_of_ten() -> None:
+    honest = dsfl_accuracies("median", 0, ROUNDS)[-1]
+    assert honest > 0.85, honest
+    one = dsfl_accuracies("median", 1, ROUNDS)[-1]
+    three = dsfl_accuracies("median", 3, ROUNDS)[-1]
+    assert honest - one <= 0.02 and honest - three <= 0.05, (honest, one, three)
+
+
+def test_the_mean_does_not_hold_three() -> None:
+    """The attack is strong enough to matter: the papers' mean falls far (measured 72.9% -> 0.7% at 5 rounds)."""
+    assert dsfl_accuracies("mean", 3, ROUNDS)[-1] < 0.5
