@@ -28,6 +28,7 @@ SLOW_FILES = (
     "tests/common/test_web_status.py",
     "tests/examples/test_custom_model.py",
     "tests/export/test_manifest.py",
+    "tests/coordinator/test_insiders_dsfl.py",
 )
 
 
