@@ -17,8 +17,6 @@ long the runs are, not on how many elements move.
   is then ``(N*Ho*Wo, kh*kw*C)`` with runs of ``C`` floats, and the product is written as ``P @ W2d.t()`` so that
   autograd forms the weight gradient as ``(g.t() @ P).t()`` (the patch matrix is never transposed; only the small
   weight and the output gradient are). A convolution outside such a run is lowered on its own, with its own permutes.
-  A first layer, whose input needs no gradient, forms its patches with two ``unfold`` gathers instead of slices and
-  a ``cat``, which copy runs of ``C`` floats one ``memcpy`` at a time (one float per call on grey images).
 - **Linear layers** become ``mm(W, x.t()).t()``: the weight is never transposed, forward or backward (autograd's
   layout-aware ``mm`` backward transposes only batch-sized tensors), where ``nn.Linear``'s ``addmm`` transposes it
   three times.
@@ -143,15 +141,6 @@ class ChannelsLastConv2d(nn.Module):
             x = torch.cat([z, x, z], dim=1)
         ho = (h + 2 * ph - kh) // sh + 1
         wo = (w + 2 * pw - kw) // sw + 1
-        if not x.requires_grad:
-            # A first layer (the input needs no gradient): im2col as two unfolds, one strided gather kernel each.
-            # The slices + cat below copy runs of C floats, one memcpy each: with C = 1 (grey images) that is one
-            # call per float. unfold has no backward kernel in ExecuTorch 1.4.1, hence only where none is needed.
-            patches = x.unfold(1, kh, sh).unfold(2, kw, sw).reshape(n * ho * wo, c * kh * kw)  # K ordered (c, i, j)
-            out = torch.mm(patches, self.weight.reshape(self.weight.shape[0], c * kh * kw).t())
-            if self.bias is not None:
-                out = out + self.bias
-            return out.reshape(n, ho, wo, -1)
         # im2col in two stages, kw + kh slices rather than kh * kw: fewer graph nodes (export time) and fewer
         # zero-filled gradient buffers in the backward pass.
         cols = torch.stack([x[:, :, j : j + sw * (wo - 1) + 1 : sw, :] for j in range(kw)], dim=3)  # (N,Hp,Wo,kw,C)

@@ -87,24 +87,3 @@ def test_lowering_leaves_the_input_model_as_it_was() -> None:
     before = [type(m) for m in model.modules()]
     lower_for_training(model)
     assert [type(m) for m in model.modules()] == before
-
-
-@pytest.mark.parametrize(("c_in", "kernel", "stride", "padding"), [(1, 5, 1, 2), (3, 3, 2, 1), (2, (3, 2), (1, 2), 0)])
-def test_a_convolution_lowers_alike_whether_or_not_its_input_needs_a_gradient(
-    c_in: int, kernel: int | tuple[int, int], stride: int | tuple[int, int], padding: int
-) -> None:
-    # A first layer (input without gradient) takes the unfold path, a later one the slice path: both are conv2d.
-    conv = nn.Conv2d(c_in, 4, kernel, stride=stride, padding=padding)
-    lowered = Conv2dAsMatmul(conv)
-    x = torch.randn(2, c_in, 9, 8, generator=torch.Generator().manual_seed(0))
-    expected = nn.functional.conv2d(x, conv.weight, conv.bias, stride=stride, padding=padding)
-    expected.square().sum().backward()
-    assert conv.weight.grad is not None
-    want = conv.weight.grad.clone()
-    for needs_grad in (False, True):
-        conv.weight.grad = None
-        xi = x.clone().requires_grad_(needs_grad)
-        out = lowered(xi)
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-        out.square().sum().backward()
-        torch.testing.assert_close(conv.weight.grad, want, rtol=1e-5, atol=1e-5)
