@@ -746,6 +746,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = MISSING_EXTRA.get((exc.name or "").split(".")[0])
         if extra is None:
             raise
+        if args.command == "export":  # the exporters need the whole export extra (onnxscript, executorch, ...)
+            extra = "export"
         print(
             f"fedge: error: `fedge {args.command}` needs the package {exc.name!r}, which this installation lacks; "
             f"install it with fedge's '{extra}' extra: pip install 'fedge[{extra}]'",

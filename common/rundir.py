@@ -105,8 +105,10 @@ def fixed_run_dir_state(path: Path) -> str:
     """What a fixed run directory (``fedge coordinator --run-dir``, what a service restarts) holds: ``"finished"``
     (summary.json), ``"resume"`` (a journal: at least one round completed), or ``"start"`` (absent or empty).
 
-    A directory a killed start left behind before its first round completed (its config.json, no journal) is
-    removed and counts as ``"start"``: there is nothing in it to continue. Anything else is not fedge's to touch.
+    A directory a killed start left behind before its first round completed (no journal; only the files a run writes
+    before then, its config.json a run's config) is removed and counts as ``"start"``: there is nothing in it to
+    continue. Anything else (another file, a config.json that is not a run's, e.g. ``fedge provision``'s folder) is
+    not fedge's to touch: refused.
     """
     from common.journal import JOURNAL
 
@@ -115,11 +117,21 @@ def fixed_run_dir_state(path: Path) -> str:
     if (path / JOURNAL).is_file():
         return "resume"
     if path.is_dir() and any(path.iterdir()):
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"--run-dir {path} holds files but no run: empty it or choose another directory")
+        names = {p.name for p in path.iterdir()}
+        refusal = f"--run-dir {path} holds files but no run: empty it or choose another directory"
+        if "config.json" not in names or not names <= EARLY_RUN_FILES:
+            raise ConfigError(refusal)
+        try:
+            RunConfig.from_json_file(path / "config.json")
+        except (ConfigError, ValueError, OSError):
+            raise ConfigError(refusal) from None
         shutil.rmtree(path)
         log.info("removed %s: its run stopped before its first round completed", path)
     return "start"
+
+
+# What a run directory holds before its first round completed (RunWriter, the coordinator's log, its run status).
+EARLY_RUN_FILES = frozenset({"config.json", "partition.json", "coordinator.log", "metrics.jsonl", "ledger.csv"})
 
 
 def new_run_dir(root: str | Path, config: RunConfig, label: str = "") -> Path:

@@ -6,13 +6,14 @@
   SIGHUP reloads the password file and ACL (``systemctl reload``).
 - ``fedge-<run>-coordinator.service``: ``fedge coordinator --run-dir DIR`` with the kit's coordinator bundle and the
   provisioned config.json: the same command starts the run, resumes it from its journal after a crash or a reboot,
-  and leaves it alone once it has finished (exit 0). Ctrl-C/SIGTERM exit codes (130, 143) count as a clean stop; a
-  configuration error (exit 2) is not restarted.
+  and leaves it alone once it has finished (exit 0). Ctrl-C/SIGTERM exit codes (130, 143) count as a clean stop;
+  every other exit is retried (exit 2 is a configuration error, but also a broker that cannot be reached yet).
 - ``fedge-<run>-client@.service``: one template for every device, instantiated by client id
   (``systemctl enable --now fedge-<run>-client@c003``); it expects the device's files under ``DEVICE_ROOT/<run>/<id>/``
   (its bundle folder ``clients/<id>/`` as ``bundle/``, its data file, and ``shared.safetensors`` when there is one)
-  and fedge installed in ``DEVICE_ROOT/venv``. A client the coordinator refused (exit 3) or started with a wrong
-  configuration (exit 2) is not restarted in a loop: restarting would not change the answer.
+  and fedge installed in ``DEVICE_ROOT/venv``. A client the coordinator refused (exit 3) is not restarted in a loop:
+  restarting would not change the answer; any other exit is (a broker not reachable yet exits 2, as a wrong
+  configuration does).
 
 The coordinator's paths are this machine's (where ``fedge provision`` ran, which is where the kit says the coordinator
 runs); the broker's are the kit's broker directory on the broker host. Every unit is checked with ``systemd-analyze
@@ -26,9 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 DEFAULT_DEVICE_ROOT = Path("/opt/fedge")
-# The exit codes of `fedge client` that a restart cannot cure: 2 a configuration or data error, 3 refused by the
-# coordinator (the reason is in the journal).
-CLIENT_FINAL_EXITS = (2, 3)
+# The exit code of `fedge client` that a restart cannot cure: 3, refused by the coordinator (the reason is in the
+# journal). Not 2: fedge exits 2 for a configuration error but also for a broker it cannot reach (a device that boots
+# before its broker, a broker host down for a while), which a restart does cure.
+CLIENT_FINAL_EXITS = (3,)
 
 
 def _path(path: Path) -> str:
@@ -76,7 +78,6 @@ WorkingDirectory={_path(config.parent)}
 Restart=on-failure
 RestartSec=10
 SuccessExitStatus=130 143
-RestartPreventExitStatus=2
 NoNewPrivileges=yes
 
 [Install]

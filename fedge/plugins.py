@@ -18,6 +18,7 @@ range) and becomes :class:`fedge.data.Dataset` splits, so the rest of fedge neve
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import logging
@@ -164,8 +165,10 @@ def _import_entry(entry: str) -> None:
             path = Path(entry)
             if not path.is_file():
                 raise PluginError(f"plugin file {path} does not exist (from --plugin or {ENV})")
-            # A stable module name per file, so that pickled references (process workers) resolve the same module.
-            module_name = f"fedge_plugin_{path.stem}"
+            # A stable module name per file (its stem and a digest of its resolved path: two plugin.py files in two
+            # folders stay two modules), so that pickled references (process workers) resolve the same module.
+            digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
+            module_name = f"fedge_plugin_{path.stem}_{digest}"
             spec = importlib.util.spec_from_file_location(module_name, path)
             if spec is None or spec.loader is None:
                 raise PluginError(f"plugin file {path} cannot be imported as Python")
@@ -336,6 +339,8 @@ def _split(name: str, split: str, x: object, y: object, num_classes: int) -> Dat
         if not np.isfinite(x).all():
             raise PluginError(f"{where}: x_{split} holds NaN or infinite values (or values beyond float32)")
     elif x.dtype.kind in "iu":
+        if x.min() < 0 or int(x.max()) >= 2**63:  # a negative or wrapped id would reach an embedding as a traceback
+            raise PluginError(f"{where}: x_{split} token ids must be in [0, 2**63), got {x.min()}..{x.max()}")
         x = x.astype(np.int64, copy=False)  # token ids, e.g. for an embedding
     else:
         raise PluginError(f"{where}: x_{split} must be floating-point inputs or integer token ids, got {x.dtype}")

@@ -33,6 +33,8 @@ class BrokerOutage:
         self.stopped_at: float | None = None
         self.restarted_at: float | None = None
         self.error: BaseException | None = None
+        self._closing = threading.Event()  # set by close(): the thread starts no broker after that
+        self._lock = threading.Lock()  # the thread's stop/start against close()'s stop
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -40,22 +42,31 @@ class BrokerOutage:
         try:
             metrics = self.run_dir / "metrics.jsonl"
             deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not self._closing.is_set():
                 if metrics.exists() and metrics.read_text().count("\n") >= self.after_rounds:
                     break
                 time.sleep(0.02)
-            self._stack.close()  # SIGTERM: mosquitto saves its sessions and stops
-            self.stopped_at = time.monotonic()
-            time.sleep(self.seconds)
-            self._stack.enter_context(fleet_mosquitto(self.broker_dir))  # the same kit, the same port
-            self.restarted_at = time.monotonic()
+            with self._lock:
+                if self._closing.is_set():
+                    return
+                self._stack.close()  # SIGTERM: mosquitto saves its sessions and stops
+                self.stopped_at = time.monotonic()
+            if self._closing.wait(self.seconds):
+                return
+            with self._lock:
+                if self._closing.is_set():
+                    return
+                self._stack.enter_context(fleet_mosquitto(self.broker_dir))  # the same kit, the same port
+                self.restarted_at = time.monotonic()
         except BaseException as exc:  # reported by whoever closes the outage
             self.error = exc
 
     def close(self) -> None:
-        """Waits for the restart (if the outage began) and stops the broker."""
-        self._thread.join(timeout=self.seconds + 30)
-        self._stack.close()
+        """Stops the broker; an outage that has not ended by then never starts it again (no orphaned mosquitto)."""
+        self._closing.set()
+        with self._lock:
+            self._stack.close()
+        self._thread.join(timeout=30)
 
     def __enter__(self) -> BrokerOutage:
         return self

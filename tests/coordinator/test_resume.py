@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,14 +146,23 @@ def test_one_run_dir_command_starts_resumes_and_then_leaves_the_finished_run_alo
     # A start killed before its first round completed left config.json and no journal: removed, started anew.
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    (fresh / "config.json").write_text("{}")
+    (fresh / "config.json").write_text(config.read_text())
     (fresh / "coordinator.log").write_text("")
     assert fixed_run_dir_state(fresh) == "start" and not fresh.exists()
+    # Not a run: a provisioned folder (config.json beside the data files), a config.json that is not a run's, a note.
+    for name, text in (("c000.safetensors", ""), ("notes.txt", "mine")):
+        fresh.mkdir()
+        (fresh / "config.json").write_text(config.read_text())
+        (fresh / name).write_text(text)
+        with pytest.raises(ConfigError, match="holds files but no run"):
+            fixed_run_dir_state(fresh)
+        assert (fresh / name).exists() and (fresh / "config.json").exists()
+        shutil.rmtree(fresh)
     fresh.mkdir()
-    (fresh / "notes.txt").write_text("mine")  # not a run: never touched
+    (fresh / "config.json").write_text('{"not": "a run config"}')
     with pytest.raises(ConfigError, match="holds files but no run"):
         fixed_run_dir_state(fresh)
-    assert (fresh / "notes.txt").exists()
+    assert (fresh / "config.json").exists()
 
 
 def test_a_broker_restart_during_a_good_run_never_fails_the_cli(

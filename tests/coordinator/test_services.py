@@ -18,6 +18,8 @@ import pytest
 
 from cli.main import build_parser, main
 from coordinator.broker_setup import broker_plan
+from coordinator.services import CLIENT_FINAL_EXITS
+from sim.brokers import free_port
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 
@@ -54,6 +56,24 @@ def test_every_exec_start_is_a_command_fedge_and_mosquitto_accept(kit: tuple[Pat
     conf_dir = broker_plan(units.parent / "broker", run="lab").conf_dir  # where the printed commands put the files
     assert broker[1:] == ["-c", str(conf_dir / "mosquitto.conf")]
     assert "systemctl enable --now fedge-lab-client@<id>" in (units / "README.txt").read_text()
+
+
+def test_a_device_that_boots_before_its_broker_is_restarted_and_a_refused_one_is_not(kit: tuple[Path, Path]) -> None:
+    units, _ = kit
+    client = (units / "fedge-lab-client@.service").read_text()
+    assert f"RestartPreventExitStatus={' '.join(map(str, CLIENT_FINAL_EXITS))}" in client and "Restart=always" in client
+    assert "RestartPreventExitStatus" not in (units / "fedge-lab-coordinator.service").read_text()
+    fleet = units.parent.parent
+    closed = f"mqtts://127.0.0.1:{free_port()}"  # nobody listens: the broker is not up yet
+    args = ["client", "--bundle", str(units.parent / "clients" / "c000"), "--data", str(fleet / "c000.safetensors")]
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", *args, "--broker", closed, "--connect-timeout", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and done.returncode not in CLIENT_FINAL_EXITS, (done.returncode, done.stderr[-500:])
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is absent (apt-get install systemd)")
