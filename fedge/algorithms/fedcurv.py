@@ -140,8 +140,8 @@ class FedCurv(FedAvg):
         negative weight would push the other clients away from this one's weights) and a ``v`` other than ``u * w``
         of the update's own weights (the client computes it so in float32: anything else moves the others' anchor
         where this client's weights are not). A lossy upload codec can move a small value below zero or ``v`` off
-        ``u * w`` a little: compressed values are clamped at 0 instead (in :meth:`aggregate`, as every kept one is).
-        The size of ``u`` is bounded only by finiteness."""
+        ``u * w`` a little: compressed values are clamped at 0 instead, and every kept ``v`` is recomputed as ``u * w``
+        (in :meth:`aggregate`), where ``u``'s size is also bounded under a clip factor."""
         report = super().check_reply(rnd, client, reply)
         if self.config.upload_codec != "float32":
             return report
@@ -154,13 +154,19 @@ class FedCurv(FedAvg):
         return report
 
     def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
+        """FedAvg's aggregate, then each replying client's terms kept: ``u`` clamped at 0 and, with a clip factor
+        (a deployment's default), scaled down to at most that factor times the round's median Fisher norm, so that
+        one client cannot make every other client's pull overflow; ``v`` recomputed here as ``u * w`` from the
+        update's own (decoded) weights, so that no upload, compressed or not, moves the others' anchor elsewhere."""
         metrics = super().aggregate(rnd, replies)
+        fisher = {c: {k: replies[c].tensors[FISHER_U + k].clamp(min=0) for k in self.trainable} for c in replies}
+        norms = {c: float(torch.stack([(u * u).sum() for u in f.values()]).sum().sqrt()) for c, f in fisher.items()}
+        clip = self.settings.clip_factor
+        cap = clip * float(torch.tensor(sorted(norms.values())).median()) if clip > 0 and norms else float("inf")
         for client in sorted(replies):
-            t = replies[client].tensors
-            self._terms[client] = (
-                {k: t[FISHER_U + k].clamp(min=0) for k in self.trainable},
-                {k: t[FISHER_V + k].clone() for k in self.trainable},
-            )
+            scale = min(1.0, cap / norms[client]) if norms[client] > 0 else 1.0
+            u = {k: t * scale if scale < 1.0 else t for k, t in fisher[client].items()}
+            self._terms[client] = (u, {k: u[k] * replies[client].tensors[k] for k in self.trainable})
         return metrics
 
 

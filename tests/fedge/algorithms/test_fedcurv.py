@@ -118,3 +118,37 @@ def test_over_the_secured_embedded_broker_it_gives_the_in_process_model(tmp_path
     train = TrainConfig(local_epochs=1)
     cfg = RunConfig(algorithm="fedcurv", dataset="digits", model="tiny_mlp", num_clients=3, rounds=3, train=train)
     assert_mqtt_run_matches_inprocess(cfg, tmp_path)
+
+
+def _norm(u: dict[str, torch.Tensor]) -> float:
+    return float(torch.stack([(t * t).sum() for t in u.values()]).sum().sqrt())
+
+
+def test_under_a_clip_factor_one_clients_huge_fisher_is_scaled_to_the_median_and_v_is_kept_as_u_times_w() -> None:
+    """A deployment's clip factor bounds what one client's Fisher does to the others' pull (a huge u would make their
+    loss overflow, every later update non-finite and refused); the kept v is the server's u * w, whatever was sent."""
+    run = TwoClients(dataclasses.replace(config("fedcurv"), algo=FedCurvSettings(clip_factor=1.0)))
+    run.round(1)
+    replies = {c: dataclasses.replace(m, round=2) for c, m in run.transport.replies[1].items()}
+    sent = replies["a"].tensors
+    huge = {k: t * 1e6 if k.startswith(FISHER_U) else t for k, t in sent.items()}
+    huge.update(
+        {FISHER_V + k[len(FISHER_U) :]: t * sent[k[len(FISHER_U) :]] for k, t in huge.items() if k.startswith(FISHER_U)}
+    )  # v = u * w still
+    replies["a"] = dataclasses.replace(replies["a"], tensors=huge)
+    run.strategy.configure(2, ["a", "b"])
+    for c, reply in replies.items():
+        run.strategy.check_reply(2, c, reply)
+    run.strategy.aggregate(2, replies)
+    (ua, va), (ub, _) = run.strategy._terms["a"], run.strategy._terms["b"]
+    huge_u = {k: huge[FISHER_U + k] for k in ua}
+    assert _norm(ua) == pytest.approx(_norm(ub), rel=1e-5) and _norm(huge_u) > 1e5 * _norm(ua)
+    assert all(torch.equal(va[k], ua[k] * replies["a"].tensors[k]) for k in ua)
+    # Without a clip factor (the simulator's papers' setting) the terms are kept as sent.
+    plain = TwoClients(config("fedcurv"))
+    plain.round(1)
+    replies = {c: dataclasses.replace(m, round=2) for c, m in plain.transport.replies[1].items()}
+    replies["a"] = dataclasses.replace(replies["a"], tensors=huge)
+    plain.strategy.configure(2, ["a", "b"])
+    plain.strategy.aggregate(2, replies)
+    assert _norm(plain.strategy._terms["a"][0]) == pytest.approx(_norm(huge_u))
