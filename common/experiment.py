@@ -18,6 +18,7 @@ from fedge.errors import ConfigError
 from fedge.models import MODELS, build_model, default_model_for
 from fedge.partition import class_counts, open_private_split, partition
 from fedge.plugins import check_model_on
+from fedge.training import REPRESENTATION
 from fedge.types import ClientId
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,13 @@ def prepare(config: RunConfig) -> Experiment:
     if model not in MODELS:  # a plugin's model: a dry run on two training samples before any client trains it
         net = build_model(model, input_shape=train.input_shape, num_classes=train.num_classes, seed=0)
         check_model_on(model, net, train.x[:2], train.num_classes)
+        if REPRESENTATION in get_algorithm(config.algorithm).hooks and not (
+            callable(getattr(net, "representation", None)) and callable(getattr(net, "head", None))
+        ):  # MOON compares representations: say so now, not in every client's first round
+            raise ConfigError(
+                f"{config.algorithm} compares the model's representations, but model {model!r} has no "
+                "representation(x) / head(z) methods (head(representation(x)) must equal forward(x)); add them"
+            )
     augment_preset(config.train.augment, train.input_shape)  # ConfigError now, not in every client's first round
     rng = np.random.default_rng(derive_seed(config.seed, "partition"))
     pool = np.arange(len(train))

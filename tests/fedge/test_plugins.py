@@ -188,3 +188,13 @@ def test_a_plugin_is_imported_once_whatever_the_path_spelling(tmp_path: Path, mo
     monkeypatch.chdir(tmp_path)
     plugins.load_plugins(["./my_plugin.py"])  # the same file again: no "already registered" error
     assert plugins.plugin_model_names() == ["blob_net"]
+
+
+def test_moon_with_a_plugin_model_without_a_representation_split_is_refused_before_the_run(tmp_path: Path, monkeypatch):
+    from common.experiment import prepare
+    from fedge.config import RunConfig
+
+    monkeypatch.setenv(plugins.ENV, str(write_plugin(tmp_path)))
+    with pytest.raises(ConfigError, match=r"moon compares the model's representations, but model 'blob_net' has no"):
+        prepare(RunConfig(algorithm="moon", dataset="blobs", num_clients=2))
+    prepare(RunConfig(algorithm="fedavg", dataset="blobs", num_clients=2))  # the same model suits FedAvg
