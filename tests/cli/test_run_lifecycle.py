@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from mqtt_support import mosquitto_url  # noqa: F401 - a pytest fixture
+from signal_support import default_sigint
 
 from cli.main import main
 from common.journal import JOURNAL
@@ -59,6 +60,7 @@ def _start(tmp_path: Path, *flags: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": os.getcwd()},
+        preexec_fn=default_sigint,
     )
 
 

@@ -12,6 +12,7 @@ import sys
 import time
 
 from mqtt_support import mosquitto_url  # noqa: F401 - a fixture
+from signal_support import default_sigint
 
 from common.monitor import render
 from common.mqtt import MqttLink
@@ -69,7 +70,9 @@ def test_on_a_terminal_the_view_is_redrawn_and_bad_messages_are_reported(mosquit
         time.sleep(0.3)
         primary, secondary = pty.openpty()
         cmd = [sys.executable, "-m", "cli.main", "status", "--broker", mosquitto_url, "--run", "tty"]
-        proc = subprocess.Popen(cmd, stdin=secondary, stdout=secondary, stderr=secondary, close_fds=True)
+        proc = subprocess.Popen(
+            cmd, stdin=secondary, stdout=secondary, stderr=secondary, close_fds=True, preexec_fn=default_sigint
+        )
         os.close(secondary)
         seen = b""
         try:

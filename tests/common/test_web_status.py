@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from mqtt_support import require_mosquitto
+from signal_support import default_sigint
 
 from common.experiment import Experiment, prepare
 from common.web_status import CSP, Board, StatusServer, parse_web_address, render_page, status_json
@@ -203,11 +204,6 @@ def test_idle_connections_beyond_the_bound_are_closed_unanswered() -> None:
     finally:
         server.shutdown()
         server.server_close()
-
-
-def default_sigint() -> None:
-    """Ctrl-C as on a terminal, even when pytest runs as a background job (which inherits SIGINT ignored)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def chromium() -> str:

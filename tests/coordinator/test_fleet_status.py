@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from kit_support import fedge_provision, open_dir, printed_commands, start_as_printed  # noqa: F401 - a fixture
 from mqtt_support import mosquitto_url, require_mosquitto  # noqa: F401 - a fixture
+from signal_support import default_sigint
 
 from common.credentials import load_bundle
 from common.experiment import prepare
@@ -75,7 +76,7 @@ class Watcher:
 
     def start(self) -> None:
         with open(self.out, "wb") as fh:
-            self.proc = subprocess.Popen(self.cmd, stdout=fh, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(self.cmd, stdout=fh, stderr=subprocess.STDOUT, preexec_fn=default_sigint)
 
     def stop(self) -> None:
         if self.proc is not None:
