@@ -47,10 +47,11 @@ TRAIN_SGD = SGDSettings(lr=0.02, momentum=0.9, weight_decay=5e-4)
 # Drift check, two parts, at the batch size the program runs at, on real-looking images, with a run's SGD settings.
 # - Stepwise: before each of DRIFT_STEPS steps, the program and eager float64 start from the same weights (float64's
 #   trajectory rounded to float32) and take one step; the program's update of every tensor must match float64's
-#   within STEP_TOLERANCE of that tensor's largest update (plus STEP_FLOOR of its largest value, float32's rounding of
-#   the weights themselves). This is what measures a program's arithmetic: from the same weights there are no
-#   near-tie flips (measured: <= 1.2e-7 for correct programs), while a wrong gradient (ExecuTorch 1.4.1's max-pool
-#   backward) is off by O(1) and an imprecise kernel (the portable batch-norm variance) by ~1e-3.
+#   within STEP_TOLERANCE of the step's largest update of any tensor, less one float32 rounding of the result. This is
+#   what measures a program's arithmetic: from the same weights there are no near-tie flips (measured: <= 1.2e-7 for
+#   correct programs, but 1.2e-4 for fedavg_cnn's ce program from fresh seed-0 weights, whose first convolution's
+#   weight gradient sums 50 x 28 x 28 cancelling terms: a known false refusal), while a wrong gradient (ExecuTorch
+#   1.4.1's max-pool backward) is off by O(1) and an imprecise kernel (the portable batch-norm variance) by ~1e-3.
 # - Free-running: the program's weights after all steps against float64's, within DRIFT_FACTOR times the spread of
 #   eager float32 runs under the layouts (contiguous, channels-last) and thread counts (one, the process's) fedge
 #   itself trains with, plus DRIFT_FLOOR. Free-running float32 is chaotic for max-pooling CNNs (a near-tied window or
@@ -61,7 +62,6 @@ DRIFT_SGD = SGDSettings(lr=0.01, momentum=0.9, weight_decay=1e-5)
 DRIFT_FACTOR = 10.0
 DRIFT_FLOOR = 1e-5
 STEP_TOLERANCE = 5e-6  # correct programs: <= 2.1e-7; the portable batch-norm variance: 1.7e-5
-STEP_FLOOR = 1e-6
 
 
 @dataclass(frozen=True)
@@ -367,9 +367,9 @@ def stepwise_parity(
 
     ``train(begin, one_step_request)`` runs one step from ``begin`` (float32) on the runtime under test with a fresh
     optimizer and returns its weights. Float64 follows its own trajectory from ``start``; before each step its weights,
-    rounded to float32, are where both begin. Per tensor the measure is the difference of the two updates over the
-    largest float64 update (plus STEP_FLOOR times the tensor's largest value: float32 cannot store an update below
-    its rounding of the weight); the report is the worst tensor and step.
+    rounded to float32, are where both begin. Per tensor the measure is the difference of the two updates, less one
+    float32 rounding of the result (float32 cannot store an update below its rounding of the weight), over the step's
+    largest float64 update of any tensor; the report is the worst tensor and step.
     """
     order = batch_order(len(request.x), request.epochs, request.batch_size, request.seed)
     current: dict[str, torch.Tensor] = {k: v.double() for k, v in start.items()}
