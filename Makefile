@@ -31,11 +31,11 @@ demo: install
 	$(BIN)/fedge demo --out runs/demo
 
 mosquitto:
-	@bash scripts/install-mosquitto.sh
+	@bash scripts/install-debian-package.sh mosquitto mosquitto /usr/sbin/mosquitto
 
 # For the test that loads `fedge status --web` in a browser (tests/common/test_web_status.py).
 chromium:
-	@bash scripts/install-chromium.sh
+	@bash scripts/install-debian-package.sh chromium-headless-shell chromium-headless-shell
 
 lint: install
 	$(BIN)/ruff check .

@@ -110,7 +110,7 @@ def connection_from_args(args: argparse.Namespace) -> Connection:
 
 def _refuse_plaintext_login(address: BrokerAddress, allowed: bool) -> None:
     """A password goes over plain MQTT only to a broker on this machine, or when the user said so."""
-    if address.password is None or address.tls or allowed or _is_loopback(address.host):
+    if address.password is None or address.tls or allowed or is_loopback(address.host):
         return
     raise ConfigError(
         f"broker {address.url} is plain mqtt:// on another machine: the password of {address.username!r} would cross "
@@ -118,7 +118,8 @@ def _refuse_plaintext_login(address: BrokerAddress, allowed: bool) -> None:
     )
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine (localhost or a loopback address)."""
     if host == "localhost":
         return True
     try:

@@ -24,7 +24,7 @@ from fedge.run_status import RunStatus, decode_run_status
 from fedge.wire import printable
 
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen
-_LATE = 30.0  # seconds past a round's deadline after which the view asks whether the coordinator still runs
+LATE_S = 30.0  # seconds past a round's deadline after which the view asks whether the coordinator still runs
 
 
 def add_status_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,7 +43,7 @@ def add_status_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _names(ids: tuple[str, ...], total: int) -> str:
+def names_text(ids: tuple[str, ...], total: int) -> str:
     shown = " ".join(printable(c, 40) for c in ids) or "-"
     return shown + (f" ... ({total - len(ids)} more)" if total > len(ids) else "")
 
@@ -61,20 +61,20 @@ def render(status: RunStatus, now: float) -> str:
     if s.phase == "training" and s.deadline:
         left = s.deadline - now
         head += f", deadline in {left:.0f} s" if left >= 0 else f", deadline passed {-left:.0f} s ago"
-        if left < -_LATE:
+        if left < -LATE_S:
             head += " (is the coordinator still running?)"
     online, sampled, replied, dropped = s.counts
     lines = [
         head,
         f"clients: {online} online, {sampled} sampled, {replied} replied, {dropped} dropped",
-        f"  online:  {_names(s.online, online)}",
+        f"  online:  {names_text(s.online, online)}",
     ]
     if sampled:
-        lines.append(f"  sampled: {_names(s.sampled, sampled)}")
-        lines.append(f"  replied: {_names(s.replied, replied)}")
+        lines.append(f"  sampled: {names_text(s.sampled, sampled)}")
+        lines.append(f"  replied: {names_text(s.replied, replied)}")
         if s.phase == "training":
             waiting = tuple(c for c in s.sampled if c not in set(s.replied))
-            lines.append(f"  waiting: {_names(waiting, len(waiting))}")
+            lines.append(f"  waiting: {names_text(waiting, len(waiting))}")
     for client, reason in s.dropped:
         lines.append(f"  dropped: {printable(client, 40)} ({printable(reason)})")
     if dropped > len(s.dropped):

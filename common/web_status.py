@@ -32,7 +32,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
-from common.monitor import _LATE, _names  # the terminal view's rules: one answer to "is it gone?", one list format
+from common.connection import is_loopback
+from common.monitor import LATE_S, names_text  # the terminal view's rules: one answer to "is it gone?", one list format
 from common.mqtt import MqttLink
 from fedge.cost import format_bytes
 from fedge.errors import CodecError, ConfigError
@@ -42,7 +43,6 @@ from fedge.wire import printable
 
 log = logging.getLogger(__name__)
 
-LATE = _LATE  # seconds past a round's deadline after which the page, like the terminal, says the coordinator seems gone
 POLL_MS = 1000  # how often the page asks for /status.json
 
 # Display ids of the page, in order, with their labels; the JSON's "view" carries one text per id.
@@ -122,7 +122,8 @@ _PHASE_TEXT = {"done": "round done"}
 def state_of(status: RunStatus | None, now: float, connected: bool, run: str) -> tuple[str, str]:
     """(kind, sentence) of the page's banner: ``none``, ``offline``, ``finished``, ``stopped``, ``gone`` or
     ``live``. The run status carries no heartbeat, so a coordinator is taken for gone once its round's deadline
-    passed :data:`LATE` seconds ago with no new phase (the terminal view asks the same question then)."""
+    passed :data:`common.monitor.LATE_S` seconds ago with no new phase (the terminal view asks the same question
+    then)."""
     if status is None:
         text = f"no status yet: nothing on {Topics(run).run_status} (is the coordinator of run {run!r} running?)"
         return ("offline", "no connection to the broker; " + text) if not connected else ("none", text)
@@ -135,7 +136,7 @@ def state_of(status: RunStatus | None, now: float, connected: bool, run: str) ->
         return "finished", f"run finished after round {status.round} of {status.rounds}"
     if status.phase == "stopped":
         return "stopped", f"run stopped after round {status.round} of {status.rounds}: {printable(status.note)}"
-    if status.phase == "training" and status.deadline and now - status.deadline > LATE:
+    if status.phase == "training" and status.deadline and now - status.deadline > LATE_S:
         late = now - status.deadline
         return "gone", f"coordinator gone? round {status.round}'s deadline passed {late:.0f} s ago with no news"
     if status.phase == "joining":
@@ -162,12 +163,12 @@ def view(status: RunStatus | None, now: float, connected: bool, run: str) -> dic
         shown["deadline"] = f"in {left:.0f} s" if left >= 0 else f"passed {-left:.0f} s ago"
     online, sampled, replied, dropped = s.counts
     shown["clients"] = f"{online} online, {sampled} sampled, {replied} replied, {dropped} dropped"
-    shown["online"] = _names(s.online, online)
-    shown["sampled"] = _names(s.sampled, sampled)
-    shown["replied"] = _names(s.replied, replied)
+    shown["online"] = names_text(s.online, online)
+    shown["sampled"] = names_text(s.sampled, sampled)
+    shown["replied"] = names_text(s.replied, replied)
     if s.phase == "training":
         waiting = tuple(c for c in s.sampled if c not in set(s.replied))
-        shown["waiting"] = _names(waiting, len(waiting))
+        shown["waiting"] = names_text(waiting, len(waiting))
     drops = [f"{printable(c, 40)} ({printable(r)})" for c, r in s.dropped]
     if dropped > len(s.dropped):
         drops.append(f"... ({dropped - len(s.dropped)} more)")
@@ -243,15 +244,6 @@ class Board:
             return self._status, self.clock(), self._connected, self.run
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class _Handler(BaseHTTPRequestHandler):
     """GET / and GET /status.json; 404 for any other path, 501 for any other method."""
 
@@ -261,7 +253,7 @@ class _Handler(BaseHTTPRequestHandler):
     sys_version = ""
 
     def do_GET(self) -> None:  # the name http.server dispatches to
-        if self.server.loopback_only and not _is_loopback(_host_name(self.headers.get("Host", ""))):
+        if self.server.loopback_only and not is_loopback(_host_name(self.headers.get("Host", ""))):
             self._answer(421, "text/plain; charset=utf-8", b"this status page answers only to a loopback Host\n")
             return
         path = urlsplit(self.path).path
@@ -307,7 +299,7 @@ class StatusServer(ThreadingHTTPServer):
 
     def __init__(self, bind: tuple[str, int], board: Board, *, max_connections: int = 32) -> None:
         self.board = board
-        self.loopback_only = _is_loopback(bind[0])
+        self.loopback_only = is_loopback(bind[0])
         self._slots = threading.BoundedSemaphore(max_connections)
         if ":" in bind[0]:
             self.address_family = socket.AF_INET6
