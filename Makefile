@@ -33,7 +33,7 @@ demo: install
 mosquitto:
 	@bash scripts/install-debian-package.sh mosquitto mosquitto /usr/sbin/mosquitto
 
-# For the test that loads `fedge status --web` in a browser (tests/common/test_web_status.py).
+# For the test that loads `fedge status --web` in a browser (tests/fedge_io/test_web_status.py).
 chromium:
 	@bash scripts/install-debian-package.sh chromium-headless-shell chromium-headless-shell
 
@@ -56,7 +56,7 @@ test: install ort-training mosquitto chromium lint typecheck
 
 # The unit tests of the core, the journal, the CLI, the reports and the in-process simulator: no broker, no exported
 # program, no fleet of processes. About 2 minutes on 2 cores; `make test` stays the full suite.
-FAST_TESTS := tests/fedge tests/common/test_journal.py tests/cli tests/experiments tests/sim/test_report.py \
+FAST_TESTS := tests/fedge tests/fedge_io/test_journal.py tests/fedge_cli tests/experiments tests/sim/test_report.py \
 	tests/sim/test_inprocess.py
 test-fast: install
 	$(BIN)/pytest -q -m "not broker" --durations=5 $(FAST_TESTS)

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from fedge.messages import BROADCAST, UPDATE, Message, decode, encode
-from fedge.models import build_model, exchanged_state
+from fedge.learning.models import build_model, exchanged_state
+from fedge.wire.message import BROADCAST, UPDATE, Message, decode, encode
 
 
 def best_and_median(fn: Callable[[], object], repeats: int) -> tuple[float, float]:

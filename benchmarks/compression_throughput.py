@@ -21,11 +21,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from fedge.chunking import Reassembler, split
-from fedge.compression import Residual, Scheme, decode, encode, encode_with_feedback, specs
-from fedge.messages import UPDATE, Message
-from fedge.messages import encode as encode_message
-from fedge.models import build_model, exchanged_state
+from fedge.compression.codecs import Residual, Scheme, decode, encode, encode_with_feedback, specs
+from fedge.learning.models import build_model, exchanged_state
+from fedge.wire.chunking import Reassembler, split
+from fedge.wire.message import UPDATE, Message
+from fedge.wire.message import encode as encode_message
 
 DELTA_SCHEMES = {
     "float16": Scheme("float16", delta=True),

@@ -18,13 +18,13 @@ import sys
 import time
 
 from coordinator.mqtt import MqttTransport
-from fedge.protocol import BrokerAddress
+from fedge.wire.protocol import BrokerAddress
 from sim.brokers import mosquitto_broker
 
 ATTACKER = """
 import os, sys, time
-from common.mqtt import MqttLink
-from fedge.protocol import BrokerAddress
+from fedge_io.mqtt import MqttLink
+from fedge.wire.protocol import BrokerAddress
 link = MqttLink(BrokerAddress.parse(sys.argv[1]), "attacker").start(10)
 blob = os.urandom(int(float(sys.argv[3]) * 1e6))
 for i in range(int(sys.argv[2])):

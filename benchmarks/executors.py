@@ -44,13 +44,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from common.experiment import Experiment, prepare
 from coordinator.engine import RoundEngine, sample_clients
 from fedge.algorithms.base import derive_seed
 from fedge.algorithms.dsfl import DSFLSettings, open_index_set
 from fedge.config import RunConfig, TrainConfig
-from fedge.models import build_model, exchanged_state
-from fedge.training import predict_logits
+from fedge.learning.models import build_model, exchanged_state
+from fedge.learning.training import predict_logits
+from fedge_io.experiment import Experiment, prepare
 from sim.executors import (
     ClientExecutor,
     ExecutorTransport,
@@ -334,10 +334,10 @@ t0 = time.perf_counter()
 import torch
 t1 = time.perf_counter()
 import numpy as np
-from common.experiment import prepare
+from fedge_io.experiment import prepare
 from coordinator.engine import RoundEngine
 from fedge.config import RunConfig
-from fedge.partition import partition
+from fedge.data.partition import partition
 import sim.executors
 t2 = time.perf_counter()
 config = RunConfig.from_dict(json.loads(CONFIG))

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from edge_client.client import EdgeClient
 from fedge.algorithms import make_strategy
 from fedge.algorithms.base import ClientData
-from fedge.backend import TorchBackend
 from fedge.config import RunConfig, TrainConfig
-from fedge.models import build_model
+from fedge.learning.backend import TorchBackend
+from fedge.learning.models import build_model
 from sim.inprocess import InProcessTransport
 
 

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.experiment import prepare
 from coordinator.run import run_coordinator
+from fedge.accounting.records import RoundRecord
 from fedge.config import RunConfig, TrainConfig
-from fedge.records import RoundRecord
+from fedge_io.experiment import prepare
 from sim.brokers import mosquitto_broker
 from sim.laptop import client_processes
 from sim.provision import write_client_files

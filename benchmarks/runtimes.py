@@ -43,9 +43,9 @@ from export.parity import check_onnx, check_pte, check_training, require
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.algorithms.fedntd import NotTrueDistillation
 from fedge.config import RunConfig, TrainConfig
-from fedge.models import example_input, exchanged_state
-from fedge.programs import ModelSpec, TrainingLoss
-from fedge.training import SGDSettings, TrainRequest
+from fedge.learning.models import example_input, exchanged_state
+from fedge.learning.training import SGDSettings, TrainRequest
+from fedge.programs.spec import ModelSpec, TrainingLoss
 from sim.run import run_inprocess
 
 
@@ -183,7 +183,7 @@ def fl_accuracy(args: argparse.Namespace) -> dict[str, Any]:
     }
     out["config"]["local_epochs"] = config.train.local_epochs
     with tempfile.TemporaryDirectory(prefix="fedge-bench-") as tmp:
-        from common.experiment import prepare
+        from fedge_io.experiment import prepare
 
         exp = prepare(config)
         et = ExecuTorchBackend(

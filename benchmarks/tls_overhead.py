@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/tls_overhead.py [--repeats 15] [--small-repeats 60] [--json out.json]
 
 Set-up: three private mosquittos on 127.0.0.1, started in this run, each with one coordinator link and one client
-link (fedge's :class:`common.mqtt.MqttLink`, MQTT 3.1.1, QoS 1) in this process:
+link (fedge's :class:`fedge_io.mqtt.MqttLink`, MQTT 3.1.1, QoS 1) in this process:
   1. plain: anonymous, no TLS (what fedge did before fleet kits);
   2. password: a fleet kit without TLS (passwords, ACL, client ids bound to user names);
   3. TLS: a fleet kit with TLS 1.2+ (mosquitto and Python negotiate TLS 1.3 here), passwords and ACL.
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from common.credentials import load_bundle
-from common.mqtt import MqttLink
 from coordinator.fleet import FleetSpec, generate_fleet_kit
-from fedge.protocol import PUBACK_BYTES, BrokerAddress, Topics, publish_packet_bytes
+from fedge.wire.protocol import PUBACK_BYTES, BrokerAddress, Topics, publish_packet_bytes
+from fedge_io.credentials import load_bundle
+from fedge_io.mqtt import MqttLink
 from sim.brokers import fleet_mosquitto, free_port, mosquitto_broker
 
 RUN = "bench"

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from fedge.protocol import publish_packet_bytes
+from fedge.wire.protocol import publish_packet_bytes
 
 SYS_FILTERS = ("$SYS/broker/bytes/+", "$SYS/broker/load/bytes/+")
 SYS_TOPICS = {

@@ -7,17 +7,17 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from common.connection import add_connection_arguments, connection_from_args
-from common.console import skipped_rounds_status
-from common.tensorboard import TensorBoardLog, add_tensorboard_flag, check_tensorboard
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
+from fedge_io.connection import add_connection_arguments, connection_from_args
+from fedge_io.console import skipped_rounds_status
+from fedge_io.tensorboard import TensorBoardLog, add_tensorboard_flag, check_tensorboard
 
 log = logging.getLogger(__name__)
 
 
 def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``fedge coordinator`` (the run's config flags are added by cli.main)."""
+    """The flags of ``fedge coordinator`` (the run's config flags are added by fedge_cli.main)."""
     add_connection_arguments(p)
     p.add_argument(
         "--run",
@@ -69,7 +69,7 @@ def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
 def apply_run_dir(args: argparse.Namespace) -> str | None:
     """``--run-dir``: resume the run there when it has a journal (sets ``args.resume``); a message when the run
     there already finished (nothing to do), else None."""
-    from common.rundir import fixed_run_dir_state
+    from fedge_io.rundir import fixed_run_dir_state
 
     if args.run_dir is None:
         return None
@@ -86,11 +86,11 @@ def apply_run_dir(args: argparse.Namespace) -> str | None:
 def run_coordinator_cli(
     args: argparse.Namespace, config: RunConfig, on_finish: Callable[[Path], None] | None = None
 ) -> int:
-    from common.console import round_line
-    from common.rundir import run_directory
     from coordinator.run import run_coordinator
-    from fedge.cost import format_bytes
-    from fedge.records import RoundRecord
+    from fedge.accounting.cost import format_bytes
+    from fedge.accounting.records import RoundRecord
+    from fedge_io.console import round_line
+    from fedge_io.rundir import run_directory
 
     connection = connection_from_args(args)  # checked before a run directory exists
     bundle = connection.bundle

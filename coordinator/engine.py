@@ -2,7 +2,8 @@
 
 Per round: sample clients, let the strategy plan the round, let the transport deliver it and collect the replies,
 aggregate when a quorum replied (otherwise the round is skipped: the global state stays as it was and the run goes
-on), evaluate, and record a :class:`fedge.records.RoundRecord`. Same config and seeds give the same result over any
+on), evaluate, and record a :class:`fedge.accounting.records.RoundRecord`. Same config and seeds give the same result
+over any
 transport.
 """
 
@@ -18,14 +19,14 @@ import numpy as np
 import torch
 
 from coordinator.transport import Transport
+from fedge.accounting.ledger import ByteLedger
+from fedge.accounting.records import ByteCounts, RoundRecord
 from fedge.algorithms.base import Strategy, derive_seed
 from fedge.config import RunConfig
-from fedge.ledger import ByteLedger
-from fedge.messages import Message
-from fedge.metrics import forgetting
-from fedge.protocol import STATE_ROUND
-from fedge.records import ByteCounts, RoundRecord
+from fedge.learning.metrics import forgetting
 from fedge.types import ClientId
+from fedge.wire.message import Message
+from fedge.wire.protocol import STATE_ROUND
 
 log = logging.getLogger(__name__)
 

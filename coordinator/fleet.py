@@ -11,7 +11,7 @@ bound to user names (``use_username_as_clientid``) and a least-privilege ACL. Th
     <out>/monitor/       the same for ``fedge status``: a login that can only read the run status
     <out>/clients/<id>/  one bundle per client, to copy onto that device
 
-A bundle is read with :func:`common.credentials.load_bundle`. User names are ``fedge-<run>-<client>`` and
+A bundle is read with :func:`fedge_io.credentials.load_bundle`. User names are ``fedge-<run>-<client>`` and
 ``fedge-<run>-coordinator``, the MQTT client ids the roles have always used; the broker makes every connection's
 client id its user name, so nobody can take over another device's connection.
 
@@ -44,12 +44,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from common.credentials import BUNDLE_FILE, BUNDLE_FORMAT
-from common.mqtt import MIN_PACKET_SIZE
 from coordinator.broker_counters import SYS_FILTERS
 from coordinator.presence import Admit
 from fedge.errors import ConfigError
-from fedge.protocol import ClientStatus, Topics, publish_packet_bytes
+from fedge.wire.protocol import ClientStatus, Topics, publish_packet_bytes
+from fedge_io.credentials import BUNDLE_FILE, BUNDLE_FORMAT
+from fedge_io.mqtt import MIN_PACKET_SIZE
 
 log = logging.getLogger(__name__)
 

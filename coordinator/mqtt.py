@@ -9,13 +9,14 @@ the broadcast) again. Every message that arrives is counted in the ledger and ju
 
 Who is online and admitted lives in :mod:`coordinator.presence`, the broker's byte counters in
 :mod:`coordinator.broker_counters`. Wire bytes of each ledger entry are computed with the MQTT 3.1.1 formulas of
-:mod:`fedge.protocol`: the publisher's PUBLISH and PUBACK plus one PUBLISH and PUBACK per copy the broker delivers
+:mod:`fedge.wire.protocol`: the publisher's PUBLISH and PUBACK plus one PUBLISH and PUBACK per copy the broker delivers
 (per online client for a broadcast, one for a task, one for an update to this coordinator).
 
-Messages larger than the link's packet limit travel as chunks (:mod:`fedge.chunking`) both ways; a ledger entry
+Messages larger than the link's packet limit travel as chunks (:mod:`fedge.wire.chunking`) both ways; a ledger entry
 counts all of a message's chunks, headers included, at payload and wire level. Incoming chunks are judged by the
 reply policy before any memory is spent on them (:func:`coordinator.replies.judge_chunk`: known and sampled sender,
-declared size within the run's largest update), then collected by one :class:`~fedge.chunking.Reassembler` per round,
+declared size within the run's largest update), then collected by one :class:`~fedge.wire.chunking.Reassembler` per
+round,
 whose budgets are one largest update per sampled client. What is still incomplete when the round ends is dropped,
 counted as an ``incomplete`` ledger entry, and named in that client's drop reason.
 """
@@ -29,18 +30,20 @@ import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
-from common.mqtt import Inbound, MqttLink, PacketLimit
 from coordinator.broker_counters import SYS_FILTERS, SYS_TOPICS, BrokerCounters, SysCounterReader
 from coordinator.presence import Admit, Presence
 from coordinator.replies import RoundContext, judge_chunk, judge_reply, reject
 from coordinator.status_board import StatusBoard
 from coordinator.transport import Exchange, ReplyCheck
-from fedge import chunking
+from fedge.accounting.ledger import BROADCAST_CLIENT, LedgerEntry, uncompressed_bytes
+from fedge.accounting.records import ClientTiming, Drop
 from fedge.algorithms.base import RoundPlan
 from fedge.errors import CodecError, TransportError
-from fedge.ledger import BROADCAST_CLIENT, LedgerEntry, uncompressed_bytes
-from fedge.messages import Message, decode, encode
-from fedge.protocol import (
+from fedge.types import ClientId
+from fedge.wire import chunking
+from fedge.wire.fields import printable
+from fedge.wire.message import Message, decode, encode
+from fedge.wire.protocol import (
     BROADCAST_ROUND,
     COMPUTE_CPU_S,
     COMPUTE_S,
@@ -51,9 +54,7 @@ from fedge.protocol import (
     Topics,
     delivery_wire_bytes,
 )
-from fedge.records import ClientTiming, Drop
-from fedge.types import ClientId
-from fedge.wire import printable
+from fedge_io.mqtt import Inbound, MqttLink, PacketLimit
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class MqttTransport:
         max_packet_size: PacketLimit = "auto",
         max_reconnects: int = 3,
     ) -> None:
-        """``max_packet_size``: the largest MQTT packet to publish (see :class:`common.mqtt.MqttLink`); larger
+        """``max_packet_size``: the largest MQTT packet to publish (see :class:`fedge_io.mqtt.MqttLink`); larger
         messages travel as chunks. ``max_reconnects``: how often a sampled client may reconnect during its round
         (each time it gets its task and the broadcast again) before it is dropped for the round."""
         if round_timeout <= 0:

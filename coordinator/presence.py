@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fedge.errors import CodecError
-from fedge.protocol import ClientStatus, decode_status
 from fedge.types import ClientId
-from fedge.wire import printable
+from fedge.wire.fields import printable
+from fedge.wire.protocol import ClientStatus, decode_status
 
 log = logging.getLogger(__name__)
 

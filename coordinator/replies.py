@@ -1,12 +1,12 @@
 """The one policy that judges what a client sends in a round, for every transport.
 
 :func:`judge_reply` takes the raw bytes a client sent and decides: accept the update, or reject it with a category and
-a reason. A message that travels in chunks (:mod:`fedge.chunking`) meets :func:`judge_chunk` at each chunk, before
+a reason. A message that travels in chunks (:mod:`fedge.wire.chunking`) meets :func:`judge_chunk` at each chunk, before
 any memory is spent on reassembling it, and :func:`judge_reply` once it is whole. Everything a peer controls is
 checked here or in the strategy's :meth:`~fedge.algorithms.base.Strategy.check_reply` (which it calls), and every
 exception that decoding or checking hostile bytes can raise is caught here and becomes a rejection, so no message can
 crash the coordinator. Reasons quote a peer's text only after
-:func:`fedge.wire.printable` made it short and free of control characters.
+:func:`fedge.wire.fields.printable` made it short and free of control characters.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.transport import Exchange, ReplyCheck
-from fedge.chunking import ChunkHeader, parse_header
+from fedge.accounting.ledger import LedgerEntry, uncompressed_bytes
+from fedge.accounting.records import ClientTiming, Drop, Rejection
 from fedge.errors import CodecError, FedgeError
-from fedge.ledger import LedgerEntry, uncompressed_bytes
-from fedge.messages import Message, decode
-from fedge.protocol import ERROR, SESSION
-from fedge.records import ClientTiming, Drop, Rejection
 from fedge.types import ClientId
-from fedge.wire import printable
+from fedge.wire.chunking import ChunkHeader, parse_header
+from fedge.wire.fields import printable
+from fedge.wire.message import Message, decode
+from fedge.wire.protocol import ERROR, SESSION
 
 log = logging.getLogger(__name__)
 

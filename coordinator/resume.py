@@ -1,7 +1,7 @@
 """Resuming a killed run: the round engine's state goes into the run directory's journal after every round, and a
 run continues from it after its last completed round, bit for bit.
 
-What the journal holds (:mod:`common.journal`): the strategy's state (:meth:`fedge.algorithms.base.Strategy.state`:
+What the journal holds (:mod:`fedge_io.journal`): the strategy's state (:meth:`fedge.algorithms.base.Strategy.state`:
 global weights, SCAFFOLD's server control variate, FD's per-class outputs and contributors, DS-FL's global model, soft
 labels and their round), the per-class accuracy history behind forgetting, the stores of clients that run in this
 process (FD and DS-FL own models, SCAFFOLD's c_i), and where metrics.jsonl and ledger.csv end. The records and the
@@ -28,15 +28,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
-from common.journal import RunState, atomic_write, finish_journal, read_journal, write_journal
-from common.rundir import RunWriter, read_records
 from coordinator.engine import RoundEngine, RunHistory
+from fedge.accounting.ledger import ByteLedger, read_ledger_csv
+from fedge.accounting.records import RoundRecord
 from fedge.algorithms.base import ClientStore
 from fedge.config import RunConfig
 from fedge.errors import JournalError
-from fedge.ledger import ByteLedger, read_ledger_csv
-from fedge.records import RoundRecord
 from fedge.types import ClientId, StateDict
+from fedge_io.journal import RunState, atomic_write, finish_journal, read_journal, write_journal
+from fedge_io.rundir import RunWriter, read_records
 
 _STRATEGY = "strategy/"
 _CLIENT = "client/"

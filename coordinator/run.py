@@ -1,6 +1,6 @@
 """A coordinator run over MQTT: the experiment's strategy and test data, the round engine, the run directory.
 
-The same set-up as :func:`sim.run.run_inprocess` (``common.experiment.prepare``), with :class:`MqttTransport` in place
+The same set-up as :func:`sim.run.run_inprocess` (``fedge_io.experiment.prepare``), with :class:`MqttTransport` in place
 of the in-process transport, so both write the same run directory and, for the same config and seeds, the same
 global model.
 """
@@ -14,22 +14,22 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from common.experiment import Experiment, prepare
-from common.mqtt import PacketLimit
-from common.rundir import RunResult
 from coordinator.broker_counters import compare_with_broker
 from coordinator.engine import RoundEngine
 from coordinator.fleet import FleetKit, FleetSpec, admit_provisioned, generate_fleet_kit
 from coordinator.mqtt import MAX_PAYLOAD_SLACK, MqttTransport
 from coordinator.resume import RunJournal
+from fedge.accounting.records import RoundRecord
 from fedge.algorithms import get_algorithm
 from fedge.algorithms.base import Strategy
 from fedge.config import RunConfig
 from fedge.errors import FedgeError
-from fedge.messages import encode
-from fedge.protocol import BrokerAddress, ClientStatus
-from fedge.records import RoundRecord
-from fedge.wire import printable
+from fedge.wire.fields import printable
+from fedge.wire.message import encode
+from fedge.wire.protocol import BrokerAddress, ClientStatus
+from fedge_io.experiment import Experiment, prepare
+from fedge_io.mqtt import PacketLimit
+from fedge_io.rundir import RunResult
 
 log = logging.getLogger(__name__)
 

@@ -63,7 +63,8 @@ WantedBy=multi-user.target
 def coordinator_unit(
     run: str, *, fedge: Sequence[str | Path], bundle: Path, config: Path, run_dir: Path, broker_unit_name: str | None
 ) -> str:
-    """``fedge``: the command that runs fedge on the coordinator's machine (e.g. ``[python, "-m", "cli.main"]``)."""
+    """``fedge``: the command that runs fedge on the coordinator's machine (e.g. ``[python, "-m",
+    "fedge_cli.main"]``)."""
     after = f" {broker_unit_name}" if broker_unit_name else ""
     command = [*(_path(Path(w)) for w in fedge), "coordinator", "--bundle", _path(bundle), "--config", _path(config)]
     command += ["--run-dir", _path(run_dir)]

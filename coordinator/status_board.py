@@ -1,4 +1,4 @@
-"""The coordinator's side of the live fleet view: one retained :class:`fedge.run_status.RunStatus` on the broker.
+"""The coordinator's side of the live fleet view: one retained :class:`fedge.wire.run_status.RunStatus` on the broker.
 
 The transport and the run loop tell the board what changed (:meth:`StatusBoard.update`); a phase change is published
 at once, anything else (a reply, a hello) at most once per ``min_interval`` seconds, from the same thread, so a
@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from common.mqtt import MqttLink, PacketTooLarge
 from fedge.errors import TransportError
-from fedge.protocol import publish_packet_bytes
-from fedge.run_status import RunStatus, encode_run_status, run_status
+from fedge.wire.protocol import publish_packet_bytes
+from fedge.wire.run_status import RunStatus, encode_run_status, run_status
+from fedge_io.mqtt import MqttLink, PacketTooLarge
 
 log = logging.getLogger(__name__)
 

@@ -6,11 +6,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fedge.accounting.ledger import LedgerEntry
+from fedge.accounting.records import ClientTiming, Drop, Rejection
 from fedge.algorithms.base import RoundPlan, UpdateReport
-from fedge.ledger import LedgerEntry
-from fedge.messages import Message
-from fedge.records import ClientTiming, Drop, Rejection
 from fedge.types import ClientId
+from fedge.wire.message import Message
 
 ReplyCheck = Callable[[ClientId, Message], UpdateReport]
 """The strategy's rules for a reply of this round; raises fedge.errors.CodecError when it must be rejected."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge_client.state import ClientStateFiles
 from fedge.errors import ConfigError
-from fedge.programs import ModelSpec
+from fedge.programs.spec import ModelSpec
 
 if TYPE_CHECKING:
     import torch
@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from edge_client.backends.ort_training import ArtifactSource
     from edge_client.data import ClientDataInfo
     from fedge.algorithms.base import ClientData
-    from fedge.backend import TorchBackend
+    from fedge.learning.backend import TorchBackend
 
-from common.connection import add_connection_arguments, connection_from_args
+from fedge_io.connection import add_connection_arguments, connection_from_args
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +131,8 @@ def run_client(
     from edge_client.client import EdgeClient
     from edge_client.data import load_client_data
     from edge_client.mqtt import MqttEdgeClient
-    from fedge.backend import TorchBackend
-    from fedge.protocol import check_name
+    from fedge.learning.backend import TorchBackend
+    from fedge.wire.protocol import check_name
 
     connection = connection_from_args(args)
     bundle = connection.bundle
@@ -162,7 +162,7 @@ def run_client(
         if onnx_model is not None:
             model_bytes, model_source = onnx_model(spec)
         elif args.model_file is not None:
-            from common.manifest import verified_read
+            from fedge_io.manifest import verified_read
 
             model_bytes = verified_read(args.model_file, required=not args.unverified_programs)
             model_source = str(args.model_file)
@@ -238,12 +238,12 @@ def state_files(args: argparse.Namespace) -> ClientStateFiles | None:
 
 
 def _prepare_programs(backend: Any, args: argparse.Namespace, data: ClientData, info: ClientDataInfo) -> None:
-    """Make or load every training program the run will need (:mod:`fedge.planning`), from the run's config."""
+    """Make or load every training program the run will need (:mod:`fedge.programs.planning`), from the run's config."""
     import time
 
     from fedge.config import RunConfig
-    from fedge.planning import planned_trainings
-    from fedge.programs import TrainingLoss
+    from fedge.programs.planning import planned_trainings
+    from fedge.programs.spec import TrainingLoss
 
     path = args.run_config or Path(args.data).with_name("config.json")
     prepare = getattr(backend, "prepare", None)
@@ -293,7 +293,7 @@ def _warm_up(backend: TorchBackend, x: torch.Tensor, y: torch.Tensor) -> None:
     model and the client's state are untouched, so results do not change.
     """
     from fedge.algorithms.fedavg import CrossEntropy
-    from fedge.training import SGDSettings, TrainRequest, predict_logits, train
+    from fedge.learning.training import SGDSettings, TrainRequest, predict_logits, train
 
     model = copy.deepcopy(backend.model)
     n = min(len(x), 64)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fedge.algorithms import run_client_step
 from fedge.algorithms.base import ClientData
-from fedge.backend import Backend
-from fedge.messages import Message
+from fedge.learning.backend import Backend
 from fedge.types import ClientId
+from fedge.wire.message import Message
 
 
 class EdgeClient:

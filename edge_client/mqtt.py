@@ -10,10 +10,10 @@ The client says what it does at INFO: each task received, each epoch (:mod:`edge
 each part, and why a task is dropped. It reads ahead of the task it is about to compute: once a newer coordinator
 session has spoken (a coordinator restarted or resumed under the same run name), the older session's queued tasks are
 dropped rather than computed for a coordinator that is gone. A task past its deadline (the Unix time the coordinator
-stamps in it, :data:`fedge.protocol.DEADLINE`) is skipped, and training stops between epochs once either happens:
+stamps in it, :data:`fedge.wire.protocol.DEADLINE`) is skipped, and training stops between epochs once either happens:
 the coordinator would refuse the reply as late. With no task for a while, it warns with the topic it listens on.
 
-Messages larger than the link's packet limit travel as chunks both ways (:mod:`fedge.chunking`): the client
+Messages larger than the link's packet limit travel as chunks both ways (:mod:`fedge.wire.chunking`): the client
 reassembles what arrives on each of its two topics within a byte budget, and :meth:`MqttLink.send` chunks its
 update. With chunking off, an update the broker would refuse is answered with an error message saying so.
 """
@@ -30,16 +30,16 @@ from collections import deque
 
 import torch
 
-from common.mqtt import Inbound, MqttLink, PacketLimit, PacketTooLarge, Will
 from edge_client.client import EdgeClient
 from edge_client.data import ClientDataInfo
 from edge_client.progress import ObservedBackend, TaskAbandoned
 from edge_client.state import ClientStateFiles
-from fedge import chunking
 from fedge.algorithms import ALGORITHMS
 from fedge.errors import CodecError, ConfigError
-from fedge.messages import BROADCAST, TASK, Message, decode, encode
-from fedge.protocol import (
+from fedge.wire import chunking
+from fedge.wire.fields import printable
+from fedge.wire.message import BROADCAST, TASK, Message, decode, encode
+from fedge.wire.protocol import (
     BROADCAST_ROUND,
     COMPUTE_CPU_S,
     COMPUTE_S,
@@ -53,7 +53,7 @@ from fedge.protocol import (
     error_message,
     task_deadline,
 )
-from fedge.wire import printable
+from fedge_io.mqtt import Inbound, MqttLink, PacketLimit, PacketTooLarge, Will
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class MqttEdgeClient:
         """``announce_host``: put this machine's host name and process id in the hello (off by default: anyone who
         may read statuses would learn them). ``capabilities``: the algorithms this client's runtime can run (default
         all); the coordinator refuses a client whose hello does not list the run's algorithm. ``max_packet_size``:
-        the largest MQTT packet to publish (:class:`common.mqtt.MqttLink`); a larger update travels as chunks.
+        the largest MQTT packet to publish (:class:`fedge_io.mqtt.MqttLink`); a larger update travels as chunks.
         ``idle_warning_s``: warn when no task arrived for this long, again after twice as long, and so on (0: never).
         ``state``: where the client's algorithm state is kept between rounds, for restarts and resumed runs.
         """

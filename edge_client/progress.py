@@ -1,7 +1,8 @@
 """What an edge client says while it computes: a runtime wrapper that logs each epoch and times each part of a task.
 
-:class:`ObservedBackend` wraps any :class:`fedge.backend.Backend` for one task. It gives every training call an
-``on_epoch`` observer (:class:`fedge.training.EpochProgress`) that logs the epoch's loss and time, then asks the
+:class:`ObservedBackend` wraps any :class:`fedge.learning.backend.Backend` for one task. It gives every training call an
+``on_epoch`` observer (:class:`fedge.learning.training.EpochProgress`) that logs the epoch's loss and time, then asks
+the
 client whether the task is still wanted: a :class:`TaskAbandoned` raised there ends the training between two epochs
 (the task's deadline passed, or a newer coordinator session spoke). It also adds up the seconds spent training and
 running inference, for the task's closing line. Results are unchanged: the wrapper only observes.
@@ -17,8 +18,8 @@ from typing import Any
 
 import torch
 
-from fedge.backend import Backend
-from fedge.training import EpochProgress, TrainRequest, TrainStats
+from fedge.learning.backend import Backend
+from fedge.learning.training import EpochProgress, TrainRequest, TrainStats
 from fedge.types import StateDict
 
 log = logging.getLogger(__name__)

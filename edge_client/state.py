@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from fedge.protocol import check_name
+from fedge.wire.protocol import check_name
 
 log = logging.getLogger(__name__)
 

@@ -82,7 +82,7 @@ def main() -> None:
     done = set()
     if results.exists():
         done = {r["name"] for r in map(json.loads, results.read_text().splitlines()) if r["exit"] == 0}
-    fedge = [sys.executable, "-m", "cli.main", "export"]
+    fedge = [sys.executable, "-m", "fedge_cli.main", "export"]
     for i, (name, cmd) in enumerate(todo, 1):
         line = " ".join(["fedge export", *cmd, "--out", str(args.out / name)])
         if args.list:

@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from common.credentials import load_bundle
-from common.experiment import Experiment, prepare
 from coordinator.run import provision_fleet, run_coordinator
 from fedge.config import RunConfig, TrainConfig
+from fedge_io.credentials import load_bundle
+from fedge_io.experiment import Experiment, prepare
 from sim.brokers import fleet_mosquitto, free_port
 from sim.faults import BrokerOutage, FlakyProxy
 from sim.laptop import client_processes

@@ -5,7 +5,7 @@
 # script is started again with the same OUT (fedge sim --resume), so it can be spread over several sittings.
 # Usage: bash experiments/fedntd_table1_mnist.sh [ROUNDS] [OUT] [PARTITIONS] [ALGORITHMS]
 #   e.g. bash experiments/fedntd_table1_mnist.sh 200 runs/fedntd-table1 "shards dirichlet" "fedavg fedntd"
-# The paper's data pipeline (appendix B.2-B.3: 50,000 training images; random crop, flip and Cutout, fedge.augment):
+# The paper's data pipeline (appendix B.2-B.3: 50,000 training images; random crop, flip and Cutout, fedge.data.augment):
 #   AUGMENT=paper TRAIN_SIZE=50000 bash experiments/fedntd_table1_mnist.sh 200 runs/fedntd-table1-augmented
 # Algorithms beyond the default four: fednova, feddyn (alpha 0.1, the authors' setting), fedadam, fedcurv (lambda 1,
 # 500 Fisher samples: the authors' config/fedcurv.json, fedge's defaults), moon (mu 1, tau 0.5: FedNTD Table 5, fedge's

@@ -18,12 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"
 
 from insiders import Insider
 
-from common.experiment import Experiment, prepare
 from coordinator.engine import RoundEngine
 from edge_client.client import EdgeClient
 from fedge.algorithms.fedavg import FedAvgSettings
-from fedge.backend import TorchBackend
 from fedge.config import RunConfig, TrainConfig
+from fedge.learning.backend import TorchBackend
+from fedge_io.experiment import Experiment, prepare
 from sim.inprocess import InProcessTransport
 
 RULES = {  # name -> (aggregation, quorum)

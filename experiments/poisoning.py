@@ -34,23 +34,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.experiment import Experiment, prepare
 from coordinator.engine import RoundEngine
 from coordinator.resume import RunJournal
 from edge_client.client import EdgeClient
-from fedge import wire
+from fedge.accounting.records import RoundRecord
+from fedge.aggregation.robust import state_norm, update_norm
 from fedge.algorithms.base import UpdateReport, evaluate_model, update_message
 from fedge.algorithms.dsfl import DSFLSettings, DSFLTask, open_index_set
 from fedge.algorithms.fedavg import CrossEntropy, FedAvgSettings
-from fedge.backend import TorchBackend
 from fedge.config import RunConfig, TrainConfig
-from fedge.data import load_dataset
-from fedge.messages import Message
-from fedge.models import build_model, exchanged_state, load_exchanged_state
-from fedge.records import RoundRecord
-from fedge.robust import state_norm, update_norm
-from fedge.training import SGDSettings, TrainRequest, predict_logits, train
+from fedge.data.datasets import load_dataset
+from fedge.learning.backend import TorchBackend
+from fedge.learning.models import build_model, exchanged_state, load_exchanged_state
+from fedge.learning.training import SGDSettings, TrainRequest, predict_logits, train
 from fedge.types import StateDict
+from fedge.wire import fields as wire
+from fedge.wire.message import Message
+from fedge_io.experiment import Experiment, prepare
 from sim.inprocess import InProcessTransport
 
 ATTACKER = "c000"

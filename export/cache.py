@@ -1,7 +1,7 @@
 """A directory of exported programs shared by client processes: export once, check, then reuse.
 
 What a workstation or laptop client uses (the CLI hands it to the edge client's runtimes): a missing program is
-exported, parity-checked and written under the one naming scheme of :func:`fedge.programs.program_file_name` (the
+exported, parity-checked and written under the one naming scheme of :func:`fedge.programs.spec.program_file_name` (the
 names ``fedge export`` writes too); a present one is checked again once per process, since a cache directory is a
 place where stale or foreign files appear. A program is written only after it passed its check, through a temporary
 file and an atomic rename, and recorded in the directory's manifest with its SHA-256, so a client never reads a
@@ -15,10 +15,10 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from common import manifest
 from edge_client.backends.cache_dir import default_cache_dir
 from fedge.errors import ConfigError
-from fedge.programs import FORMAT_VERSION, ModelSpec, TrainingLoss, program_file_name
+from fedge.programs.spec import FORMAT_VERSION, ModelSpec, TrainingLoss, program_file_name
+from fedge_io import manifest
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def cached_program(
 ) -> bytes:
     """The program at ``path``; if absent, ``make()`` it, ``check`` it (raises on failure), then store it.
 
-    A cached file is read through the cache's manifest (:mod:`common.manifest`) before any runtime sees it: one that
+    A cached file is read through the cache's manifest (:mod:`fedge_io.manifest`) before any runtime sees it: one that
     is damaged, or that the manifest does not list (a foreign file, or one cached by a fedge without manifests), is
     made again rather than loaded, since a damaged program can crash the runtime. A program read from the cache is
     also checked again (once per process), and the check costs far less than an export.

@@ -9,16 +9,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common import manifest
 from export.onnx import DEFAULT_OPSET, MIN_OPSET, ONNXRUNTIME_RELEASES, onnx_target
 from fedge.errors import ConfigError, ExportError
-from fedge.objectives import objective_kinds
+from fedge.learning.objectives import objective_kinds
 from fedge.types import StateDict
+from fedge_io import manifest
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from fedge.programs import ModelSpec, TrainingLoss
+    from fedge.programs.spec import ModelSpec, TrainingLoss
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def _load_weights(path: Path) -> StateDict:
 
 
 def _input_shape(model: str, text: str | None) -> tuple[int, ...]:
-    from fedge.models import example_input
+    from fedge.learning.models import example_input
 
     if text is None:
         return tuple(example_input(model, batch=1).shape[1:])
@@ -134,15 +134,15 @@ class ExportJob:
     """One file a ``fedge export`` call writes."""
 
     format: str  # one of FORMATS
-    name: str  # the file name; a training program's is the one clients look up (fedge.programs.program_file_name)
+    name: str  # the file name; a training program's is the one clients look up (fedge.programs.spec.program_file_name)
     loss: TrainingLoss | None  # training programs only
     max_batch: int  # batch bound of a .pte (ignored for ONNX, whose batch dimension is unbounded)
 
 
 def export_jobs(args: argparse.Namespace) -> tuple[ModelSpec, list[ExportJob]]:
     """The model and the files of a ``fedge export`` call, validated and named; nothing is exported."""
-    from fedge.objectives import OBJECTIVES, make_objective
-    from fedge.programs import ModelSpec, TrainingLoss, program_file_name
+    from fedge.learning.objectives import OBJECTIVES, make_objective
+    from fedge.programs.spec import ModelSpec, TrainingLoss, program_file_name
 
     if not args.model:
         raise ConfigError("fedge export needs --model (or the subcommand `check FILE...`)")
@@ -169,8 +169,8 @@ def export_jobs(args: argparse.Namespace) -> tuple[ModelSpec, list[ExportJob]]:
 
 def _export(args: argparse.Namespace) -> int:
     from export.parity import check_bytes, require
-    from fedge.cost import format_bytes
-    from fedge.models import exchanged_state, load_exchanged_state
+    from fedge.accounting.cost import format_bytes
+    from fedge.learning.models import exchanged_state, load_exchanged_state
 
     spec, jobs = export_jobs(args)
     model = spec.build(seed=args.seed)
@@ -192,7 +192,7 @@ def _export(args: argparse.Namespace) -> int:
             data = _make(job, model, spec, args)
         except ExportError as exc:  # torch.export's pages of trace become one line naming the layer to rewrite
             from export.diagnose import explain_export_failure
-            from fedge.models import example_input
+            from fedge.learning.models import example_input
 
             what = f"{_FORMAT_LABELS[job.format]} export of {spec.name}"
             example = example_input(model, batch=2, input_shape=spec.input_shape)

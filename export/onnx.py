@@ -22,7 +22,7 @@ from torch import nn
 
 from edge_client.backends.onnx_file import ONNX_META_KEY
 from fedge.errors import ConfigError, ExportError
-from fedge.programs import ModelSpec, ProgramMeta, describe_weights
+from fedge.programs.spec import ModelSpec, ProgramMeta, describe_weights
 
 log = logging.getLogger(__name__)
 

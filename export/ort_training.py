@@ -53,7 +53,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from common import manifest
 from edge_client.backends.cache_dir import default_cache_dir
 from edge_client.backends.ort_training import (
     ARTIFACT_FILES,
@@ -69,9 +68,10 @@ from edge_client.backends.ort_training import (
 from export.cache import checked_once
 from export.parity import ParityReport
 from fedge.errors import ConfigError, ExportError
-from fedge.models import load_exchanged_state
-from fedge.objectives import OBJECTIVES, make_objective, objective_kinds
-from fedge.programs import (
+from fedge.learning.models import load_exchanged_state
+from fedge.learning.objectives import OBJECTIVES, make_objective, objective_kinds
+from fedge.learning.training import TrainRequest
+from fedge.programs.spec import (
     WRAPPER_PREFIX,
     ModelSpec,
     ProgramMeta,
@@ -81,8 +81,8 @@ from fedge.programs import (
     stat_names,
     training_input_names,
 )
-from fedge.training import TrainRequest
 from fedge.types import StateDict
+from fedge_io import manifest
 
 log = logging.getLogger(__name__)
 
@@ -538,16 +538,17 @@ def step_times(
     """Median ms per training step of these artifacts and of eager PyTorch, same process, ``threads`` threads each.
 
     FedNTD loss, momentum 0.9, weight decay 1e-5, ``steps`` steps of ``batch`` per pass, ``repeats`` passes after a
-    warm-up pass, the runtimes interleaved. ``eager_ms``: :func:`fedge.training.train` on the model in its default
+    warm-up pass, the runtimes interleaved. ``eager_ms``: :func:`fedge.learning.training.train` on the model in its
+    default
     memory layout (what ``benchmarks/runtimes.py`` times); ``torch_client_ms``: the PyTorch client's backend
-    (:class:`fedge.backend.TorchBackend`, convolutions channels-last on the CPU). The ORT figure includes the
+    (:class:`fedge.learning.backend.TorchBackend`, convolutions channels-last on the CPU). The ORT figure includes the
     host-side SGD step and the copies of weights and gradients between host and ORT. Runs in ``.venv-ort-training``;
     :func:`step_times_in_env` calls it from another environment.
     """
     from export.parity import DRIFT_SGD, parity_sample
     from fedge.algorithms.fedntd import NotTrueDistillation
-    from fedge.backend import TorchBackend
-    from fedge.training import TrainRequest, predict_logits, train
+    from fedge.learning.backend import TorchBackend
+    from fedge.learning.training import TrainRequest, predict_logits, train
 
     torch.set_num_threads(threads)
     loss = TrainingLoss(NotTrueDistillation())
@@ -622,7 +623,7 @@ def step_times_in_env(
 
 
 def _spec(args: argparse.Namespace) -> ModelSpec:
-    from fedge.models import example_input
+    from fedge.learning.models import example_input
 
     try:
         shape = (

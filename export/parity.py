@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from fedge.errors import ExportError
-from fedge.models import exchanged_state, load_exchanged_state
-from fedge.programs import ModelSpec, ProgramMeta, TrainingLoss
-from fedge.training import SGDSettings, TrainRequest, batch_order
-from fedge.training import train as fedge_train
+from fedge.learning.models import exchanged_state, load_exchanged_state
+from fedge.learning.training import SGDSettings, TrainRequest, batch_order
+from fedge.learning.training import train as fedge_train
+from fedge.programs.spec import ModelSpec, ProgramMeta, TrainingLoss
 from fedge.types import StateDict
 
 log = logging.getLogger(__name__)
@@ -241,7 +241,8 @@ def check_training(
     """Eval-logit parity, stepwise parity and drift parity of an ExecuTorch training program against eager PyTorch.
 
     Both training checks run ``DRIFT_STEPS`` steps (the program's own SGD optimizer, momentum and weight decay, in
-    the batch order of :func:`fedge.training.batch_order`) at ``batch_size`` (default: the smaller of the program's
+    the batch order of :func:`fedge.learning.training.batch_order`) at ``batch_size`` (default: the smaller of the
+    program's
     batch bound and ``DRIFT_BATCH``) on real-looking data: :func:`stepwise_parity` restarts the program from eager
     float64's weights before each step, :func:`drift_parity` lets it run free. Wrong gradients (the ExecuTorch 1.4.1
     max-pool backward bug) and imprecise kernels (the portable batch-norm variance) fail the stepwise check by orders
@@ -408,7 +409,8 @@ def stepwise_parity(
 def float32_runs(spec: ModelSpec, start: Mapping[str, torch.Tensor], request: TrainRequest) -> list[StateDict]:
     """Eager float32 weights after ``request`` under each layout and thread count fedge trains with.
 
-    fedge's PyTorch client trains convolutional models channels-last on the CPU (fedge.backend) and the simulator's
+    fedge's PyTorch client trains convolutional models channels-last on the CPU (fedge.learning.backend) and the
+    simulator's
     workers run on one thread or the process's; each is a correct float32 computation of the same steps.
     """
     layouts = [torch.contiguous_format]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedge.augment import PRESETS
+from fedge.data.augment import PRESETS
 from fedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,9 @@ class TrainConfig:
     lr_decay: float = 0.99  # per round: lr_r = lr * lr_decay ** (r - 1), sent in each task
     local_epochs: int = 3
     batch_size: int = 50
-    augment: str = "none"  # none | paper: FedNTD's random crop, flip and Cutout of training batches (fedge.augment)
+    augment: str = (
+        "none"  # none | paper: FedNTD's random crop, flip and Cutout of training batches (fedge.data.augment)
+    )
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
@@ -72,7 +74,8 @@ class RunConfig:
     # same private set, so FL and DS-FL runs with one seed compare on identical client data.
     open_size: int = 20_000  # I^o, unlabeled open set carved out of the training data (DS-FL only)
     private_size: int = 0  # I^p, 0 = everything not in the open set
-    # Compression of what travels (fedge.compressed): NAME[:OPTION,...], e.g. int8:row,offset or topk:density=0.01.
+    # Compression of what travels (fedge.compression.strategy): NAME[:OPTION,...], e.g. int8:row,offset or
+    # topk:density=0.01.
     upload_codec: str = "float32"
     broadcast_codec: str = "float32"
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -94,7 +97,7 @@ class RunConfig:
         _check(self.eval_samples >= 0, "eval_samples must be >= 0")
         _check(self.train_size >= 0, f"train_size must be >= 0, got {self.train_size}")
         _check(self.open_size >= 0 and self.private_size >= 0, "open_size and private_size must be >= 0")
-        from fedge.compressed import Compression
+        from fedge.compression.strategy import Compression
 
         Compression.of(self)  # ConfigError for a scheme that does not parse or does not fit the algorithm
 
@@ -119,7 +122,7 @@ class RunConfig:
             if not isinstance(raw.get(section) or {}, dict):
                 raise ConfigError(f"{section} must be a JSON object of settings, got {json.dumps(raw[section])[:80]}")
         raw = dict(raw)
-        raw.pop("fedge", None)  # which fedge wrote a run's config.json (common.provenance): a record, not a setting
+        raw.pop("fedge", None)  # which fedge wrote a run's config.json (fedge_io.provenance): a record, not a setting
         train = _sub(TrainConfig, raw.pop("train", {}) or {}, "train")
         algo_raw = dict(raw.pop("algo", {}) or {})
         for moved in ("open_size", "private_size"):  # run settings now; older configs kept them under algo

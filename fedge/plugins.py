@@ -4,7 +4,8 @@ A plugin registers a **model factory** ``factory(input_shape, num_classes) -> nn
 logits ``(N, num_classes)``) and a **dataset loader** ``loader(data_dir, seed) -> DatasetArrays`` (train and test
 arrays and the number of classes; ``data_dir`` is the run's ``--data-dir``, ``None`` when not given). Three ways in:
 
-- an installed package declares entry points: group ``fedge.models`` (name = model name, object = its factory) and
+- an installed package declares entry points: group ``fedge.learning.models`` (name = model name, object = its factory)
+and
   group ``fedge.datasets`` (name = dataset name, object = its loader or a :class:`DatasetPlugin`);
 - ``FEDGE_PLUGINS``: modules (``my_pkg.fedge_plugin``) or Python files (``./plugin.py``), separated by commas, whose
   import calls :func:`register_model` / :func:`register_dataset`;
@@ -13,7 +14,7 @@ arrays and the number of classes; ``data_dir`` is the run's ``--data-dir``, ``No
 
 Plugins load once, at the first lookup of a model or dataset name. A name that is a built-in or that two plugins
 claim is a :class:`PluginError`; whatever a loader returns is checked (types, shapes, dtypes, finite values, label
-range) and becomes :class:`fedge.data.Dataset` splits, so the rest of fedge never sees unchecked arrays.
+range) and becomes :class:`fedge.data.datasets.Dataset` splits, so the rest of fedge never sees unchecked arrays.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any, TypeAlias
 import numpy as np
 from torch import nn
 
-from fedge.data import Dataset
+from fedge.data.datasets import Dataset
 from fedge.errors import ConfigError, DatasetError
 
 __all__ = [
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 ENV = "FEDGE_PLUGINS"
 """Environment variable: plugin modules or ``.py`` files, comma-separated, imported at the first registry lookup."""
 
-MODEL_GROUP = "fedge.models"
+MODEL_GROUP = "fedge.learning.models"
 DATASET_GROUP = "fedge.datasets"
 
 ModelFactory: TypeAlias = Callable[[tuple[int, ...], int], nn.Module]
@@ -99,13 +100,13 @@ _current = "your code"  # the plugin being imported, for messages
 
 
 def _builtin_models() -> set[str]:
-    from fedge.models import MODELS
+    from fedge.learning.models import MODELS
 
     return set(MODELS)
 
 
 def _builtin_datasets() -> set[str]:
-    from fedge.data import DATASETS
+    from fedge.data.datasets import DATASETS
 
     return set(DATASETS)
 
@@ -253,7 +254,7 @@ def plugin_model(name: str) -> ModelFactory | None:
             raise PluginError(f"model {name!r}: the factory returned {type(model).__name__}, not a torch nn.Module")
         if not any(v.is_floating_point() for v in model.state_dict().values()):
             raise PluginError(f"model {name!r} has no floating-point parameters: there is nothing to train or exchange")
-        if not hasattr(model, "input_shape"):  # what fedge.models.example_input and the exporters read
+        if not hasattr(model, "input_shape"):  # what fedge.learning.models.example_input and the exporters read
             vars(model)["input_shape"] = tuple(input_shape)  # a plain attribute (nn.Module keeps those in __dict__)
         return model
 

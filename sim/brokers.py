@@ -6,7 +6,7 @@ Both listen on 127.0.0.1 only and are context managers yielding the URL ``mqtt:/
     with mosquitto_broker() as url: ...      # needs the mosquitto binary (apt-get install mosquitto)
 
 Secured by a fleet kit (:mod:`coordinator.fleet`), yielding ``mqtts://127.0.0.1:PORT`` (``mqtt://`` for a kit
-without TLS); connect with the kit's bundles (:func:`common.credentials.load_bundle` with ``broker=url``):
+without TLS); connect with the kit's bundles (:func:`fedge_io.credentials.load_bundle` with ``broker=url``):
 
     with fleet_mosquitto(kit.broker_dir) as url: ...               # mosquitto run from the kit's mosquitto.conf
     with embedded_broker(fleet=kit.broker_dir) as url: ...         # amqtt with the kit's users and ACL
@@ -161,7 +161,7 @@ def embedded_broker(
 
     def quiet_resets(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         # amqtt lets the reset of a connection it refused reach asyncio, which would print a traceback for it: every
-        # fedge client's MQTT 5 probe (common.mqtt) is such a connection, closed before amqtt's own close.
+        # fedge client's MQTT 5 probe (fedge_io.mqtt) is such a connection, closed before amqtt's own close.
         exc = context.get("exception")
         if isinstance(exc, (ConnectionResetError, BrokenPipeError)) or (
             isinstance(exc, OSError) and exc.errno in (errno.ENOTCONN, errno.EPIPE, errno.ECONNRESET)

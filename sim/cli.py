@@ -8,19 +8,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.console import round_line, skipped_rounds_status
-from common.tensorboard import TensorBoardLog, check_tensorboard
+from fedge.accounting.cost import format_bytes
+from fedge.accounting.records import RoundRecord
 from fedge.config import RunConfig
-from fedge.cost import format_bytes
 from fedge.errors import ConfigError
-from fedge.records import RoundRecord
+from fedge_io.console import round_line, skipped_rounds_status
+from fedge_io.tensorboard import TensorBoardLog, check_tensorboard
 
 if TYPE_CHECKING:
-    from common.rundir import RunResult
+    from fedge_io.rundir import RunResult
 
 
 def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
-    from common.rundir import run_directory
+    from fedge_io.rundir import run_directory
 
     if args.transport == "mqtt" and args.executor not in ("auto", "sequential"):
         raise ConfigError(f"--executor {args.executor} is for in-process runs; over MQTT every client is a process")
@@ -122,9 +122,9 @@ def _run(
 
 
 def run_cost(args: argparse.Namespace) -> int:
+    from fedge.accounting.cost import CostRow, algorithm_round_cost, cost_table_markdown, paper_tables
     from fedge.algorithms import ALGORITHMS
-    from fedge.cost import CostRow, algorithm_round_cost, cost_table_markdown, paper_tables
-    from fedge.models import build_model, num_exchanged_values
+    from fedge.learning.models import build_model, num_exchanged_values
 
     accountings = ["multicast", "unicast"] if args.accounting == "both" else [args.accounting]
     out = []
@@ -159,7 +159,7 @@ def run_cost(args: argparse.Namespace) -> int:
                 f"{cost_table_markdown(rows, layout='paper')}\n{cost_table_markdown(rows)}"
             )
         if getattr(args, "compress", None):
-            from fedge.cost import compressed_costs, compressed_table_markdown
+            from fedge.accounting.cost import compressed_costs, compressed_table_markdown
 
             compressed = compressed_costs(["float32", *args.compress], accounting=acc)
             out.append(

@@ -12,11 +12,11 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from common.rundir import RunResult, new_run_dir
+from fedge.accounting.cost import format_bytes
+from fedge.accounting.records import RoundRecord
 from fedge.algorithms.dsfl import DSFLSettings
 from fedge.config import RunConfig, TrainConfig
-from fedge.cost import format_bytes
-from fedge.records import RoundRecord
+from fedge_io.rundir import RunResult, new_run_dir
 
 # One non-IID split for all three, steady enough to read: moderate momentum, no lr decay over a short run.
 BASE = RunConfig(

@@ -8,14 +8,14 @@ from collections.abc import Sequence
 from coordinator.replies import RoundContext, judge_reply, record_reply
 from coordinator.transport import Exchange, ReplyCheck
 from edge_client.client import EdgeClient
+from fedge.accounting.ledger import BROADCAST_CLIENT, LedgerEntry
+from fedge.accounting.records import ClientTiming
 from fedge.algorithms.base import RoundPlan
 from fedge.errors import CodecError, ConfigError
-from fedge.ledger import BROADCAST_CLIENT, LedgerEntry
-from fedge.messages import Message, decode, encode
-from fedge.protocol import error_message
-from fedge.records import ClientTiming
 from fedge.types import ClientId
-from fedge.wire import printable
+from fedge.wire.fields import printable
+from fedge.wire.message import Message, decode, encode
+from fedge.wire.protocol import error_message
 
 
 class InProcessTransport:

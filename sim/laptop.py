@@ -18,15 +18,15 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO
 
-from common.credentials import load_bundle
-from common.experiment import Experiment, prepare
-from common.mqtt import PacketLimit
-from common.rundir import RunResult
 from coordinator.run import provision_fleet, run_coordinator
+from fedge.accounting.records import RoundRecord
 from fedge.config import RunConfig
-from fedge.protocol import BrokerAddress
-from fedge.records import RoundRecord
 from fedge.types import ClientId
+from fedge.wire.protocol import BrokerAddress
+from fedge_io.credentials import load_bundle
+from fedge_io.experiment import Experiment, prepare
+from fedge_io.mqtt import PacketLimit
+from fedge_io.rundir import RunResult
 from sim.brokers import embedded_broker, free_port, stop_process
 from sim.provision import write_client_files
 
@@ -168,7 +168,7 @@ def client_processes(
     try:
         for cid, path in sorted(files.items()):
             python = (pythons or {}).get(cid, sys.executable)
-            cmd = [python, "-m", "cli.main", "client", "--broker", broker, "--run", run, "--client-id", cid]
+            cmd = [python, "-m", "fedge_cli.main", "client", "--broker", broker, "--run", run, "--client-id", cid]
             if bundles is not None:
                 cmd += ["--bundle", str(bundles[cid])]
             cmd += ["--data", str(path), "--device", device, "--threads", str(threads)]

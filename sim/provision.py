@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.experiment import Experiment
 from edge_client.data import ClientDataInfo, save_client_data, save_shared_data
 from fedge.types import ClientId
+from fedge_io.experiment import Experiment
 
 
 def write_client_files(exp: Experiment, directory: Path) -> dict[ClientId, Path]:

@@ -5,7 +5,8 @@ FL (model weights every round) and DS-FL (open-set outputs every round, plus the
 axis. DS-FL Fig. 3/6 (entropy of the global logits, eq. 12) and FedNTD's forgetting F (eq. 4) get plots when a run
 recorded them.
 
-Byte figures are tensor-level unless a table says otherwise, in decimal units (``fedge.cost.format_bytes``), under
+Byte figures are tensor-level unless a table says otherwise, in decimal units (``fedge.accounting.cost.format_bytes``),
+under
 one accounting model: ``"multicast"`` counts a broadcast once (DS-FL Tables I-II), ``"unicast"`` once per recipient
 (what an MQTT broker sends on per-client topics). The bytes section shows every level and both models.
 """
@@ -27,13 +28,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import Formatter, FuncFormatter, MaxNLocator, NullLocator, PercentFormatter
 
-from common.rundir import COMU_THRESHOLDS, read_run
+from fedge.accounting.cost import format_bytes
+from fedge.accounting.ledger import ACCOUNTING_MODELS, LedgerEntry, read_ledger_csv
+from fedge.accounting.records import RoundRecord
 from fedge.algorithms import get_algorithm
 from fedge.config import RunConfig
-from fedge.cost import format_bytes
 from fedge.errors import ConfigError, FedgeError
-from fedge.ledger import ACCOUNTING_MODELS, LedgerEntry, read_ledger_csv
-from fedge.records import RoundRecord
+from fedge_io.rundir import COMU_THRESHOLDS, read_run
 
 _DPI = 120
 _FIGSIZE = (8.0, 5.0)  # inches: 960 x 600 px at 120 dpi
@@ -183,7 +184,9 @@ def training_data(config: RunConfig) -> str:
     size = f"a seeded subset of {config.train_size:,} training images" if config.train_size else "all training images"
     if config.train.augment == "none":
         return f"{size}, no augmentation"
-    return f"{size}, augmentation {config.train.augment!r} (random crop, horizontal flip and Cutout; fedge.augment)"
+    return (
+        f"{size}, augmentation {config.train.augment!r} (random crop, horizontal flip and Cutout; fedge.data.augment)"
+    )
 
 
 def _pipeline(config: RunConfig) -> str:

@@ -6,16 +6,16 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from common.experiment import Experiment, prepare
-from common.rundir import RunResult
 from coordinator.engine import RoundEngine
 from coordinator.resume import RunJournal
 from edge_client.client import EdgeClient
-from fedge.backend import Backend, TorchBackend
+from fedge.accounting.records import RoundRecord
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
-from fedge.records import RoundRecord
+from fedge.learning.backend import Backend, TorchBackend
 from fedge.types import ClientId
+from fedge_io.experiment import Experiment, prepare
+from fedge_io.rundir import RunResult
 from sim.executors import ExecutorTransport, ExperimentClients, gpu_sharing_advice, make_executor
 
 log = logging.getLogger(__name__)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fedge.backend import Backend, TorchBackend
 from fedge.errors import ConfigError
-from fedge.training import HOOKS
+from fedge.learning.backend import Backend, TorchBackend
+from fedge.learning.training import HOOKS
 
 if TYPE_CHECKING:
     from edge_client.backends.executorch import ProgramSource
@@ -33,7 +33,8 @@ RUNTIME_HOOKS: dict[str, frozenset[str]] = {
     "onnxruntime": frozenset(),
     "onnxruntime-training": frozenset(),
 }
-"""The training hooks of :data:`fedge.training.HOOKS` each runtime runs. The exported programs compute a fixed loss
+"""The training hooks of :data:`fedge.learning.training.HOOKS` each runtime runs. The exported programs compute a fixed
+loss
 of the logits with FedProx's plain proximal term; they have no Fisher-weighted term, no representation output and no
 Fisher pass, so FedCurv and MOON clients run on torch only (the others are refused at admission)."""
 

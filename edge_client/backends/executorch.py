@@ -2,7 +2,7 @@
 
 One training program per loss (objective and its fixed hyperparameters, plus FedProx's mu), found through a
 :class:`ProgramSource`: on a device, the programs exported beforehand (``fedge export --format pte-train``) in a
-directory under one naming scheme (:func:`fedge.programs.program_file_name`); on a workstation the CLI passes a
+directory under one naming scheme (:func:`fedge.programs.spec.program_file_name`); on a workstation the CLI passes a
 source that exports a missing program and checks its parity first (:class:`export.cache.ExportingSource`). The
 backend holds the weights on the host; before a program trains, the weights are copied into the program's parameter
 tensors, and after it trained, read back. Teacher logits and predictions come from the programs' eval-mode
@@ -18,16 +18,16 @@ from typing import Protocol
 
 import torch
 
-from common import manifest
 from edge_client.backends import RUNTIME_HOOKS
 from edge_client.backends.cache_dir import default_cache_dir
 from edge_client.backends.runners import PteTrainer
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.errors import ConfigError
-from fedge.models import exchanged_state, load_exchanged_state
-from fedge.programs import ModelSpec, TrainingLoss, export_command, program_file_name
-from fedge.training import TrainRequest, TrainStats, check_hooks
+from fedge.learning.models import exchanged_state, load_exchanged_state
+from fedge.learning.training import TrainRequest, TrainStats, check_hooks
+from fedge.programs.spec import ModelSpec, TrainingLoss, export_command, program_file_name
 from fedge.types import StateDict
+from fedge_io import manifest
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class ProgramSource(Protocol):
 
 
 class ProgramDirectory:
-    """Training programs exported beforehand into ``directory`` under :func:`fedge.programs.program_file_name`."""
+    """Training programs exported beforehand into ``directory`` under :func:`fedge.programs.spec.program_file_name`."""
 
     def __init__(self, directory: Path | None = None, *, unverified: bool = False) -> None:
         self.directory = directory if directory is not None else default_cache_dir()
@@ -70,7 +70,7 @@ class ProgramDirectory:
 
 
 class ExecuTorchBackend:
-    """The :class:`fedge.backend.Backend` protocol on ExecuTorch training programs (portable kernels, CPU)."""
+    """The :class:`fedge.learning.backend.Backend` protocol on ExecuTorch training programs (portable kernels, CPU)."""
 
     runtime = "executorch"
 

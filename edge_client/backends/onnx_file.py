@@ -12,14 +12,14 @@ import numpy as np
 import torch
 
 from fedge.errors import ExportError
-from fedge.programs import ProgramMeta
+from fedge.programs.spec import ProgramMeta
 from fedge.types import StateDict
 
 if TYPE_CHECKING:
     import onnx
 
 ONNX_META_KEY = "fedge"
-"""The ``metadata_props`` key under which an ONNX export carries its :class:`fedge.programs.ProgramMeta`."""
+"""The ``metadata_props`` key under which an ONNX export carries its :class:`fedge.programs.spec.ProgramMeta`."""
 
 
 def read_meta(data: bytes, *, source: str = "ONNX model") -> ProgramMeta:

@@ -29,9 +29,9 @@ import torch
 
 from edge_client.backends.runners import OnnxRunner
 from fedge.errors import ConfigError
-from fedge.models import exchanged_state
-from fedge.programs import ModelSpec
-from fedge.training import TrainRequest, TrainStats
+from fedge.learning.models import exchanged_state
+from fedge.learning.training import TrainRequest, TrainStats
+from fedge.programs.spec import ModelSpec
 from fedge.types import StateDict
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,8 @@ TrainPolicy = Literal["refuse", "skip"]
 
 
 class OnnxRuntimeBackend:
-    """The :class:`fedge.backend.Backend` protocol on an ONNX Runtime session; see the module docstring for limits."""
+    """The :class:`fedge.learning.backend.Backend` protocol on an ONNX Runtime session; see the module docstring for
+    limits."""
 
     runtime = "onnxruntime"
 

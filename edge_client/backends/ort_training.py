@@ -6,19 +6,20 @@ and runs as its own client process.
 
 One set of **training artifacts** per loss (objective with its fixed hyperparameters, plus FedProx's mu), made by
 :mod:`export.ort_training` and found through an :class:`ArtifactSource`: a directory named by
-:func:`artifact_dir_name` (from :func:`fedge.programs.program_file_name`, the one naming scheme) holding
+:func:`artifact_dir_name` (from :func:`fedge.programs.spec.program_file_name`, the one naming scheme) holding
 
 - ``training_model.onnx``: ``(x, y, *objective inputs, *anchors, *bn stats) -> (loss, logits, *new bn stats)``, the
   loss being the objective's own code exported with the model, plus ORT's gradient graph;
 - ``eval_model.onnx``: eval-mode ``(x, *bn stats) -> logits`` on the same parameters;
 - ``checkpoint``: ORT's parameter store (parameter names are state-dict names with the ``model.`` prefix);
-- ``fedge.json``: the :class:`fedge.programs.ProgramMeta` of the set.
+- ``fedge.json``: the :class:`fedge.programs.spec.ProgramMeta` of the set.
 
 ORT computes the loss and the gradients; the optimizer step runs here on the host in numpy, exactly
-``torch.optim.SGD``'s update as :func:`fedge.training.train` uses it (weight decay added to the gradient, the
+``torch.optim.SGD``'s update as :func:`fedge.learning.training.train` uses it (weight decay added to the gradient, the
 momentum buffer starting as the first step's gradient, ``w -= lr * buf``; dampening 0, no Nesterov), because ORT's
 own SGD has no momentum. SCAFFOLD's correction is added to each gradient before that step, as in eager. Batches
-follow :func:`fedge.training.batch_order`. Batch-norm running statistics go in and out of every training step (ORT
+follow :func:`fedge.learning.training.batch_order`. Batch-norm running statistics go in and out of every training step
+(ORT
 keeps no mutable buffers), so they follow eager PyTorch's update and travel with the weights.
 """
 
@@ -32,15 +33,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import manifest
 from edge_client.backends import RUNTIME_HOOKS
 from edge_client.backends.cache_dir import default_cache_dir
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.errors import ConfigError, ExportError
-from fedge.models import exchanged_state, load_exchanged_state
-from fedge.programs import WRAPPER_PREFIX, ModelSpec, ProgramMeta, TrainingLoss, program_file_name
-from fedge.training import EpochMeter, SGDSettings, TrainRequest, TrainStats, batch_order, check_hooks
+from fedge.learning.models import exchanged_state, load_exchanged_state
+from fedge.learning.training import EpochMeter, SGDSettings, TrainRequest, TrainStats, batch_order, check_hooks
+from fedge.programs.spec import WRAPPER_PREFIX, ModelSpec, ProgramMeta, TrainingLoss, program_file_name
 from fedge.types import StateDict
+from fedge_io import manifest
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +215,7 @@ class OrtTrainer:
         return feeds
 
     def train(self, request: TrainRequest) -> TrainStats:
-        """The request's epochs of mini-batch SGD in the batch order of :func:`fedge.training.batch_order`."""
+        """The request's epochs of mini-batch SGD in the batch order of :func:`fedge.learning.training.batch_order`."""
         self.check_request(request)
         r = request
         order = batch_order(len(r.x), r.epochs, r.batch_size, r.seed)
@@ -252,7 +253,7 @@ class OrtTrainer:
 
 
 class OrtTrainingBackend:
-    """The :class:`fedge.backend.Backend` protocol on ONNX Runtime training artifacts (CPU)."""
+    """The :class:`fedge.learning.backend.Backend` protocol on ONNX Runtime training artifacts (CPU)."""
 
     runtime = RUNTIME
 

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from fedge.errors import ConfigError, ExportError
-from fedge.programs import (
+from fedge.learning.training import EpochMeter, SGDSettings, TrainRequest, TrainStats, batch_order
+from fedge.programs.spec import (
     EVAL_METHOD,
     META_METHOD,
     TRAIN_METHOD,
@@ -25,7 +26,6 @@ from fedge.programs import (
     example_training_inputs,
     state_name,
 )
-from fedge.training import EpochMeter, SGDSettings, TrainRequest, TrainStats, batch_order
 from fedge.types import StateDict
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class PteTrainer:
 
     The parameters live inside the program; the batch-norm running statistics live here and go in and out of every
     step. ``get_sgd_optimizer`` updates the program's parameters in place; it is created per :meth:`train` call so
-    the momentum buffers start at zero for every task, as in :func:`fedge.training.train`. SCAFFOLD's gradient
+    the momentum buffers start at zero for every task, as in :func:`fedge.learning.training.train`. SCAFFOLD's gradient
     correction is added here to the gradients the program returns, before the optimizer step.
     """
 
@@ -226,7 +226,7 @@ class PteTrainer:
         from executorch.extension.training import get_sgd_optimizer
 
         params = {n: self._params[state_name(n)] for n in self._fqns}
-        # dampening 0 and no Nesterov: torch.optim.SGD's defaults, as in fedge.training.train.
+        # dampening 0 and no Nesterov: torch.optim.SGD's defaults, as in fedge.learning.training.train.
         return get_sgd_optimizer(params, sgd.lr, sgd.momentum, 0.0, sgd.weight_decay, False)
 
     def step(
@@ -254,7 +254,7 @@ class PteTrainer:
         return loss
 
     def train(self, request: TrainRequest) -> TrainStats:
-        """The request's epochs of mini-batch SGD in the batch order of :func:`fedge.training.batch_order`."""
+        """The request's epochs of mini-batch SGD in the batch order of :func:`fedge.learning.training.batch_order`."""
         self.check_request(request)
         order = batch_order(len(request.x), request.epochs, request.batch_size, request.seed)
         optimizer = self.optimizer(request.sgd)

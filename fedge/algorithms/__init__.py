@@ -17,9 +17,9 @@ from fedge.algorithms.base import (
     ServerContext,
     Strategy,
 )
-from fedge.backend import Backend
 from fedge.errors import CodecError, ConfigError
-from fedge.messages import Message
+from fedge.learning.backend import Backend
+from fedge.wire.message import Message
 
 _MODULES = (
     "fedavg",
@@ -53,7 +53,7 @@ def get_algorithm(name: str) -> Algorithm:
 
 def make_strategy(config: object, context: ServerContext) -> Strategy:
     """The server half of ``config.algorithm``."""
-    from fedge.compressed import compressed
+    from fedge.compression.strategy import compressed
     from fedge.config import RunConfig
 
     assert isinstance(config, RunConfig)
@@ -64,11 +64,11 @@ def run_client_step(
     task: Message, broadcast: Message | None, data: ClientData, backend: Backend, store: ClientStore
 ) -> Message:
     """Dispatch a task to the client half of the algorithm it names, decoding and encoding what the run compresses
-    (:mod:`fedge.compressed`): the client half sees float32 tensors only."""
+    (:mod:`fedge.compression.strategy`): the client half sees float32 tensors only."""
     name = task.param("algorithm")
     if name not in ALGORITHMS:
         raise CodecError(f"task names unknown algorithm {name[:40]!r}; this client knows {', '.join(ALGORITHMS)}")
-    from fedge.compressed import decode_broadcast, encode_update
+    from fedge.compression.strategy import decode_broadcast, encode_update
 
     plain = decode_broadcast(broadcast) if broadcast is not None else None
     update = ALGORITHMS[name].client.step(task, plain, data, backend, store)

@@ -3,7 +3,8 @@
 A round is: the server half plans it (:meth:`Strategy.configure`: one optional broadcast plus one task per sampled
 client), each client half turns (task, broadcast, its data, its runtime, its own stored state) into one update
 (:meth:`ClientHalf.step`), and the server half folds the updates in (:meth:`Strategy.aggregate`). Hyperparameters, the
-learning rate of the round and the shuffle seeds travel in the task as typed fields (:mod:`fedge.wire`), so a client
+learning rate of the round and the shuffle seeds travel in the task as typed fields (:mod:`fedge.wire.fields`), so a
+client
 needs nothing else and the result does not depend on which transport carried the messages.
 
 An algorithm is one module under :mod:`fedge.algorithms` that defines its settings (a frozen dataclass), its server
@@ -22,16 +23,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedge import wire
-from fedge.augment import PRESETS, Augmentation, preset
-from fedge.backend import Backend
+from fedge.data.augment import PRESETS, Augmentation, preset
 from fedge.errors import CodecError, ConfigError
-from fedge.messages import BROADCAST, TASK, UPDATE, Message
-from fedge.metrics import per_class_accuracy
-from fedge.objectives import Objective
-from fedge.training import SGDSettings, TrainRequest, predict_logits
+from fedge.learning.backend import Backend
+from fedge.learning.metrics import per_class_accuracy
+from fedge.learning.objectives import Objective
+from fedge.learning.training import SGDSettings, TrainRequest, predict_logits
 from fedge.types import ClientId, StateDict
-from fedge.wire import bounded
+from fedge.wire import fields as wire
+from fedge.wire.fields import bounded
+from fedge.wire.message import BROADCAST, TASK, UPDATE, Message
 
 if TYPE_CHECKING:
     from fedge.config import RunConfig
@@ -48,8 +49,9 @@ def derive_seed(base: int, *words: int | str) -> int:
 
 @dataclass(frozen=True)
 class AlgorithmSettings:
-    """Base of every algorithm's settings. Fields marked :func:`fedge.wire.server_only` never leave the coordinator;
-    the others travel in each task, converted by :mod:`fedge.wire`."""
+    """Base of every algorithm's settings. Fields marked :func:`fedge.wire.fields.server_only` never leave the
+    coordinator;
+    the others travel in each task, converted by :mod:`fedge.wire.fields`."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class LocalTraining:
     epochs: int = field(default=1, metadata=bounded(0, 10_000))
     batch_size: int = field(default=32, metadata=bounded(1, 1_000_000))
     seed: int = field(default=0, metadata=bounded(0, 2**31 - 1))
-    augment: str = "none"  # a preset of fedge.augment, resolved by each client for its own image size
+    augment: str = "none"  # a preset of fedge.data.augment, resolved by each client for its own image size
 
     def __post_init__(self) -> None:
         if self.augment not in PRESETS:
@@ -167,7 +169,8 @@ class Strategy(ABC):
 
     report_type: ClassVar[type[UpdateReport]] = UpdateReport
     reply_tolerance: float = 0.0
-    """Error per value in [0, 1] that the run's upload compression may add (:mod:`fedge.compressed`): checks of
+    """Error per value in [0, 1] that the run's upload compression may add (:mod:`fedge.compression.strategy`): checks
+    of
     probability rows allow it."""
 
     def __init__(self, config: RunConfig, context: ServerContext) -> None:

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedge import wire
-from fedge.aggregation import aggregate_era, aggregate_sa
+from fedge.aggregation.average import aggregate_era, aggregate_sa
+from fedge.aggregation.robust import check_rule, robust_rows
 from fedge.algorithms.base import (
     Algorithm,
     AlgorithmSettings,
@@ -46,18 +46,18 @@ from fedge.algorithms.base import (
     update_message,
 )
 from fedge.algorithms.fedavg import CrossEntropy
-from fedge.backend import Backend
 from fedge.config import RunConfig
 from fedge.errors import CodecError, ConfigError
-from fedge.losses import soft_cross_entropy
-from fedge.messages import Message
-from fedge.metrics import mean_entropy
-from fedge.models import exchanged_state
-from fedge.objectives import Objective, ObjectiveInput, register_objective
-from fedge.robust import check_rule, robust_rows
-from fedge.training import SGDSettings, TrainRequest, train
+from fedge.learning.backend import Backend
+from fedge.learning.losses import soft_cross_entropy
+from fedge.learning.metrics import mean_entropy
+from fedge.learning.models import exchanged_state
+from fedge.learning.objectives import Objective, ObjectiveInput, register_objective
+from fedge.learning.training import SGDSettings, TrainRequest, train
 from fedge.types import ClientId
-from fedge.wire import bounded, server_only
+from fedge.wire import fields as wire
+from fedge.wire.fields import bounded, server_only
+from fedge.wire.message import Message
 
 _SEED = bounded(0, 2**31 - 1)
 _MODEL = "model."  # the global model in the server's saved state

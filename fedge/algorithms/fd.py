@@ -20,8 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedge import wire
-from fedge.aggregation import fd_global_logits, fd_leave_one_out
+from fedge.aggregation.average import fd_global_logits, fd_leave_one_out
 from fedge.algorithms.base import (
     Algorithm,
     AlgorithmSettings,
@@ -44,14 +43,15 @@ from fedge.algorithms.base import (
     update_message,
 )
 from fedge.algorithms.fedavg import CrossEntropy
-from fedge.backend import Backend
 from fedge.config import RunConfig
 from fedge.errors import CodecError, ConfigError
-from fedge.losses import fd_distillation_loss
-from fedge.messages import Message
-from fedge.objectives import Objective, ObjectiveInput, register_objective
+from fedge.learning.backend import Backend
+from fedge.learning.losses import fd_distillation_loss
+from fedge.learning.objectives import Objective, ObjectiveInput, register_objective
 from fedge.types import ClientId
-from fedge.wire import bounded
+from fedge.wire import fields as wire
+from fedge.wire.fields import bounded
+from fedge.wire.message import Message
 
 
 @dataclass(frozen=True)

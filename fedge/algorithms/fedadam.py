@@ -30,9 +30,9 @@ from fedge.algorithms.base import Algorithm, ServerContext, StrategyState, tenso
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
-from fedge.messages import Message
 from fedge.types import ClientId, StateDict
-from fedge.wire import server_only
+from fedge.wire.fields import server_only
+from fedge.wire.message import Message
 
 SERVER_OPTIMIZERS = ("adam", "yogi", "adagrad")
 _FIRST = "server_m."  # m_t in the saved state

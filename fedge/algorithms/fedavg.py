@@ -17,7 +17,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from fedge.aggregation import weighted_average
+from fedge.aggregation.average import weighted_average
+from fedge.aggregation.robust import UpdateNormHistory, check_rule, robust_average, state_norm, update_norm
 from fedge.algorithms.base import (
     Algorithm,
     AlgorithmSettings,
@@ -37,16 +38,15 @@ from fedge.algorithms.base import (
     update_message,
     weights_traffic,
 )
-from fedge.backend import Backend
 from fedge.config import RunConfig
 from fedge.errors import CodecError, ConfigError
-from fedge.messages import Message
-from fedge.models import exchanged_state, load_exchanged_state
-from fedge.objectives import Objective, register_objective
-from fedge.robust import UpdateNormHistory, check_rule, robust_average, state_norm, update_norm
-from fedge.training import TrainRequest, TrainStats
+from fedge.learning.backend import Backend
+from fedge.learning.models import exchanged_state, load_exchanged_state
+from fedge.learning.objectives import Objective, register_objective
+from fedge.learning.training import TrainRequest, TrainStats
 from fedge.types import ClientId, StateDict
-from fedge.wire import server_only
+from fedge.wire.fields import server_only
+from fedge.wire.message import Message
 
 _WEIGHTS = "weights."  # the global weights in the server's saved state
 
@@ -54,7 +54,7 @@ _WEIGHTS = "weights."  # the global weights in the server's saved state
 @dataclass(frozen=True)
 class FedAvgSettings(AlgorithmSettings):
     """How the server averages (all server-only): by data size (FedNTD eq. 2) or uniformly (FedNTD Algorithm 1), or
-    robustly (:mod:`fedge.robust`), and which updates it refuses outright."""
+    robustly (:mod:`fedge.aggregation.robust`), and which updates it refuses outright."""
 
     weighting: str = field(
         default="weighted", metadata=server_only("aggregation: weighted (by data size, eq. 2) or uniform")

@@ -1,7 +1,8 @@
 """FedCAD (class-wise adaptive self-distillation; He et al., AAAI 2022, eq. 1-3).
 
 FedLSD's flow and loss with class-wise weights ``alpha_y = (gamma - beta)/2 * E[phi] + (gamma + beta)/2`` from the
-global model's reliability on the client's own data (eq. 3, :func:`fedge.losses.fedcad_class_weights`), computed once
+global model's reliability on the client's own data (eq. 3, :func:`fedge.learning.losses.fedcad_class_weights`),
+computed once
 per round from the frozen teacher's logits. Defaults beta = 0.25, gamma = 0.5 (the paper's).
 """
 
@@ -16,8 +17,8 @@ from fedge.algorithms.base import Algorithm, ClientData, weights_traffic
 from fedge.algorithms.fedavg import FedAvg, FedAvgSettings
 from fedge.algorithms.fedlsd import FedLSDClient
 from fedge.errors import ConfigError
-from fedge.losses import fedcad_class_weights
-from fedge.wire import bounded
+from fedge.learning.losses import fedcad_class_weights
+from fedge.wire.fields import bounded
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ Where the paper is vague, this follows the FedNTD authors' implementation (Lee-G
 ``algorithms/fedcurv``), whose Table 1 includes FedCurv:
 - ``u_k`` is the empirical Fisher: the mean over mini-batches of the squared gradient of the batch-mean cross-entropy
   at the trained weights, over one shuffled pass that stops after the first batch taking the count past
-  ``fisher_samples`` (500), in training mode (:func:`fedge.training.fisher_diagonal`); over trainable parameters only;
+  ``fisher_samples`` (500), in training mode (:func:`fedge.learning.training.fisher_diagonal`); over trainable
+  parameters only;
 - lambda = 1 and s = 500 Fisher samples (FedNTD Table 5, and the authors' config/fedcurv.json);
 - the server keeps the latest ``(u_j, v_j)`` of every client it has heard from (not only this round's), and the sums
   run over all of them but k; in round 1 nothing is kept yet, so the term is zero (their code skips it).
@@ -56,10 +57,10 @@ from fedge.algorithms.base import (
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.config import RunConfig
 from fedge.errors import CodecError, ConfigError
-from fedge.messages import Message
-from fedge.training import FISHER, WEIGHTED_PROX, TrainRequest, TrainStats
+from fedge.learning.training import FISHER, WEIGHTED_PROX, TrainRequest, TrainStats
 from fedge.types import ClientId, StateDict
-from fedge.wire import bounded
+from fedge.wire.fields import bounded
+from fedge.wire.message import Message
 
 FISHER_U = "fisher_u."  # broadcast: U = sum_j u_j; update: the client's u_k
 FISHER_V = "fisher_v."  # broadcast: V = sum_j v_j; update: the client's v_k = u_k * w_k

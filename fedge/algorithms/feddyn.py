@@ -40,10 +40,10 @@ from fedge.algorithms.base import (
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
-from fedge.messages import Message
-from fedge.training import TrainRequest, TrainStats
+from fedge.learning.training import TrainRequest, TrainStats
 from fedge.types import ClientId, StateDict
-from fedge.wire import bounded
+from fedge.wire.fields import bounded
+from fedge.wire.message import Message
 
 _H = "feddyn.h."  # the server's h in its saved state
 _OWN_GRAD = "feddyn.g_k."  # the client's g_k in its store

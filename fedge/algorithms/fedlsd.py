@@ -16,9 +16,9 @@ import torch
 from fedge.algorithms.base import Algorithm, AlgorithmSettings, ClientData, weights_traffic
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.errors import ConfigError
-from fedge.losses import class_weighted_distillation_loss
-from fedge.objectives import Objective, ObjectiveInput, register_objective
-from fedge.wire import bounded
+from fedge.learning.losses import class_weighted_distillation_loss
+from fedge.learning.objectives import Objective, ObjectiveInput, register_objective
+from fedge.wire.fields import bounded
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """FedNTD (Lee et al., NeurIPS 2022): FedAvg whose local loss adds not-true distillation from the global model.
 
 Local objective, eq. 10-11: ``CE + beta * tau^2 * KL(q~_global || q~_local)``, where ``q~`` is the softmax at
-temperature ``tau`` over the not-true classes only (see :func:`fedge.losses.ntd_loss`). The teacher is the received
+temperature ``tau`` over the not-true classes only (see :func:`fedge.learning.losses.ntd_loss`). The teacher is the
+received
 global model, frozen (Algorithm 1): its logits on the local data are computed once per round, before training.
 Defaults beta = tau = 1 (Appendix B.4). Everything else is FedAvg's flow.
 """
@@ -16,9 +17,9 @@ import torch
 from fedge.algorithms.base import Algorithm, weights_traffic
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.errors import ConfigError
-from fedge.losses import ntd_loss
-from fedge.objectives import Objective, ObjectiveInput, register_objective
-from fedge.wire import bounded
+from fedge.learning.losses import ntd_loss
+from fedge.learning.objectives import Objective, ObjectiveInput, register_objective
+from fedge.wire.fields import bounded
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Local objective, FedProx eq. 2: ``h(w) = F_k(w) + mu/2 * ||w - w^t||^2`` over the trainable parameters, with
 ``w^t`` the round's global weights and ``F_k`` cross-entropy. FedNTD's Table 5 uses mu = 0.1 (searched in
-{0.1, 0.5, 1.0}); that is the default. The term is part of the training request (:class:`fedge.training.TrainRequest`),
+{0.1, 0.5, 1.0}); that is the default. The term is part of the training request
+(:class:`fedge.learning.training.TrainRequest`),
 so every runtime applies it, the exported ExecuTorch programs included.
 """
 
@@ -14,8 +15,8 @@ from dataclasses import dataclass, field
 from fedge.algorithms.base import Algorithm, weights_traffic
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.errors import ConfigError
-from fedge.training import TrainRequest
-from fedge.wire import bounded
+from fedge.learning.training import TrainRequest
+from fedge.wire.fields import bounded
 
 
 @dataclass(frozen=True)

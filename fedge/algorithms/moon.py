@@ -18,9 +18,11 @@ round, or after losing its store) compares with the received global model twice,
 and its first round is plain cross-entropy; the FedNTD authors' server starts every client from the initial global
 model instead, which a fedge client does not hold.
 
-The loss needs the representation hook of :mod:`fedge.training`, which only the torch runtime runs: the exported
+The loss needs the representation hook of :mod:`fedge.learning.training`, which only the torch runtime runs: the
+exported
 programs compute a loss of the logits only, so executorch and onnxruntime-training clients are refused at admission.
-The objective is therefore not registered with :func:`fedge.objectives.register_objective` (whose objectives every
+The objective is therefore not registered with :func:`fedge.learning.objectives.register_objective` (whose objectives
+every
 program exporter must build). Traffic is FedAvg's: the previous model never leaves the client.
 """
 
@@ -35,10 +37,10 @@ import torch.nn.functional as F
 from fedge.algorithms.base import Algorithm, ClientStore, weights_traffic
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.errors import ConfigError
-from fedge.objectives import Objective
-from fedge.training import REPRESENTATION, TrainRequest, TrainStats
+from fedge.learning.objectives import Objective
+from fedge.learning.training import REPRESENTATION, TrainRequest, TrainStats
 from fedge.types import StateDict
-from fedge.wire import bounded
+from fedge.wire.fields import bounded
 
 _PREVIOUS = "moon.previous."  # the client's previous local model in its store
 

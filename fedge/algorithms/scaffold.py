@@ -4,7 +4,8 @@ each local step for the client's drift.
 Server state: global weights ``x`` and server control variate ``c`` (one value per trainable parameter, zeros at
 first). Each round the server broadcasts ``(x, c)``. Client i keeps its own control variate ``c_i`` (zeros at first)
 and takes K local steps ``y <- y - lr * (g_i(y) + c - c_i)`` (line 10: the correction ``c - c_i`` is added to every
-gradient, see :class:`fedge.training.TrainRequest`), then sets ``c_i+ = c_i - c + (x - y) / (K * lr)`` (line 12,
+gradient, see :class:`fedge.learning.training.TrainRequest`), then sets ``c_i+ = c_i - c + (x - y) / (K * lr)`` (line
+12,
 option II) and uploads ``y`` together with ``delta_c = c_i+ - c_i``. The server moves ``x <- x + lr_g * (avg(y) - x)``
 (line 16, averaged as FedAvg does) and ``c <- c + |S|/N * mean(delta_c)`` (line 17).
 
@@ -40,10 +41,10 @@ from fedge.algorithms.base import (
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
-from fedge.messages import Message
-from fedge.training import TrainRequest, TrainStats
+from fedge.learning.training import TrainRequest, TrainStats
 from fedge.types import ClientId, StateDict
-from fedge.wire import server_only
+from fedge.wire.fields import server_only
+from fedge.wire.message import Message
 
 CONTROL = "control."  # broadcast: the server control variate c, per trainable parameter
 CONTROL_DELTA = "control_delta."  # update: delta_c of the client

@@ -14,9 +14,9 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from fedge.errors import ConfigError, FedgeError
-from fedge.messages import Message
 from fedge.types import ClientId
-from fedge.wire import printable
+from fedge.wire.fields import printable
+from fedge.wire.message import Message
 
 
 class ExecutorError(FedgeError):

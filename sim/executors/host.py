@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from common.experiment import Experiment, prepare
 from edge_client.client import EdgeClient
-from fedge.backend import TorchBackend
 from fedge.config import RunConfig
 from fedge.errors import CodecError, ConfigError
-from fedge.messages import Message, decode, encode
-from fedge.protocol import error_message
+from fedge.learning.backend import TorchBackend
 from fedge.types import ClientId
-from fedge.wire import printable
+from fedge.wire.fields import printable
+from fedge.wire.message import Message, decode, encode
+from fedge.wire.protocol import error_message
+from fedge_io.experiment import Experiment, prepare
 from sim.executors.core import ClientBuilder, ClientJob, ClientResult, SimClient, decode_state, describe, encode_state
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 class ExperimentClients:
     """The standard client factory: a run's PyTorch clients, as :func:`sim.run.run_inprocess` builds them.
 
-    With ``experiment`` None each worker calls :func:`common.experiment.prepare` on ``config`` (it reads the dataset
+    With ``experiment`` None each worker calls :func:`fedge_io.experiment.prepare` on ``config`` (it reads the dataset
     files itself, about 1 s for MNIST). With an experiment, that experiment is shipped instead: pickled to each
     process, or put once in Ray's object store, where actors of a node share it (cluster nodes need no dataset files).
     """

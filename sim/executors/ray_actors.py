@@ -13,7 +13,7 @@ import torch
 
 from fedge.errors import ConfigError
 from fedge.types import ClientId
-from fedge.wire import printable
+from fedge.wire.fields import printable
 from sim.executors.core import (
     ClientFactory,
     ClientJob,

@@ -9,13 +9,13 @@ import torch
 
 from coordinator.replies import RoundContext, judge_reply, record_reply
 from coordinator.transport import Exchange, ReplyCheck
+from fedge.accounting.ledger import BROADCAST_CLIENT, LedgerEntry
+from fedge.accounting.records import ClientTiming
 from fedge.algorithms.base import RoundPlan
-from fedge.ledger import BROADCAST_CLIENT, LedgerEntry
-from fedge.messages import encode
-from fedge.protocol import error_message
-from fedge.records import ClientTiming
 from fedge.types import ClientId
-from fedge.wire import printable
+from fedge.wire.fields import printable
+from fedge.wire.message import encode
+from fedge.wire.protocol import error_message
 from sim.executors.core import ClientExecutor, ClientJob, decode_state, encode_state
 
 log = logging.getLogger(__name__)

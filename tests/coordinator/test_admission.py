@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from common.experiment import prepare
 from coordinator.presence import Presence
 from coordinator.run import admission_rule
 from edge_client.cli import runtime_capabilities
 from fedge.config import RunConfig
-from fedge.protocol import ClientStatus, encode_status
+from fedge.wire.protocol import ClientStatus, encode_status
+from fedge_io.experiment import prepare
 
 
 def _hello(exp, client: str, runtime: str, predict_only: bool = False, **changes) -> ClientStatus:

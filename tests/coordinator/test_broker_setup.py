@@ -16,11 +16,11 @@ import pytest
 from kit_support import fedge_provision, open_dir, printed_commands, start_as_printed  # noqa: F401 - a fixture
 from mqtt_support import require_mosquitto
 
-from common.credentials import load_bundle
-from common.mqtt import MqttLink
 from coordinator.broker_setup import BROKER_USER, blocked_by, broker_plan
 from coordinator.fleet import FleetSpec, generate_fleet_kit
-from fedge.protocol import Topics
+from fedge.wire.protocol import Topics
+from fedge_io.credentials import load_bundle
+from fedge_io.mqtt import MqttLink
 from sim.brokers import free_port, stop_process
 
 pytestmark = pytest.mark.broker

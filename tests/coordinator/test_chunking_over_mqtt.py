@@ -28,9 +28,6 @@ import torch
 from mqtt_support import FakeClient, fake_clients, require_mosquitto  # noqa: F401 - a pytest fixture
 from safetensors.torch import load_file
 
-from common.experiment import Experiment, prepare
-from common.mqtt import MqttLink, PacketLimit, PacketTooLarge, parse_packet_limit
-from common.rundir import RunResult
 from coordinator.fleet import FleetSpec, mosquitto_conf
 from coordinator.mqtt import MqttTransport
 from coordinator.replies import CATEGORIES
@@ -38,16 +35,19 @@ from coordinator.run import run_coordinator
 from edge_client.client import EdgeClient
 from edge_client.data import ClientDataInfo
 from edge_client.mqtt import MqttEdgeClient
-from fedge import chunking
+from fedge.accounting.ledger import read_ledger_csv
 from fedge.algorithms.base import Evaluation, RoundPlan, ServerContext, Strategy, TensorSpec
-from fedge.backend import TorchBackend
 from fedge.config import RunConfig, TrainConfig
-from fedge.data import Dataset
+from fedge.data.datasets import Dataset
 from fedge.errors import ConfigError
-from fedge.ledger import read_ledger_csv
-from fedge.messages import BROADCAST, TASK, UPDATE, Message, encode
-from fedge.protocol import SESSION, BrokerAddress, publish_packet_bytes
+from fedge.learning.backend import TorchBackend
 from fedge.types import ClientId
+from fedge.wire import chunking
+from fedge.wire.message import BROADCAST, TASK, UPDATE, Message, encode
+from fedge.wire.protocol import SESSION, BrokerAddress, publish_packet_bytes
+from fedge_io.experiment import Experiment, prepare
+from fedge_io.mqtt import MqttLink, PacketLimit, PacketTooLarge, parse_packet_limit
+from fedge_io.rundir import RunResult
 from sim.brokers import mosquitto_broker
 
 pytestmark = pytest.mark.broker

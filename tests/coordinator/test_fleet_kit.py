@@ -20,8 +20,6 @@ from typing import Any
 import paho.mqtt.client as paho
 import pytest
 
-from common.credentials import load_bundle
-from common.mqtt import MqttLink, Will, tls_context
 from coordinator.fleet import (
     FleetKit,
     FleetSpec,
@@ -31,7 +29,9 @@ from coordinator.fleet import (
     mosquitto_password_line,
 )
 from fedge.errors import ConfigError, TransportError
-from fedge.protocol import BrokerAddress, ClientStatus, Topics
+from fedge.wire.protocol import BrokerAddress, ClientStatus, Topics
+from fedge_io.credentials import load_bundle
+from fedge_io.mqtt import MqttLink, Will, tls_context
 from sim.brokers import embedded_broker, find_mosquitto, fleet_mosquitto, free_port, wait_for_port
 
 pytestmark = [
@@ -519,7 +519,7 @@ def test_a_kit_without_tls_still_needs_passwords(kind: str, tmp_path: Path) -> N
 def _connection(*argv: str) -> object:
     import argparse
 
-    from common.connection import add_connection_arguments, connection_from_args
+    from fedge_io.connection import add_connection_arguments, connection_from_args
 
     parser = argparse.ArgumentParser()
     add_connection_arguments(parser)
@@ -553,7 +553,7 @@ def test_a_password_never_crosses_the_network_on_plain_mqtt_unless_told(
 
 def test_provision_fleet_bind_puts_the_broker_on_one_address_only(tmp_path: Path) -> None:
     """``fedge provision --fleet-bind 127.0.0.1``: the kit's mosquitto listens on loopback and nowhere else."""
-    from cli.main import main
+    from fedge_cli.main import main
 
     port = free_port()
     argv = ["provision", "--out", str(tmp_path), "--dataset", "synthetic", "--model", "tiny_mlp", "--num-clients", "2"]

@@ -21,13 +21,13 @@ from kit_support import fedge_provision, open_dir, printed_commands, start_as_pr
 from mqtt_support import mosquitto_url, require_mosquitto  # noqa: F401 - a fixture
 from signal_support import default_sigint
 
-from common.credentials import load_bundle
-from common.experiment import prepare
-from common.mqtt import MqttLink
 from coordinator.run import provision_fleet
 from fedge.config import RunConfig
-from fedge.protocol import Topics
-from fedge.run_status import encode_run_status, run_status
+from fedge.wire.protocol import Topics
+from fedge.wire.run_status import encode_run_status, run_status
+from fedge_io.credentials import load_bundle
+from fedge_io.experiment import prepare
+from fedge_io.mqtt import MqttLink
 from sim.brokers import fleet_mosquitto, free_port, stop_process
 from sim.laptop import client_processes
 
@@ -39,7 +39,7 @@ T = Topics(RUN)
 
 def status_once(monitor: Path, *extra: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """``fedge status --bundle monitor --once``, as a user runs it."""
-    cmd = [sys.executable, "-m", "cli.main", "status", "--bundle", str(monitor), "--once", *extra]
+    cmd = [sys.executable, "-m", "fedge_cli.main", "status", "--bundle", str(monitor), "--once", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -69,7 +69,7 @@ class Watcher:
     """``fedge status --bundle monitor`` refreshing into a file (not a terminal: each new status printed once)."""
 
     def __init__(self, monitor: Path, out: Path) -> None:
-        self.cmd = [sys.executable, "-m", "cli.main", "status", "--bundle", str(monitor), "--timeout", "60"]
+        self.cmd = [sys.executable, "-m", "fedge_cli.main", "status", "--bundle", str(monitor), "--timeout", "60"]
         self.out = out
         self.proc: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
@@ -98,7 +98,7 @@ def watcher(monitor: Path, out: Path) -> Iterator[Watcher]:
 
 @contextlib.contextmanager
 def coordinator(kit: Path, data: Path, runs: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    cmd = [sys.executable, "-m", "cli.main", "coordinator", "--bundle", str(kit / "coordinator")]
+    cmd = [sys.executable, "-m", "fedge_cli.main", "coordinator", "--bundle", str(kit / "coordinator")]
     cmd += ["--config", str(data / "config.json"), "--out", str(runs), "--round-timeout", "120"]
     cmd += ["--join-timeout", "300", "--rejoin-grace", "1", "--no-report", "--allow-skipped-rounds"]
     with open(log, "wb") as fh:
@@ -219,7 +219,7 @@ def test_a_run_that_stops_says_why_in_its_status(
     with pytest.raises(TransportError, match="only 0 of 2 clients joined"):
         run_coordinator(config, tmp_path / "run", broker=mosquitto_url, run="lonely", join_timeout=1.0)
     done = subprocess.run(
-        [sys.executable, "-m", "cli.main", "status", "--broker", mosquitto_url, "--run", "lonely", "--once"],
+        [sys.executable, "-m", "fedge_cli.main", "status", "--broker", mosquitto_url, "--run", "lonely", "--once"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -21,14 +21,14 @@ import time
 
 import torch
 
-from common.experiment import prepare
 from coordinator.replies import CATEGORIES, RoundContext, judge_reply
 from edge_client.client import EdgeClient
+from fedge.aggregation.robust import state_norm, update_norm
 from fedge.algorithms.fedavg import FedAvgSettings
-from fedge.backend import TorchBackend
 from fedge.config import RunConfig, TrainConfig
-from fedge.messages import decode, encode
-from fedge.robust import state_norm, update_norm
+from fedge.learning.backend import TorchBackend
+from fedge.wire.message import decode, encode
+from fedge_io.experiment import prepare
 
 MUTANTS = 10_000
 NASTY_NUMBERS = [

@@ -30,16 +30,16 @@ import pytest
 import torch
 from mqtt_support import require_mosquitto
 
-from common.experiment import Experiment, prepare
-from common.mqtt import MqttLink
-from common.rundir import RunResult
 from coordinator.run import run_coordinator
 from edge_client.cli import runtime_capabilities
 from fedge.algorithms.fedavg import FedAvgSettings
 from fedge.config import RunConfig, TrainConfig
-from fedge.messages import BROADCAST, TASK, UPDATE, Message, decode, encode
-from fedge.protocol import ERROR, SESSION, BrokerAddress, ClientStatus, Topics, encode_status
 from fedge.types import ClientId, StateDict
+from fedge.wire.message import BROADCAST, TASK, UPDATE, Message, decode, encode
+from fedge.wire.protocol import ERROR, SESSION, BrokerAddress, ClientStatus, Topics, encode_status
+from fedge_io.experiment import Experiment, prepare
+from fedge_io.mqtt import MqttLink
+from fedge_io.rundir import RunResult
 from sim.brokers import mosquitto_broker
 from sim.laptop import client_processes
 from sim.provision import write_client_files

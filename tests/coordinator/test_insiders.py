@@ -26,16 +26,16 @@ import pytest
 from insiders import Insider
 from mqtt_support import require_mosquitto
 
-from cli.main import _run_config, build_parser
-from common.credentials import load_bundle
-from common.experiment import Experiment, prepare
-from common.rundir import RunResult
 from coordinator.run import provision_fleet, run_coordinator
 from edge_client.client import EdgeClient
 from edge_client.data import ClientDataInfo
 from edge_client.mqtt import MqttEdgeClient
-from fedge.backend import TorchBackend
-from fedge.protocol import decode_status, encode_status
+from fedge.learning.backend import TorchBackend
+from fedge.wire.protocol import decode_status, encode_status
+from fedge_cli.main import _run_config, build_parser
+from fedge_io.credentials import load_bundle
+from fedge_io.experiment import Experiment, prepare
+from fedge_io.rundir import RunResult
 from sim.brokers import fleet_mosquitto, free_port
 from sim.laptop import client_processes
 from sim.provision import write_client_files

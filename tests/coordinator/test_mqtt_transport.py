@@ -22,15 +22,15 @@ from mqtt_support import (  # noqa: F401 - pytest fixtures
     require_mosquitto,
 )
 
-from common.mqtt import MqttLink
 from coordinator.mqtt import MqttTransport
 from coordinator.replies import CATEGORIES
 from coordinator.transport import Exchange
 from fedge.algorithms.base import Evaluation, RoundPlan, ServerContext, Strategy, TensorSpec
 from fedge.config import RunConfig
 from fedge.errors import TransportError
-from fedge.messages import BROADCAST, TASK, UPDATE, Message, decode, encode
-from fedge.protocol import (
+from fedge.types import ClientId
+from fedge.wire.message import BROADCAST, TASK, UPDATE, Message, decode, encode
+from fedge.wire.protocol import (
     COMPUTE_S,
     REFUSED,
     SESSION,
@@ -40,7 +40,7 @@ from fedge.protocol import (
     encode_status,
     error_message,
 )
-from fedge.types import ClientId
+from fedge_io.mqtt import MqttLink
 from sim.brokers import free_port, mosquitto_broker
 
 pytestmark = pytest.mark.broker
@@ -325,7 +325,7 @@ def test_a_refused_client_process_exits_with_the_coordinators_reason(
     import subprocess
     import sys
 
-    from common.experiment import prepare
+    from fedge_io.experiment import prepare
     from sim.provision import write_client_files
 
     config = RunConfig(algorithm="fedavg", dataset="digits", model="tiny_mlp", num_clients=2, rounds=1)
@@ -337,7 +337,7 @@ def test_a_refused_client_process_exits_with_the_coordinators_reason(
     with MqttTransport(BrokerAddress.parse(embedded_url), "refusing", admit=admit) as transport:
         args = ["client", "--data", str(data), "--broker", embedded_url, "--run", "refusing", "--client-id", "c000"]
         client = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", *args],
+            [sys.executable, "-m", "fedge_cli.main", *args],
             cwd=Path(__file__).resolve().parents[2],
             stderr=subprocess.PIPE,
             text=True,

@@ -24,15 +24,15 @@ import torch
 from mqtt_support import require_mosquitto
 from safetensors.torch import load_file
 
-from cli.main import main
-from common.mqtt import MqttLink
-from common.rundir import fixed_run_dir_state
 from coordinator.broker_counters import BrokerCounters
 from coordinator.mqtt import MqttTransport
+from fedge.accounting.ledger import read_ledger_csv
 from fedge.errors import ConfigError, TransportError
-from fedge.ledger import read_ledger_csv
-from fedge.messages import decode
-from fedge.protocol import BrokerAddress, Topics
+from fedge.wire.message import decode
+from fedge.wire.protocol import BrokerAddress, Topics
+from fedge_cli.main import main
+from fedge_io.mqtt import MqttLink
+from fedge_io.rundir import fixed_run_dir_state
 from sim.brokers import mosquitto_broker
 from sim.laptop import client_processes
 
@@ -76,7 +76,7 @@ def kill_mid_round(url: str, config: Path, out: Path, *, run_dir: bool = False) 
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same float sums as this process
     where = ("--run-dir" if run_dir else "--out", str(out))
     args = coordinator_args(url, config, *where, "--broker-counters", "off")
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "fedge_cli.main", *args], env=env, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:

@@ -12,10 +12,10 @@ import pytest
 from mqtt_support import require_mosquitto
 from safetensors.torch import load_file
 
-from common.credentials import load_bundle
-from common.experiment import prepare
 from coordinator.run import provision_fleet, run_coordinator
 from fedge.config import RunConfig, TrainConfig
+from fedge_io.credentials import load_bundle
+from fedge_io.experiment import prepare
 from sim.brokers import fleet_mosquitto, free_port
 from sim.laptop import client_processes
 from sim.provision import write_client_files

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import build_parser, main
 from coordinator.broker_setup import broker_plan
 from coordinator.services import CLIENT_FINAL_EXITS
+from fedge_cli.main import build_parser, main
 from sim.brokers import free_port
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
@@ -67,7 +67,7 @@ def test_a_device_that_boots_before_its_broker_is_restarted_and_a_refused_one_is
     closed = f"mqtts://127.0.0.1:{free_port()}"  # nobody listens: the broker is not up yet
     args = ["client", "--bundle", str(units.parent / "clients" / "c000"), "--data", str(fleet / "c000.safetensors")]
     done = subprocess.run(
-        [sys.executable, "-m", "cli.main", *args, "--broker", closed, "--connect-timeout", "2"],
+        [sys.executable, "-m", "fedge_cli.main", *args, "--broker", closed, "--connect-timeout", "2"],
         capture_output=True,
         text=True,
         timeout=120,

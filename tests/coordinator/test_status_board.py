@@ -7,10 +7,10 @@ import time
 
 from mqtt_support import mosquitto_url  # noqa: F401 - a fixture
 
-from common.mqtt import MqttLink
 from coordinator.status_board import StatusBoard
-from fedge.protocol import BrokerAddress, Topics
-from fedge.run_status import RunStatus, decode_run_status
+from fedge.wire.protocol import BrokerAddress, Topics
+from fedge.wire.run_status import RunStatus, decode_run_status
+from fedge_io.mqtt import MqttLink
 
 T = Topics("board")
 

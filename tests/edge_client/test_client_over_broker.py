@@ -23,16 +23,16 @@ from pathlib import Path
 import pytest
 from mqtt_support import require_mosquitto
 
-from common.experiment import Experiment, prepare
-from common.mqtt import MqttLink
 from coordinator.run import run_coordinator
 from edge_client.client import EdgeClient
 from edge_client.data import ClientDataInfo, save_client_data
 from edge_client.mqtt import MqttEdgeClient
-from fedge.backend import TorchBackend
 from fedge.config import RunConfig, TrainConfig
-from fedge.messages import Message, encode
-from fedge.protocol import BROADCAST_ROUND, DEADLINE, SESSION, BrokerAddress, Topics
+from fedge.learning.backend import TorchBackend
+from fedge.wire.message import Message, encode
+from fedge.wire.protocol import BROADCAST_ROUND, DEADLINE, SESSION, BrokerAddress, Topics
+from fedge_io.experiment import Experiment, prepare
+from fedge_io.mqtt import MqttLink
 from sim.brokers import mosquitto_broker
 
 pytestmark = pytest.mark.broker
@@ -236,7 +236,7 @@ def test_fedge_client_idle_warning_flag(exp: Experiment, mosquitto_url: str, tmp
         exp.client_data(CLIENT),
         ClientDataInfo(CLIENT, exp.model, exp.input_shape, exp.num_classes),
     )
-    base = [sys.executable, "-m", "cli.main", "client", "--broker", mosquitto_url, "--data", str(data)]
+    base = [sys.executable, "-m", "fedge_cli.main", "client", "--broker", mosquitto_url, "--data", str(data)]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     bad = subprocess.run(
         [*base, "--client-id", CLIENT, "--idle-warning", "-1"], capture_output=True, text=True, env=env

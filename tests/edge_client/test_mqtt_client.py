@@ -9,10 +9,10 @@ import torch
 from edge_client.data import ClientDataInfo
 from edge_client.mqtt import MqttEdgeClient
 from fedge.algorithms.base import ClientData
-from fedge.backend import Backend, TorchBackend
 from fedge.errors import ConfigError
-from fedge.messages import BROADCAST, TASK, UPDATE, Message, decode
-from fedge.protocol import BROADCAST_ROUND, COMPUTE_CPU_S, COMPUTE_S, SESSION, BrokerAddress
+from fedge.learning.backend import Backend, TorchBackend
+from fedge.wire.message import BROADCAST, TASK, UPDATE, Message, decode
+from fedge.wire.protocol import BROADCAST_ROUND, COMPUTE_CPU_S, COMPUTE_S, SESSION, BrokerAddress
 
 
 class StubClient:

@@ -45,8 +45,8 @@ def test_state_that_is_not_tensors_is_not_written_and_names_are_checked(tmp_path
 
 
 def test_the_client_flags_choose_where_the_state_lives_or_turn_it_off(tmp_path: Path) -> None:
-    from cli.main import build_parser
     from edge_client.cli import state_files
+    from fedge_cli.main import build_parser
 
     def parsed(*flags: str) -> ClientStateFiles | None:
         args = build_parser().parse_args(["client", "--data", str(tmp_path / "c001.safetensors"), *flags])

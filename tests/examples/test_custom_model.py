@@ -13,8 +13,8 @@ import pytest
 from mqtt_support import mosquitto_url  # noqa: F401 - pytest fixture
 from plugin_support import fresh_plugins  # noqa: F401 - pytest fixture
 
-from cli.main import main
 from fedge import plugins
+from fedge_cli.main import main
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_model"
 PLUGIN = str(EXAMPLE / "wine_plugin.py")
@@ -64,7 +64,7 @@ def test_provision_coordinator_and_clients_over_mosquitto(tmp_path: Path, mosqui
     client = [
         sys.executable,
         "-m",
-        "cli.main",
+        "fedge_cli.main",
         "client",
         "--plugin",
         PLUGIN,

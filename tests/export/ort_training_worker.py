@@ -27,9 +27,9 @@ from export.ort_training import (
     drift_request_for_seed,
     generate,
 )
-from fedge.models import exchanged_state
-from fedge.objectives import make_objective
-from fedge.programs import ModelSpec, TrainingLoss
+from fedge.learning.models import exchanged_state
+from fedge.learning.objectives import make_objective
+from fedge.programs.spec import ModelSpec, TrainingLoss
 
 SEEDS = (7, *RETRY_SEEDS)  # export.parity.drift_request's samples, then the parity gate's retries
 

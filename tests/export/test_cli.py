@@ -11,8 +11,6 @@ import pytest
 import torch
 from export_support import SPECS, loss_of, pte_export
 
-from cli.main import build_parser, main
-from common.experiment import prepare
 from edge_client.backends.executorch import ProgramDirectory, batch_bound
 from edge_client.backends.onnx_file import read_meta, replace_weights
 from edge_client.backends.runners import PteRunner, PteTrainer
@@ -20,9 +18,11 @@ from export.cli import export_jobs
 from fedge.algorithms import ALGORITHMS
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
-from fedge.objectives import OBJECTIVES, make_objective, objective_kinds
-from fedge.planning import planned_trainings
-from fedge.programs import ModelSpec, TrainingLoss, program_file_name
+from fedge.learning.objectives import OBJECTIVES, make_objective, objective_kinds
+from fedge.programs.planning import planned_trainings
+from fedge.programs.spec import ModelSpec, TrainingLoss, program_file_name
+from fedge_cli.main import build_parser, main
+from fedge_io.experiment import prepare
 
 
 def test_export_writes_checked_files_and_check_accepts_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -31,9 +31,9 @@ def test_export_writes_checked_files_and_check_accepts_them(tmp_path: Path, caps
     assert main([*args, "--format", "onnx", "pte", "pte-train", "--objective", "ce", "--max-batch", "16"]) == 0
     printed = capsys.readouterr().out
     files = sorted(p.name for p in out.iterdir())
-    # The training program gets the one name clients look programs up by (fedge.programs.program_file_name).
+    # The training program gets the one name clients look programs up by (fedge.programs.spec.program_file_name).
     assert files == [
-        "manifest.json",  # the SHA-256 of every file, checked before a runtime loads one (common/manifest.py)
+        "manifest.json",  # the SHA-256 of every file, checked before a runtime loads one (fedge_io/manifest.py)
         "tiny_mlp-1x8x8-c10-ce-b16-v2.pte",
         "tiny_mlp.onnx",
         "tiny_mlp.pte",

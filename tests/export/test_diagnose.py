@@ -9,8 +9,8 @@ import torch
 from plugin_support import fresh_plugins  # noqa: F401 - pytest fixture
 from torch import nn
 
-from cli.main import main
 from export.diagnose import failing_layer
+from fedge_cli.main import main
 
 GATED = """
 from torch import nn

@@ -8,7 +8,6 @@ import pytest
 import torch
 from export_support import SPECS, loss_of, model_with, program_cache, pte_export, training_program, weights
 
-from common import manifest
 from edge_client.backends.executorch import ExecuTorchBackend
 from edge_client.backends.runners import PteTrainer
 from export.cache import ExportingSource
@@ -18,13 +17,14 @@ from fedge.algorithms.fd import FDDistillation
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.algorithms.fedlsd import ClassWeightedDistillation
 from fedge.algorithms.fedntd import NotTrueDistillation
-from fedge.augment import preset
-from fedge.backend import TorchBackend
+from fedge.data.augment import preset
 from fedge.errors import ConfigError, ExportError
-from fedge.models import load_exchanged_state
-from fedge.objectives import Objective
-from fedge.programs import TrainingLoss, program_file_name
-from fedge.training import SGDSettings, TrainRequest
+from fedge.learning.backend import TorchBackend
+from fedge.learning.models import load_exchanged_state
+from fedge.learning.objectives import Objective
+from fedge.learning.training import SGDSettings, TrainRequest
+from fedge.programs.spec import TrainingLoss, program_file_name
+from fedge_io import manifest
 
 
 def _backend(name: str = "tiny_mlp") -> ExecuTorchBackend:

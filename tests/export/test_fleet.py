@@ -9,15 +9,15 @@ import pytest
 from export_support import program_cache
 from safetensors.torch import load_file
 
-from common.experiment import prepare
 from edge_client.backends import make_backend
 from edge_client.backends.cache_dir import CACHE_ENV
 from export.cache import ExportingSource, onnx_model
 from fedge.algorithms.dsfl import DSFLSettings
-from fedge.backend import Backend
 from fedge.config import RunConfig, TrainConfig
-from fedge.programs import ModelSpec
+from fedge.learning.backend import Backend
+from fedge.programs.spec import ModelSpec
 from fedge.types import ClientId
+from fedge_io.experiment import prepare
 from sim.laptop import run_over_mqtt
 from sim.run import run_inprocess
 

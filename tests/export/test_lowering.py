@@ -14,8 +14,8 @@ from export.lowering import (
     MatmulLinear,
     lower_for_training,
 )
-from fedge.models import exchanged_state
-from fedge.programs import ModelSpec
+from fedge.learning.models import exchanged_state
+from fedge.programs.spec import ModelSpec
 
 MNIST_SHAPED = {
     "dsfl_mnist_cnn": ModelSpec("dsfl_mnist_cnn", (1, 28, 28), 10),

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import main
-from common import manifest
-from common.experiment import prepare
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError
-from fedge.objectives import make_objective
-from fedge.programs import ModelSpec, TrainingLoss, program_file_name
+from fedge.learning.objectives import make_objective
+from fedge.programs.spec import ModelSpec, TrainingLoss, program_file_name
+from fedge_cli.main import main
+from fedge_io import manifest
+from fedge_io.experiment import prepare
 from sim.provision import write_client_files
 
-FEDGE = [sys.executable, "-m", "cli.main"]
+FEDGE = [sys.executable, "-m", "fedge_cli.main"]
 MODEL = ["--model", "tiny_mlp", "--input-shape", "1,8,8"]
 
 

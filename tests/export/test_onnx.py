@@ -29,7 +29,7 @@ from export.onnx import (
 from export.parity import LOGIT_TOLERANCE, check_onnx, require
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.errors import ConfigError, ExportError
-from fedge.training import SGDSettings, TrainRequest
+from fedge.learning.training import SGDSettings, TrainRequest
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
@@ -49,7 +49,7 @@ def test_weights_go_in_by_name_and_come_out_unchanged() -> None:
     other = {k: v + 0.01 * torch.randn_like(v) for k, v in weights("dsfl_mnist_cnn").items()}
     runner.set_weights(other)
     model = model_with("dsfl_mnist_cnn")
-    from fedge.models import load_exchanged_state
+    from fedge.learning.models import load_exchanged_state
 
     load_exchanged_state(model, other)
     x = SPECS["dsfl_mnist_cnn"].example(4, seed=3)

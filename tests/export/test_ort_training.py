@@ -1,4 +1,5 @@
-"""ONNX Runtime training (``.venv-ort-training``, ``make ort-training``) trains like eager ``fedge.training.train``.
+"""ONNX Runtime training (``.venv-ort-training``, ``make ort-training``) trains like eager
+``fedge.learning.training.train``.
 
 The ORT side runs in that environment (``ort_training_worker.py``); the eager reference is computed here, in this
 environment, from the very tensors the worker used: free-running steps with momentum 0.9 and weight decay 1e-5 on
@@ -21,10 +22,10 @@ from safetensors.torch import load_file
 from edge_client.backends.ort_training import RUNTIME, ArtifactDirectory, artifact_dir_name
 from export.parity import drift_parity
 from fedge.errors import ConfigError
-from fedge.models import exchanged_state, load_exchanged_state
-from fedge.objectives import make_objective
-from fedge.programs import ModelSpec, TrainingLoss, program_file_name
-from fedge.training import SGDSettings, TrainRequest, train
+from fedge.learning.models import exchanged_state, load_exchanged_state
+from fedge.learning.objectives import make_objective
+from fedge.learning.training import SGDSettings, TrainRequest, train
+from fedge.programs.spec import ModelSpec, TrainingLoss, program_file_name
 
 ROOT = Path(__file__).resolve().parents[2]
 ORT_PYTHON = ROOT / ".venv-ort-training" / "bin" / "python"
@@ -170,8 +171,8 @@ def test_damaged_artifacts_are_refused_before_onnx_runtime_opens_them(
 ) -> None:
     """Flipped bytes at several offsets of each file of a gated set: a one-line error from the device side's
     process (exit 1), never a crash, never weights that load."""
-    from common import manifest
     from edge_client.backends.ort_training import ARTIFACT_FILES
+    from fedge_io import manifest
 
     (made,) = [d for d in (ort_results[0] / "cache").iterdir() if d.name.startswith("tiny_mlp-")]
     for name in ARTIFACT_FILES:

@@ -10,9 +10,9 @@ from plugin_support import fresh_plugins  # noqa: F401 - pytest fixture
 from torch import nn
 
 from fedge import plugins
-from fedge.data import load_dataset
+from fedge.data.datasets import load_dataset
 from fedge.errors import ConfigError, DatasetError
-from fedge.models import build_model, default_model_for
+from fedge.learning.models import build_model, default_model_for
 from fedge.plugins import DatasetArrays, PluginError, checked_splits, load_class_folders, register_dataset
 
 PLUGIN = """
@@ -72,7 +72,7 @@ def test_an_installed_packages_entry_points_register_their_names(tmp_path: Path,
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: blob-pkg\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text(
-        "[fedge.models]\nep_net = blob_pkg:Net\n\n"
+        "[fedge.learning.models]\nep_net = blob_pkg:Net\n\n"
         "[fedge.datasets]\nep_blobs = blob_pkg:blobs\nep_blobs2 = blob_pkg:WITH_DEFAULT\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -191,8 +191,8 @@ def test_a_plugin_is_imported_once_whatever_the_path_spelling(tmp_path: Path, mo
 
 
 def test_moon_with_a_plugin_model_without_a_representation_split_is_refused_before_the_run(tmp_path: Path, monkeypatch):
-    from common.experiment import prepare
     from fedge.config import RunConfig
+    from fedge_io.experiment import prepare
 
     monkeypatch.setenv(plugins.ENV, str(write_plugin(tmp_path)))
     with pytest.raises(ConfigError, match=r"moon compares the model's representations, but model 'blob_net' has no"):

@@ -8,9 +8,9 @@ import pytest
 from mqtt_support import mosquitto_url  # noqa: F401 - pytest fixture
 from safetensors.torch import load_file
 
+from fedge.accounting.ledger import read_ledger_csv
 from fedge.algorithms.dsfl import DSFLSettings
 from fedge.config import RunConfig, TrainConfig
-from fedge.ledger import read_ledger_csv
 from sim.laptop import run_over_mqtt
 from sim.run import run_inprocess
 

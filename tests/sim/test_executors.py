@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import sim.executors as executors
-from common.experiment import prepare
 from coordinator.engine import RoundEngine, RunHistory
 from edge_client.client import EdgeClient
 from fedge.algorithms.dsfl import DSFLSettings
-from fedge.backend import TorchBackend
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError
-from fedge.messages import TASK, UPDATE, Message, encode
+from fedge.learning.backend import TorchBackend
+from fedge.wire.message import TASK, UPDATE, Message, encode
+from fedge_io.experiment import prepare
 from sim.executors import (
     ClientBuilder,
     ClientJob,

@@ -6,15 +6,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.experiment import prepare
 from coordinator.engine import RoundEngine, sample_clients
 from edge_client.client import EdgeClient
+from fedge.accounting.cost import round_cost
 from fedge.algorithms import ALGORITHMS
 from fedge.algorithms.dsfl import DSFLSettings
 from fedge.config import RunConfig, TrainConfig
-from fedge.cost import round_cost
 from fedge.errors import CodecError
-from fedge.messages import Message
+from fedge.wire.message import Message
+from fedge_io.experiment import prepare
 from sim.inprocess import InProcessTransport
 from sim.run import run_inprocess
 
@@ -133,7 +133,7 @@ class _Misbehaving(EdgeClient):
 
 
 def _engine(cfg: RunConfig, faults: dict[str, str]) -> RoundEngine:
-    from fedge.backend import TorchBackend
+    from fedge.learning.backend import TorchBackend
 
     exp = prepare(cfg)
     backend = TorchBackend(exp.model, exp.input_shape, exp.num_classes)
@@ -172,8 +172,8 @@ def test_a_round_below_quorum_is_skipped_and_the_model_kept():
 def test_skipped_rounds_say_why_in_the_summary_and_fail_the_exit_status_unless_allowed(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from common.console import skipped_rounds_status
-    from common.rundir import summarize
+    from fedge_io.console import skipped_rounds_status
+    from fedge_io.rundir import summarize
 
     cfg = _config("fedavg", rounds=2, min_replies=1.0)
     history = _engine(cfg, {"c003": "crash"}).run()

@@ -10,13 +10,13 @@ import torch
 from mqtt_support import embedded_url, mosquitto_url  # noqa: F401 - pytest fixtures
 from safetensors.torch import load_file
 
-from cli.main import main
-from common.experiment import prepare
 from edge_client.client import EdgeClient
+from fedge.accounting.ledger import read_ledger_csv
 from fedge.algorithms.dsfl import DSFLSettings
-from fedge.backend import TorchBackend
 from fedge.config import RunConfig, TrainConfig
-from fedge.ledger import read_ledger_csv
+from fedge.learning.backend import TorchBackend
+from fedge_cli.main import main
+from fedge_io.experiment import prepare
 from sim.laptop import client_processes, run_over_mqtt
 from sim.run import run_inprocess
 

@@ -10,10 +10,10 @@ import pytest
 from mqtt_support import mosquitto_url  # noqa: F401 - pytest fixture
 from safetensors.torch import load_file
 
-from common.experiment import prepare
 from edge_client.backends.cache_dir import CACHE_ENV
-from fedge.backend import TorchBackend
 from fedge.config import RunConfig, TrainConfig
+from fedge.learning.backend import TorchBackend
+from fedge_io.experiment import prepare
 from sim.laptop import run_over_mqtt
 from sim.run import run_inprocess
 

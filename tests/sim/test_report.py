@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from common.rundir import RunWriter
+from fedge.accounting.ledger import BROADCAST_CLIENT, ByteLedger, LedgerEntry
+from fedge.accounting.records import ByteCounts, Drop, Rejection, RoundRecord
 from fedge.algorithms.dsfl import DSFLSettings
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError, FedgeError
-from fedge.ledger import BROADCAST_CLIENT, ByteLedger, LedgerEntry
-from fedge.records import ByteCounts, Drop, Rejection, RoundRecord
+from fedge_io.rundir import RunWriter
 from sim.report import run_label, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -36,7 +36,7 @@ def make_run(
     rejected: dict[int, list[str]] | None = None,
     wire: int = 0,
 ) -> Path:
-    """A run directory written by common.rundir's RunWriter from records built the way the round engine builds them:
+    """A run directory written by fedge_io.rundir's RunWriter from records built the way the round engine builds them:
     each sampled client uploads ``up`` tensor bytes, the server broadcasts ``down``; ``None`` accuracies are rounds
     without evaluation; ``wire`` > 0 adds that many MQTT bytes per message (and per broadcast copy) on top of the
     payload, as an MQTT run measures. The quorum is all sampled clients but one."""
@@ -272,7 +272,7 @@ def test_not_a_run_directory(tmp_path):
 def test_fedge_report_skips_what_is_not_a_run_with_a_warning(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from cli.main import main
+    from fedge_cli.main import main
 
     runs = tmp_path / "runs"
     good = fedntd(runs)

@@ -20,14 +20,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cli.main import main
-from common.experiment import Experiment, prepare
-from common.journal import JOURNAL, PREVIOUS
+from fedge.accounting.ledger import read_ledger_csv
+from fedge.accounting.records import RoundRecord
 from fedge.algorithms.dsfl import DSFLSettings
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import JournalError
-from fedge.ledger import read_ledger_csv
-from fedge.records import RoundRecord
+from fedge_cli.main import main
+from fedge_io.experiment import Experiment, prepare
+from fedge_io.journal import JOURNAL, PREVIOUS
 from sim.run import run_inprocess
 
 _VARYING = {"wall_s", "exchange_s", "drop_after_s", "last_reply_s"}  # and client_*_s: wall-clock timings
@@ -181,7 +181,7 @@ def test_a_killed_fedge_sim_process_resumes_to_the_same_model(tmp_path: Path) ->
     flags += ["--distill-epochs", "1", "--quiet", "--no-report", "--name", "k"]
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # same float sums as this process
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "sim", *flags, "--out", str(tmp_path / "killed")],
+        [sys.executable, "-m", "fedge_cli.main", "sim", *flags, "--out", str(tmp_path / "killed")],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

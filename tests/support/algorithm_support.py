@@ -2,7 +2,7 @@
 
 The model is a bias-free linear layer ``logits = x @ W.T`` (2 features -> 3 classes) whose weights start at values
 the tests choose, so every expected number can be derived by hand from the papers' equations. The runtime is
-:class:`LinearBackend`, a real :class:`fedge.backend.Backend` running fedge's own training loop on that layer.
+:class:`LinearBackend`, a real :class:`fedge.learning.backend.Backend` running fedge's own training loop on that layer.
 """
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common.rundir import RunResult
 from coordinator.engine import RoundEngine
 from coordinator.transport import Exchange, ReplyCheck
 from edge_client.client import EdgeClient
+from fedge.accounting.records import RoundRecord
 from fedge.algorithms import get_algorithm
 from fedge.algorithms.base import AlgorithmSettings, ClientData, RoundPlan, ServerContext
 from fedge.config import RunConfig, TrainConfig
-from fedge.messages import Message, decode, encode
-from fedge.models import exchanged_state, load_exchanged_state
-from fedge.records import RoundRecord
-from fedge.training import TrainRequest, TrainStats, predict_logits, train
+from fedge.learning.models import exchanged_state, load_exchanged_state
+from fedge.learning.training import TrainRequest, TrainStats, predict_logits, train
 from fedge.types import ClientId, StateDict
+from fedge.wire.message import Message, decode, encode
+from fedge_io.rundir import RunResult
 from sim.inprocess import InProcessTransport
 
 NUM_CLASSES = 3
@@ -67,7 +67,8 @@ class Hidden(nn.Module):
 
 
 class LinearBackend:
-    """The Backend protocol on :func:`linear` (or another ``model``), trained by :func:`fedge.training.train`."""
+    """The Backend protocol on :func:`linear` (or another ``model``), trained by
+    :func:`fedge.learning.training.train`."""
 
     runtime = "torch"
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from fedge.models import exchanged_state
-from fedge.objectives import make_objective
-from fedge.programs import ModelSpec, TrainingLoss
+from fedge.learning.models import exchanged_state
+from fedge.learning.objectives import make_objective
+from fedge.programs.spec import ModelSpec, TrainingLoss
 from fedge.types import StateDict
 
 SPECS: dict[str, ModelSpec] = {
@@ -45,7 +45,7 @@ def weights(name: str) -> StateDict:
 
 def model_with(name: str) -> torch.nn.Module:
     model = SPECS[name].build(seed=1)
-    from fedge.models import load_exchanged_state
+    from fedge.learning.models import load_exchanged_state
 
     load_exchanged_state(model, weights(name))
     return model
@@ -81,7 +81,7 @@ def loss_of(kind: str, prox_mu: float = 0.0) -> TrainingLoss:
     """The objective ``kind`` with the non-default hyperparameters it has, and FedProx's mu."""
     import dataclasses
 
-    from fedge.objectives import OBJECTIVES
+    from fedge.learning.objectives import OBJECTIVES
 
     names = {f.name for f in dataclasses.fields(OBJECTIVES[kind])}
     return TrainingLoss(make_objective(kind, {k: v for k, v in NON_DEFAULT.items() if k in names}), prox_mu)

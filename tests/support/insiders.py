@@ -21,19 +21,19 @@ from collections.abc import Callable
 
 import torch
 
-from common.experiment import prepare
 from coordinator.engine import RoundEngine
 from edge_client.client import EdgeClient
-from fedge import wire
+from fedge.aggregation.robust import state_norm, update_norm
 from fedge.algorithms import ALGORITHMS
 from fedge.algorithms.base import ClientData, UpdateReport
 from fedge.algorithms.dsfl import DSFLSettings
-from fedge.backend import Backend, TorchBackend
-from fedge.compressed import decode_broadcast, encode_update
+from fedge.compression.strategy import decode_broadcast, encode_update
 from fedge.config import RunConfig, TrainConfig
-from fedge.messages import Message
-from fedge.robust import state_norm, update_norm
+from fedge.learning.backend import Backend, TorchBackend
 from fedge.types import StateDict
+from fedge.wire import fields as wire
+from fedge.wire.message import Message
+from fedge_io.experiment import prepare
 from sim.inprocess import InProcessTransport
 
 ATTACKS = ("replacement", "sign_flip", "rehello", "int8_offset", "label_rotation", "confident_wrong")

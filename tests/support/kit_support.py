@@ -28,7 +28,7 @@ def open_dir() -> Iterator[Path]:
 def fedge_provision(argv: Sequence[str]) -> str:
     """``fedge provision ARGV`` in a new process; its standard output."""
     done = subprocess.run(
-        [sys.executable, "-m", "cli.main", "provision", *argv], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "fedge_cli.main", "provision", *argv], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout

@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from common.mqtt import Inbound, MqttLink, Will
 from fedge.errors import TransportError
-from fedge.messages import decode
-from fedge.protocol import BrokerAddress, ClientStatus, Topics, encode_status
+from fedge.wire.message import decode
+from fedge.wire.protocol import BrokerAddress, ClientStatus, Topics, encode_status
+from fedge_io.mqtt import Inbound, MqttLink, Will
 from sim.brokers import embedded_broker, find_mosquitto, mosquitto_broker
 
 

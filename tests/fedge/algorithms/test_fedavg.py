@@ -42,10 +42,10 @@ def test_an_accepted_attacker_neither_raises_the_bound_nor_locks_honest_clients_
     import pytest
     from algorithm_support import NUM_CLASSES, linear
 
+    from fedge.aggregation.robust import state_norm
     from fedge.algorithms.base import ServerContext, UpdateReport, update_message
     from fedge.algorithms.fedavg import FedAvg
     from fedge.errors import CodecError
-    from fedge.robust import state_norm
 
     strategy = FedAvg(config("fedavg"), ServerContext(linear, NUM_CLASSES, run_id="t"))
     honest_ids, attacker = ["h1", "h2", "h3", "h4"], "x"

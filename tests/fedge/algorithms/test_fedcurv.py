@@ -9,14 +9,14 @@ import pytest
 import torch
 from algorithm_support import W0, X_A, X_B, Y_A, Y_B, TwoClients, assert_mqtt_run_matches_inprocess, ce_gradient, config
 
-from common.experiment import prepare
 from coordinator.run import admission_rule
 from edge_client.cli import runtime_capabilities
 from fedge.algorithms.base import CostInputs
 from fedge.algorithms.fedcurv import FISHER_U, FISHER_V, FedCurvSettings, fedcurv_traffic
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import CodecError
-from fedge.protocol import ClientStatus
+from fedge.wire.protocol import ClientStatus
+from fedge_io.experiment import prepare
 
 LAM, LR, STEPS = 0.7, 0.5, 2
 ZERO = torch.zeros_like(W0)

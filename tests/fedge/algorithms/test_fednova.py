@@ -11,8 +11,8 @@ from algorithm_support import W0, TwoClients, assert_mqtt_run_matches_inprocess,
 from fedge.algorithms.fednova import FedNovaReport, FedNovaSettings, accumulation_norm
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import CodecError
-from fedge.messages import Message
-from fedge.wire import to_params
+from fedge.wire.fields import to_params
+from fedge.wire.message import Message
 
 # Client "a" holds 4 samples, "b" 2: with batch 2, a takes 2 steps per epoch and b takes 1.
 X_A = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.5, -0.5]])

@@ -2,7 +2,7 @@
 
 The distillation term is scaled by tau^2 as in the authors' ``criterion.py`` (``loss = tau**2 * KLDiv(...)``); eq. 10
 as printed has no tau^2, so for tau != 1 fedge's beta acts as the paper's beta * tau^2 (documented in
-``fedge.losses.ntd_loss``; see ``test_tau_squared_is_the_only_departure_from_eq_10_as_printed``).
+``fedge.learning.losses.ntd_loss``; see ``test_tau_squared_is_the_only_departure_from_eq_10_as_printed``).
 """
 
 import pytest

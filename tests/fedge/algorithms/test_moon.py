@@ -12,7 +12,7 @@ from algorithm_support import X_A, X_B, Y_A, Y_B, Hidden, TwoClients, assert_mqt
 from edge_client.cli import runtime_capabilities
 from fedge.algorithms.moon import MoonSettings
 from fedge.config import RunConfig, TrainConfig
-from fedge.models import exchanged_state
+from fedge.learning.models import exchanged_state
 
 MU, TAU, LR, STEPS = 0.8, 0.5, 0.5, 2
 Weights = dict[str, torch.Tensor]

@@ -1,0 +1,1 @@
+"""Server-side aggregation: averaging of weights and outputs, and robust rules against poisoned updates."""

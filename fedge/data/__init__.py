@@ -1,0 +1,1 @@
+"""Data on the host: datasets, their partition across clients, and training-data augmentation."""

@@ -1,0 +1,389 @@
+"""Local optimization shared by every runtime: the training request, the batch order and the eager SGD loop.
+
+One contract for local training: a frozen :class:`TrainRequest` (data, objective, optimizer settings, epochs, batch
+size, shuffle seed, the objective's inputs, and the hooks FedProx and SCAFFOLD need), answered with
+:class:`TrainStats`. A request may carry an ``on_epoch`` observer, called with an :class:`EpochProgress` after each
+epoch (an edge client logs it, and raises from it to abandon a task whose deadline passed); it never changes results.
+Every runtime (PyTorch here; ExecuTorch and ONNX Runtime in ``edge_client``) implements it and follows the same batch
+order, :func:`batch_order`, so the same task gives the same weights whichever runtime runs it.
+
+The training hooks, declared by the request and implemented once per runtime; they act on the trainable parameters
+only (never on batch-norm statistics):
+- ``prox_mu`` and ``anchor`` add FedProx's proximal term ``mu/2 * ||w - w_anchor||^2`` to the loss (FedProx eq. 2);
+  with ``prox_weights`` F it is Fisher-weighted, ``mu/2 * sum F * (w - w_anchor)^2`` per element (FedCurv);
+- ``correction`` is added to each parameter's gradient before the optimizer step, SCAFFOLD's corrected update
+  ``y <- y - lr * (g(y) + c - c_i)`` (SCAFFOLD Algorithm 1, line 10) with ``correction = c - c_i`` (the gradient of a
+  linear term, FedDyn's);
+- an objective with ``references`` sees the model's representation (its penultimate layer) and that of each frozen
+  reference model in ``references`` on the same batch (MOON);
+- ``fisher_samples`` > 0 asks for the diagonal empirical Fisher information of the trained weights in the answer
+  (:func:`fisher_diagonal`, FedCurv).
+The first two run on every runtime. The others are named in :data:`HOOKS`; a runtime that cannot run one says so
+(``edge_client.backends.RUNTIME_HOOKS``), so a client on it is refused at admission, and refuses such a request
+with :func:`check_hooks` rather than silently dropping the term.
+
+Every runtime takes a batch's inputs from :meth:`TrainRequest.batch_x`, which applies the request's augmentation
+(:mod:`fedge.data.augment`) on the host, so an exported program trains on exactly the images eager PyTorch does.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedge.data.augment import Augmentation, augment_batch, black_level
+from fedge.errors import ConfigError
+from fedge.learning.models import load_exchanged_state
+from fedge.learning.objectives import Objective
+from fedge.types import StateDict
+
+
+@dataclass(frozen=True)
+class SGDSettings:
+    """Momentum SGD as in FedNTD B.3; momentum buffers start at zero for every task."""
+
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"lr must be a finite number > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """What one local training call must do; every runtime's ``train`` takes exactly this."""
+
+    x: torch.Tensor  # (N, *input_shape)
+    y: torch.Tensor  # (N,) int64 labels
+    objective: Objective
+    sgd: SGDSettings
+    epochs: int
+    batch_size: int
+    seed: int  # shuffle seed of :func:`batch_order`
+    inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)  # the objective's inputs by name
+    prox_mu: float = 0.0  # FedProx: weight of the proximal term
+    anchor: StateDict | None = None  # FedProx: the weights the proximal term pulls towards
+    correction: StateDict | None = None  # SCAFFOLD: added to each trainable parameter's gradient
+    prox_weights: StateDict | None = None  # FedCurv: per-element weights of the proximal term (None: all ones)
+    references: Mapping[str, StateDict] = field(default_factory=dict)  # MOON: frozen models the loss compares with
+    fisher_samples: int = 0  # FedCurv: > 0 returns the diagonal Fisher of the trained weights from this many samples
+    augment: Augmentation = field(
+        default_factory=Augmentation
+    )  # random crop/flip/Cutout of each batch (fedge.data.augment)
+    # Per-sample inputs computed on each augmented batch, one tensor per step of batch_order (a teacher's logits on the
+    # images the student sees); they replace that input's rows of ``inputs`` (see with_batch_logits).
+    step_inputs: Mapping[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    # Called after each epoch; what it raises ends the training (the weights are then partly trained).
+    on_epoch: Callable[[EpochProgress], None] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.x) != len(self.y):
+            raise ConfigError(f"x has {len(self.x)} samples but y has {len(self.y)}")
+        if self.epochs < 0 or self.batch_size < 1:
+            raise ConfigError(f"need epochs >= 0 and batch_size >= 1, got {self.epochs} and {self.batch_size}")
+        if not (math.isfinite(self.prox_mu) and self.prox_mu >= 0):
+            raise ConfigError(f"prox_mu must be >= 0, got {self.prox_mu}")
+        if self.prox_mu > 0 and self.anchor is None:
+            raise ConfigError("a proximal term (prox_mu > 0) needs anchor weights")
+        if self.prox_weights is not None and self.anchor is None:
+            raise ConfigError("per-element proximal weights need anchor weights")
+        if set(self.references) != set(self.objective.references):
+            raise ConfigError(
+                f"objective {self.objective.kind!r} compares with reference models {sorted(self.objective.references)}"
+                f", got {sorted(self.references)}"
+            )
+        if self.fisher_samples < 0:
+            raise ConfigError(f"fisher_samples must be >= 0, got {self.fisher_samples}")
+        names = {i.name for i in self.objective.inputs}
+        if set(self.inputs) != names:
+            raise ConfigError(
+                f"objective {self.objective.kind!r} takes inputs {sorted(names)}, got {sorted(self.inputs)}"
+            )
+        for spec in self.objective.inputs:
+            if spec.per_sample and len(self.inputs[spec.name]) != len(self.x):
+                raise ConfigError(
+                    f"input {spec.name!r} has {len(self.inputs[spec.name])} rows for {len(self.x)} samples"
+                )
+
+    def batch_x(self, idx: torch.Tensor, step: int) -> torch.Tensor:
+        """The inputs of the samples ``idx``, the ``step``-th batch of :func:`batch_order`, augmented when the request
+        says so: the same batch whichever runtime asks (one generator per batch, seeded from the shuffle seed)."""
+        xb = self.x[idx]
+        if not self.augment.active:
+            return xb
+        seed = int(np.random.SeedSequence([self.seed, step]).generate_state(1)[0])
+        return augment_batch(xb, self.augment, self._fill, torch.Generator().manual_seed(seed))
+
+    @functools.cached_property
+    def _fill(self) -> torch.Tensor:
+        return black_level(self.x)
+
+    def batch_inputs(self, idx: torch.Tensor, step: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The objective's inputs for the samples ``idx`` (the ``step``-th batch): per-sample rows, per-round constants
+        whole, and the ``step``-th tensor of an input computed per augmented batch."""
+        out = {}
+        for spec in self.objective.inputs:
+            if spec.name in self.step_inputs:
+                t = self.step_inputs[spec.name][step]
+            else:
+                t = self.inputs[spec.name][idx] if spec.per_sample else self.inputs[spec.name]
+            out[spec.name] = t.to(device)
+        return out
+
+    def with_batch_logits(self, name: str, logits: Callable[[torch.Tensor], torch.Tensor]) -> TrainRequest:
+        """This request with input ``name`` computed by ``logits`` on every augmented batch, as FedNTD's authors give
+        the teacher the same augmented images as the student (their ``ClientTrainer._get_dg_logits(data)``); the
+        request itself when nothing is augmented (the per-sample rows of ``inputs`` are then the same values)."""
+        if not self.augment.active:
+            return self
+        order = batch_order(len(self.x), self.epochs, self.batch_size, self.seed)
+        per_step = tuple(logits(self.batch_x(idx, step)) for step, idx in enumerate(order))
+        return dataclasses.replace(self, step_inputs={**self.step_inputs, name: per_step})
+
+
+@dataclass(frozen=True)
+class EpochProgress:
+    """One finished epoch of a training call, for its ``on_epoch`` observer."""
+
+    epoch: int  # 1-based
+    epochs: int
+    steps: int  # mini-batch steps of this epoch
+    mean_loss: float  # mean batch loss of this epoch
+
+
+class EpochMeter:
+    """Counts the steps of :func:`batch_order` and calls a request's ``on_epoch`` at every epoch's end.
+
+    Every epoch of :func:`batch_order` has the same number of batches (the trailing-batch rule depends only on the
+    sample count and the batch size), so an epoch ends every ``len(order) // epochs`` steps.
+    """
+
+    def __init__(self, request: TrainRequest, total_steps: int) -> None:
+        self._hook = request.on_epoch
+        self._epochs = request.epochs
+        self._per_epoch = total_steps // request.epochs if request.epochs else 0
+        self._steps = 0
+        self._loss = 0.0
+
+    def step(self, loss: float) -> None:
+        """Record one step's loss; at an epoch's end, report it."""
+        self._steps += 1
+        self._loss += loss
+        if self._hook is None or self._steps % self._per_epoch:
+            return
+        epoch = self._steps // self._per_epoch
+        self._hook(EpochProgress(epoch, self._epochs, self._per_epoch, self._loss / self._per_epoch))
+        self._loss = 0.0
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """What one local training call did."""
+
+    steps: int
+    samples: int
+    mean_loss: float
+    fisher: StateDict | None = None  # the diagonal Fisher of the trained weights, when the request asked for it
+
+
+WEIGHTED_PROX = "weighted_prox"
+REPRESENTATION = "representation"
+FISHER = "fisher"
+HOOKS = (WEIGHTED_PROX, REPRESENTATION, FISHER)
+"""The training hooks a runtime may lack (the plain proximal term and the gradient correction run everywhere)."""
+
+
+def required_hooks(request: TrainRequest) -> frozenset[str]:
+    """The hooks of :data:`HOOKS` that ``request`` uses."""
+    used = {
+        WEIGHTED_PROX: request.prox_weights is not None,
+        REPRESENTATION: bool(request.objective.references),
+        FISHER: request.fisher_samples > 0,
+    }
+    return frozenset(name for name, on in used.items() if on)
+
+
+def check_hooks(request: TrainRequest, supported: frozenset[str], runtime: str) -> None:
+    """ConfigError naming the hooks ``request`` uses that ``runtime`` (which runs ``supported``) cannot run."""
+    missing = required_hooks(request) - supported
+    if missing:
+        raise ConfigError(f"the {runtime} runtime cannot run the training hook(s) {', '.join(sorted(missing))}")
+
+
+def batch_order(num_samples: int, epochs: int, batch_size: int, seed: int) -> list[torch.Tensor]:
+    """Mini-batch indices for ``epochs`` shuffled passes; every backend uses this exact order.
+
+    A trailing batch of one sample is dropped: batch norm cannot normalize a single sample in training mode.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    batches: list[torch.Tensor] = []
+    for _ in range(epochs):
+        perm = torch.randperm(num_samples, generator=gen)
+        for start in range(0, num_samples, batch_size):
+            idx = perm[start : start + batch_size]
+            if len(idx) > 1 or num_samples == 1:
+                batches.append(idx)
+    return batches
+
+
+def proximal_term(model: nn.Module, anchor: StateDict, mu: float, weights: StateDict | None = None) -> torch.Tensor:
+    """``mu/2 * sum ||w - w_anchor||^2`` over the trainable parameters (FedProx eq. 2); with ``weights`` F,
+    ``mu/2 * sum F * (w - w_anchor)^2`` per element (a Fisher-weighted pull, FedCurv)."""
+    total = torch.zeros((), device=next(model.parameters()).device)
+    for name, p in model.named_parameters():
+        square = (p - anchor[name].to(p.device)).pow(2)
+        if weights is not None:
+            square = weights[name].to(p.device) * square
+        total = total + square.sum()
+    return 0.5 * mu * total
+
+
+def representation_and_logits(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's representation of ``x`` (its penultimate layer, ``model.representation``) and the logits from it
+    (``model.head``); ConfigError for a model without that split (every model of :mod:`fedge.learning.models` has
+    it)."""
+    represent, head = getattr(model, "representation", None), getattr(model, "head", None)
+    if not (callable(represent) and callable(head)):
+        raise ConfigError(f"model {type(model).__name__} has no representation(x)/head(z) split to compare with")
+    z = represent(x)
+    return z, head(z)
+
+
+def _frozen(model: nn.Module, weights: StateDict) -> nn.Module:
+    """A copy of ``model`` with ``weights``, in eval mode and without gradients: a reference the loss compares with."""
+    frozen = copy.deepcopy(model)
+    load_exchanged_state(frozen, weights)
+    frozen.eval()
+    frozen.requires_grad_(False)
+    return frozen
+
+
+def _batch_loss(
+    model: nn.Module,
+    r: TrainRequest,
+    xb: torch.Tensor,
+    yb: torch.Tensor,
+    inputs: Mapping[str, torch.Tensor],
+    references: Mapping[str, nn.Module],
+) -> torch.Tensor:
+    """The objective's loss of one batch, through the representation hook when the objective compares models."""
+    if not references:
+        return r.objective.loss(model(xb), yb, inputs)
+    z, logits = representation_and_logits(model, xb)
+    with torch.no_grad():
+        reference_z = {name: representation_and_logits(m, xb)[0] for name, m in references.items()}
+    return r.objective.representation_loss(logits, z, yb, inputs, reference_z)
+
+
+def fisher_diagonal(model: nn.Module, request: TrainRequest) -> StateDict:
+    """The diagonal empirical Fisher information of ``model``'s trainable parameters on the request's data: the mean
+    over mini-batches of the squared gradient of the batch-mean cross-entropy, as the FedNTD authors' FedCurv computes
+    it (``upload_local_fisher``): one shuffled pass in the request's batch size, stopping after the first batch that
+    takes the count past ``request.fisher_samples``, in training mode. Batch-norm statistics are left as they were."""
+    r = request
+    device = next(model.parameters()).device
+    params = dict(model.named_parameters())
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    seed = int(np.random.SeedSequence([r.seed, 0x46495348]).generate_state(1)[0] & 0x7FFFFFFF)  # "FISH"
+    fisher_request = dataclasses.replace(r, seed=seed, epochs=1, step_inputs={})
+    squares = {k: torch.zeros_like(p) for k, p in params.items()}
+    batches, seen = 0, 0
+    model.train()
+    for step, idx in enumerate(batch_order(len(r.x), 1, r.batch_size, seed)):
+        xb, yb = fisher_request.batch_x(idx, step).to(device), r.y[idx].to(device)
+        grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(xb), yb), list(params.values()))
+        for k, g in zip(params, grads, strict=True):
+            squares[k] += g.detach().pow(2)
+        batches, seen = batches + 1, seen + len(idx)
+        if seen > r.fisher_samples:
+            break
+    with torch.no_grad():
+        for k, b in model.named_buffers():
+            b.copy_(buffers[k])
+    return {k: (s / max(batches, 1)).cpu() for k, s in squares.items()}
+
+
+def train(model: nn.Module, request: TrainRequest) -> TrainStats:
+    """Run the request's epochs of mini-batch SGD on ``model`` in place (eager PyTorch, CPU or CUDA)."""
+    r = request
+    device = next(model.parameters()).device
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=r.sgd.lr, momentum=r.sgd.momentum, weight_decay=r.sgd.weight_decay)
+    params = dict(model.named_parameters())
+    correction = {k: r.correction[k].to(device) for k in params} if r.correction is not None else None
+    references = {name: _frozen(model, w) for name, w in r.references.items()}
+    total, steps, samples = 0.0, 0, 0
+    order = batch_order(len(r.x), r.epochs, r.batch_size, r.seed)
+    meter = EpochMeter(r, len(order))
+    for step, idx in enumerate(order):
+        xb, yb = r.batch_x(idx, step).to(device), r.y[idx].to(device)
+        loss = _batch_loss(model, r, xb, yb, r.batch_inputs(idx, step, device), references)
+        if r.prox_mu > 0:
+            assert r.anchor is not None
+            loss = loss + proximal_term(model, r.anchor, r.prox_mu, r.prox_weights)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if correction is not None:
+            for k, p in params.items():
+                if p.grad is not None:
+                    p.grad.add_(correction[k])
+        opt.step()
+        value = float(loss.detach())
+        total += value
+        meter.step(value)
+        steps += 1
+        samples += len(idx)
+    fisher = fisher_diagonal(model, r) if r.fisher_samples > 0 else None
+    return TrainStats(steps=steps, samples=samples, mean_loss=total / steps if steps else 0.0, fisher=fisher)
+
+
+# Inference batch sizes. On the CPU, batches of 128 keep a convolution's activations small (fedavg_cnn: 13 MB at 128
+# against 100 MB at 1,000): channels-last fedavg_cnn evaluated the 10,000 MNIST test images in 1.4 s against 2.3 s
+# at 1,000 (two threads, this project's 2-core machine; 64-256 measured alike). On a GPU large batches fill the device.
+CPU_PREDICT_BATCH = 128
+DEVICE_PREDICT_BATCH = 1000
+
+
+@torch.no_grad()
+def predict_logits(model: nn.Module, x: torch.Tensor, *, batch_size: int | None = None) -> torch.Tensor:
+    """Logits of ``model`` in eval mode, computed in batches, returned on the CPU.
+
+    A convolutional model on the CPU runs channels-last (NHWC), on a copy when its weights are in the default layout:
+    oneDNN's NHWC convolutions and max-pools evaluate the 10,000 MNIST test images 2-3x faster
+    (``benchmarks/executors.py`` prints the figures). Logits move at round-off level (~3e-7) against the default
+    layout. ``model`` is left in eval mode, its weights and layout untouched.
+    """
+    device = next(model.parameters()).device
+    if batch_size is None:
+        batch_size = CPU_PREDICT_BATCH if device.type == "cpu" else DEVICE_PREDICT_BATCH
+    model.eval()
+    model, layout = _inference_layout(model, device) if x.dim() == 4 else (model, torch.contiguous_format)
+    outs = [
+        model(x[i : i + batch_size].to(device).contiguous(memory_format=layout)).float().cpu()
+        for i in range(0, len(x), batch_size)
+    ]
+    return torch.cat(outs) if outs else torch.empty(0)
+
+
+def _inference_layout(model: nn.Module, device: torch.device) -> tuple[nn.Module, torch.memory_format]:
+    """The model to run images through and their layout: channels-last for a convolutional model on the CPU."""
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Conv2d)]
+    if device.type != "cpu" or not weights:
+        return model, torch.contiguous_format
+    if all(w.is_contiguous(memory_format=torch.channels_last) for w in weights):
+        return model, torch.channels_last
+    return copy.deepcopy(model).to(memory_format=torch.channels_last), torch.channels_last  # type: ignore[call-overload]

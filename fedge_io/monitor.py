@@ -1,0 +1,164 @@
+"""``fedge status``: the live fleet view in a terminal, read from the run status the coordinator keeps on the broker.
+
+It logs in (with a fleet kit's read-only ``monitor/`` bundle, or to a lab broker), subscribes to
+``fedge/<run>/run-status`` (retained: the latest status arrives at once) and shows it, redrawn as it changes and
+every second (ages and deadlines move). ``--once`` prints one snapshot and exits: for scripts and tests. What arrives
+is checked like anything a peer sends (:func:`fedge.wire.run_status.decode_run_status`); an invalid message is reported
+in
+one line and skipped, and every string shown is made printable first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import sys
+import time
+from typing import TextIO
+
+from fedge.accounting.cost import format_bytes
+from fedge.errors import CodecError, ConfigError
+from fedge.wire.fields import printable
+from fedge.wire.protocol import BrokerAddress, Topics, check_name
+from fedge.wire.run_status import RunStatus, decode_run_status
+from fedge_io.connection import add_connection_arguments, connection_from_args
+from fedge_io.mqtt import MqttLink
+
+_CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen
+LATE_S = 30.0  # seconds past a round's deadline after which the view asks whether the coordinator still runs
+
+
+def add_status_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``fedge status``."""
+    add_connection_arguments(p, publishes=False)  # a monitor only reads
+    p.add_argument("--run", default=None, help="the run to watch (default: the bundle's, else 'default')")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit (for scripts)")
+    p.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for the broker and the first status (default: 10)"
+    )
+    p.add_argument(
+        "--web",
+        metavar="[ADDRESS:]PORT",
+        default=None,
+        help="serve the view as a read-only web page on this port (address default: 127.0.0.1) instead of printing it",
+    )
+
+
+def names_text(ids: tuple[str, ...], total: int) -> str:
+    shown = " ".join(printable(c, 40) for c in ids) or "-"
+    return shown + (f" ... ({total - len(ids)} more)" if total > len(ids) else "")
+
+
+def render(status: RunStatus, now: float) -> str:
+    """The status as a few lines of text, ``now`` (Unix seconds) for ages and the time left."""
+    s = status
+    head = f"run {printable(s.run, 40)!r} (session {printable(s.session, 16)}): "
+    if s.phase == "joining":
+        head += f"waiting for clients, {s.counts[0]} of {s.needed} online"
+    elif s.phase in ("finished", "stopped"):
+        head += f"{s.phase} after round {s.round} of {s.rounds}"
+    else:
+        head += f"round {s.round} of {s.rounds}, {'round done' if s.phase == 'done' else s.phase}"
+    if s.phase == "training" and s.deadline:
+        left = s.deadline - now
+        head += f", deadline in {left:.0f} s" if left >= 0 else f", deadline passed {-left:.0f} s ago"
+        if left < -LATE_S:
+            head += " (is the coordinator still running?)"
+    online, sampled, replied, dropped = s.counts
+    lines = [
+        head,
+        f"clients: {online} online, {sampled} sampled, {replied} replied, {dropped} dropped",
+        f"  online:  {names_text(s.online, online)}",
+    ]
+    if sampled:
+        lines.append(f"  sampled: {names_text(s.sampled, sampled)}")
+        lines.append(f"  replied: {names_text(s.replied, replied)}")
+        if s.phase == "training":
+            waiting = tuple(c for c in s.sampled if c not in set(s.replied))
+            lines.append(f"  waiting: {names_text(waiting, len(waiting))}")
+    for client, reason in s.dropped:
+        lines.append(f"  dropped: {printable(client, 40)} ({printable(reason)})")
+    if dropped > len(s.dropped):
+        lines.append(f"  dropped: ... ({dropped - len(s.dropped)} more)")
+    accuracy = f"{100 * s.accuracy:.2f}% (round {s.accuracy_round})" if s.accuracy >= 0 else "-"
+    lines.append(f"last accuracy: {accuracy}   skipped rounds: {s.skipped}")
+    lines.append(f"bytes so far: wire {format_bytes(s.wire_bytes)}, tensor {format_bytes(s.tensor_bytes)} (multicast)")
+    if s.note:
+        lines.append(f"note: {printable(s.note)}")
+    lines.append(f"updated {max(0.0, now - s.updated):.1f} s ago")
+    return "\n".join(lines)
+
+
+def watch(
+    address: BrokerAddress,
+    client_id: str,
+    run: str,
+    *,
+    once: bool = False,
+    timeout: float = 10.0,
+    interval: float = 1.0,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+) -> int:
+    """Show the run status of ``run`` until interrupted (or one snapshot with ``once``); the exit status."""
+    if timeout <= 0 or interval <= 0:
+        raise ConfigError("--timeout and --interval must be > 0 seconds")
+    topic = Topics(run).run_status
+    redraw = out.isatty() and not once
+    latest: RunStatus | None = None
+    link = MqttLink(address, client_id, subscriptions=[(topic, 1)]).start(timeout)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            item = link.get(interval)
+            fresh = False
+            if item is not None and item.payload:  # an empty retained message clears the topic
+                try:
+                    latest = decode_run_status(item.payload, run)
+                    fresh = True
+                except CodecError as exc:
+                    print(f"fedge status: ignoring an invalid run status on {topic}: {exc}", file=err, flush=True)
+            if latest is None:
+                if time.monotonic() > deadline:
+                    print(
+                        f"fedge: error: no run status on {topic} at {address} within {timeout:g} s: is the "
+                        f"coordinator of run {run!r} running (and this login allowed to read it)?",
+                        file=err,
+                    )
+                    return 2
+                continue
+            if once:
+                print(render(latest, time.time()), file=out, flush=True)
+                return 0
+            if redraw:
+                out.write(_CLEAR + render(latest, time.time()) + "\n")
+                out.flush()
+            elif fresh:  # a log or a pipe: each new status once, not a redraw a second
+                print(render(latest, time.time()) + "\n", file=out, flush=True)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        link.close(wait=0.5)
+
+
+def run_status_cli(args: argparse.Namespace) -> int:
+    """``fedge status``: resolve the login and run name from the flags, then :func:`watch`."""
+    connection = connection_from_args(args)
+    bundle = connection.bundle
+    if bundle is not None:
+        if bundle.role != "monitor":
+            # Its user name is its MQTT client id: logging in with it would push the running role off the broker.
+            raise ConfigError(f"{args.bundle} is the {bundle.role}'s bundle; fedge status needs the kit's monitor/")
+        if args.run not in (None, bundle.run):
+            raise ConfigError(f"--run {args.run} differs from the bundle's run {bundle.run!r}")
+        run, client_id = bundle.run, bundle.username
+    else:
+        run = check_name(args.run or "default", "run name")
+        client_id = f"fedge-{run}-monitor-{secrets.token_hex(4)}"  # unique: monitors must not push each other off
+    if args.web is not None:
+        from fedge_io.web_status import parse_web_address, serve
+
+        if args.once:
+            raise ConfigError("--once prints one snapshot; it does not go with --web")
+        return serve(connection.address, client_id, run, parse_web_address(args.web), timeout=args.timeout)
+    return watch(connection.address, client_id, run, once=args.once, timeout=args.timeout)

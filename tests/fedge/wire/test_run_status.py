@@ -1,0 +1,102 @@
+"""The run status a coordinator publishes for monitors: exact round trip, lists cut with exact counts, and a monitor's
+parser that refuses what a hostile publisher could send."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fedge.errors import CodecError
+from fedge.wire.message import Message, decode, encode
+from fedge.wire.run_status import (
+    MAX_LISTED,
+    MAX_STATUS_BYTES,
+    RUN_STATUS,
+    decode_run_status,
+    encode_run_status,
+    run_status,
+)
+
+
+def sample() -> bytes:
+    status = run_status(
+        "lab",
+        "abc123",
+        "training",
+        round=3,
+        rounds=10,
+        updated=1_800_000_000.5,
+        deadline=1_800_000_300.0,
+        online=("c000", "c001", "c002"),
+        sampled=("c000", "c002"),
+        replied=("c002",),
+        dropped=(("c001", "silent past the 300 s deadline"),),
+        accuracy=0.75,
+        accuracy_round=2,
+        skipped=1,
+        wire_bytes=123_456,
+        tensor_bytes=100_000,
+        note="",
+    )
+    return encode_run_status(status)
+
+
+def test_a_status_survives_the_wire_exactly() -> None:
+    status = decode_run_status(sample(), "lab")
+    assert (status.phase, status.round, status.rounds, status.deadline) == ("training", 3, 10, 1_800_000_300.0)
+    assert status.online == ("c000", "c001", "c002") and status.replied == ("c002",)
+    assert status.dropped == (("c001", "silent past the 300 s deadline"),)
+    assert status.counts == (3, 2, 1, 1) and (status.accuracy, status.accuracy_round) == (0.75, 2)
+    assert (status.skipped, status.wire_bytes, status.tensor_bytes) == (1, 123_456, 100_000)
+    assert len(sample()) < 2048  # small: a few hundred bytes of metadata
+
+
+def test_long_lists_are_cut_but_counted() -> None:
+    many = tuple(f"c{i:05d}" for i in range(MAX_LISTED + 7))
+    status = decode_run_status(encode_run_status(run_status("lab", "s", "joining", online=many, needed=600)))
+    assert len(status.online) == MAX_LISTED and status.counts[0] == MAX_LISTED + 7
+
+
+def _forged(**params: str) -> bytes:
+    good = decode(sample())
+    return encode(Message(RUN_STATUS, 0, run="lab", params={**good.params, **params}))
+
+
+@pytest.mark.parametrize(
+    ("params", "error"),
+    [
+        ({"phase": "hacked"}, "phase"),
+        ({"round": "-1"}, "round"),
+        ({"round": "1" * 30}, "round"),
+        ({"accuracy": "nan"}, "accuracy"),
+        ({"accuracy": "1.5"}, "accuracy"),
+        ({"deadline": "1e999"}, "deadline"),
+        ({"online": "not json"}, "online"),
+        ({"online": json.dumps({"a": 1})}, "online"),
+        ({"online": json.dumps(["x" * 129])}, "online"),
+        ({"online": json.dumps([1, 2])}, "online"),
+        ({"sampled": json.dumps([f"c{i}" for i in range(MAX_LISTED + 1)])}, "sampled"),
+        ({"dropped": json.dumps([["c1"]])}, "dropped"),
+        ({"dropped": json.dumps([["c1", "r" * 300]])}, "dropped"),
+        ({"counts": "1,2,3"}, "counts"),
+        ({"note": "n" * 300}, "note"),
+    ],
+)
+def test_a_monitor_refuses_malformed_fields(params: dict[str, str], error: str) -> None:
+    with pytest.raises(CodecError, match=error):
+        decode_run_status(_forged(**params), "lab")
+
+
+def test_a_monitor_refuses_other_messages() -> None:
+    with pytest.raises(CodecError, match="run 'lab'"):
+        decode_run_status(sample(), "other")
+    with pytest.raises(CodecError, match="expected a 'run_status'"):
+        decode_run_status(encode(Message("task", 1, run="lab")), "lab")
+    with pytest.raises(CodecError, match="no tensors"):
+        decode_run_status(encode(Message(RUN_STATUS, 0, run="lab", tensors={"x": torch.zeros(3)})), "lab")
+    with pytest.raises(CodecError, match="over the"):
+        decode_run_status(b"\0" * (MAX_STATUS_BYTES + 1), "lab")
+    with pytest.raises(CodecError):
+        decode_run_status(b"garbage!", "lab")

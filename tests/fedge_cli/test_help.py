@@ -1,0 +1,44 @@
+"""``fedge <command> --help``: text on every flag, each default said once."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from fedge_cli.main import build_parser
+
+COMMANDS = ("sim", "demo", "cost", "report", "coordinator", "client", "provision", "export")
+
+
+def _help(command: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare words
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_has_text_and_states_its_default_at_most_once(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for action in sub.choices[command]._actions:
+        if action.help == argparse.SUPPRESS or isinstance(action, argparse._SubParsersAction):
+            continue
+        text = re.sub(r"\(default: [^)]*\)|\[[^]]*\]", "", action.help or "").strip()
+        assert text, f"fedge {command} {'/'.join(action.option_strings) or action.dest} has no help text"
+    out = _help(command, capsys)
+    assert "(default: None)" not in out and "(default: False)" not in out
+    for entry in re.split(r"\s(?=--[a-z])", out):  # one flag's entry at a time
+        assert entry.count("(default:") <= 1, entry
+
+
+def test_a_setting_shows_its_real_default_and_the_model_its_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _help("sim", capsys)
+    assert "--lr LR local learning rate (default: 0.01)" in out
+    assert "tiny_mlp, or a plugin's (default: per dataset) --num-clients" in out
+    assert "--round-timeout ROUND_TIMEOUT seconds a round waits for replies (default: 300.0)" in _help(
+        "coordinator", capsys
+    )

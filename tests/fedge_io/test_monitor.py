@@ -1,0 +1,100 @@
+"""``fedge status``'s terminal view: what it shows of a status, that a peer's strings cannot drive the terminal, and
+the refreshing view on a real terminal (a pseudo-terminal) fed by a real mosquitto."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from mqtt_support import mosquitto_url  # noqa: F401 - a fixture
+from signal_support import default_sigint
+
+from fedge.wire.protocol import BrokerAddress, Topics
+from fedge.wire.run_status import MAX_LISTED, encode_run_status, run_status
+from fedge_io.monitor import render
+from fedge_io.mqtt import MqttLink
+
+NOW = 1_800_000_000.0
+
+
+def test_the_view_shows_the_round_the_clients_and_who_is_still_awaited() -> None:
+    status = run_status(
+        "lab",
+        "s1",
+        "training",
+        round=2,
+        rounds=5,
+        updated=NOW - 2,
+        deadline=NOW + 40,
+        online=("c0", "c1", "c2"),
+        sampled=("c0", "c1", "c2"),
+        replied=("c1",),
+        accuracy=0.5,
+        accuracy_round=1,
+        wire_bytes=2_500_000,
+    )
+    shown = render(status, NOW)
+    assert shown.splitlines()[0] == "run 'lab' (session s1): round 2 of 5, training, deadline in 40 s"
+    assert "  waiting: c0 c2" in shown and "last accuracy: 50.00% (round 1)" in shown
+    assert "bytes so far: wire 2.5 MB" in shown and "updated 2.0 s ago" in shown
+    late = render(status, NOW + 100)
+    assert "deadline passed 60 s ago (is the coordinator still running?)" in late
+
+
+def test_long_lists_say_how_many_more() -> None:
+    many = tuple(f"c{i:04d}" for i in range(MAX_LISTED + 3))
+    shown = render(run_status("lab", "s", "joining", online=many, needed=600), NOW)
+    assert "waiting for clients, 503 of 600 online" in shown and "... (3 more)" in shown
+
+
+def test_a_peers_strings_cannot_drive_the_terminal() -> None:
+    evil = "\x1b[2J\x1b]0;owned\x07\nround 9 of 9, finished"
+    status = run_status("lab", "s\x1b[1m", "aggregating", dropped=(("c0", evil),), note=evil)
+    shown = render(status, NOW)
+    assert "\x1b" not in shown and "\x07" not in shown
+    assert len(shown.splitlines()) == len(
+        render(run_status("lab", "s", "aggregating", dropped=(("c0", "x"),), note="x"), NOW).splitlines()
+    )
+
+
+def test_on_a_terminal_the_view_is_redrawn_and_bad_messages_are_reported(mosquitto_url: str) -> None:  # noqa: F811
+    topic = Topics("tty").run_status
+    address = BrokerAddress.parse(mosquitto_url)
+    with MqttLink(address, "publisher").start(10) as link:
+        link.publish(topic, b"not a status", retain=True)
+        time.sleep(0.3)
+        primary, secondary = pty.openpty()
+        cmd = [sys.executable, "-m", "fedge_cli.main", "status", "--broker", mosquitto_url, "--run", "tty"]
+        proc = subprocess.Popen(
+            cmd, stdin=secondary, stdout=secondary, stderr=secondary, close_fds=True, preexec_fn=default_sigint
+        )
+        os.close(secondary)
+        seen = b""
+        try:
+            deadline = time.monotonic() + 60
+            published = False
+            while time.monotonic() < deadline and seen.count(b"\x1b[H\x1b[2J") < 3:
+                if not published and b"ignoring an invalid run status" in seen:
+                    link.publish(topic, encode_run_status(run_status("tty", "s", "joining", needed=2)), retain=True)
+                    published = True
+                ready, _, _ = select.select([primary], [], [], 0.5)
+                if ready:
+                    try:
+                        seen += os.read(primary, 65536)
+                    except OSError:
+                        break
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(20) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            os.close(primary)
+    text = seen.decode(errors="replace")
+    assert "ignoring an invalid run status on fedge/tty/run-status" in text, text[-2000:]
+    assert text.count("\x1b[H\x1b[2J") >= 3, text[-2000:]  # redrawn about once a second, not only on news
+    assert "waiting for clients, 0 of 2 online" in text
