@@ -3,8 +3,7 @@
 Per round: sample clients, let the strategy plan the round, let the transport deliver it and collect the replies,
 aggregate when a quorum replied (otherwise the round is skipped: the global state stays as it was and the run goes
 on), evaluate, and record a :class:`fedge.accounting.records.RoundRecord`. Same config and seeds give the same result
-over any
-transport.
+over any transport.
 """
 
 from __future__ import annotations

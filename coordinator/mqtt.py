@@ -16,8 +16,7 @@ Messages larger than the link's packet limit travel as chunks (:mod:`fedge.wire.
 counts all of a message's chunks, headers included, at payload and wire level. Incoming chunks are judged by the
 reply policy before any memory is spent on them (:func:`coordinator.replies.judge_chunk`: known and sampled sender,
 declared size within the run's largest update), then collected by one :class:`~fedge.wire.chunking.Reassembler` per
-round,
-whose budgets are one largest update per sampled client. What is still incomplete when the round ends is dropped,
+round, whose budgets are one largest update per sampled client. What is still incomplete when the round ends is dropped,
 counted as an ``incomplete`` ledger entry, and named in that client's drop reason.
 """
 

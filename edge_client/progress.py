@@ -2,8 +2,7 @@
 
 :class:`ObservedBackend` wraps any :class:`fedge.learning.backend.Backend` for one task. It gives every training call an
 ``on_epoch`` observer (:class:`fedge.learning.training.EpochProgress`) that logs the epoch's loss and time, then asks
-the
-client whether the task is still wanted: a :class:`TaskAbandoned` raised there ends the training between two epochs
+the client whether the task is still wanted: a :class:`TaskAbandoned` raised there ends the training between two epochs
 (the task's deadline passed, or a newer coordinator session spoke). It also adds up the seconds spent training and
 running inference, for the task's closing line. Results are unchanged: the wrapper only observes.
 """

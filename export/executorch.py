@@ -5,8 +5,7 @@ A **training program** is a ``.pte`` with two methods:
 - ``forward_backward(x, y, *objective_inputs, *anchors, *bn_stats) -> (loss, logits, *new_bn_stats)``: one
   training step's forward and backward pass. The loss is the registered objective's
   (:meth:`fedge.learning.objectives.Objective.loss`, the very code eager training runs) with its hyperparameters fixed
-  at
-  export, plus FedProx's proximal term ``mu/2 ||w - anchor||^2`` when the program has one (the anchors are inputs);
+  at export, plus FedProx's proximal term ``mu/2 ||w - anchor||^2`` when the program has one (the anchors are inputs);
   ExecuTorch's training ABI appends the gradients and the (mutable) parameters to the outputs, and an SGD optimizer in
   the runtime applies the gradients to those parameters in place. (SCAFFOLD's gradient correction is added by the
   host to those gradient outputs before the optimizer step: see :class:`edge_client.backends.runners.PteTrainer`.)

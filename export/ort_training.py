@@ -539,8 +539,7 @@ def step_times(
 
     FedNTD loss, momentum 0.9, weight decay 1e-5, ``steps`` steps of ``batch`` per pass, ``repeats`` passes after a
     warm-up pass, the runtimes interleaved. ``eager_ms``: :func:`fedge.learning.training.train` on the model in its
-    default
-    memory layout (what ``benchmarks/runtimes.py`` times); ``torch_client_ms``: the PyTorch client's backend
+    default memory layout (what ``benchmarks/runtimes.py`` times); ``torch_client_ms``: the PyTorch client's backend
     (:class:`fedge.learning.backend.TorchBackend`, convolutions channels-last on the CPU). The ORT figure includes the
     host-side SGD step and the copies of weights and gradients between host and ORT. Runs in ``.venv-ort-training``;
     :func:`step_times_in_env` calls it from another environment.

@@ -242,8 +242,8 @@ def check_training(
 
     Both training checks run ``DRIFT_STEPS`` steps (the program's own SGD optimizer, momentum and weight decay, in
     the batch order of :func:`fedge.learning.training.batch_order`) at ``batch_size`` (default: the smaller of the
-    program's
-    batch bound and ``DRIFT_BATCH``) on real-looking data: :func:`stepwise_parity` restarts the program from eager
+    program's batch bound and ``DRIFT_BATCH``) on real-looking data: :func:`stepwise_parity` restarts the program from
+    eager
     float64's weights before each step, :func:`drift_parity` lets it run free. Wrong gradients (the ExecuTorch 1.4.1
     max-pool backward bug) and imprecise kernels (the portable batch-norm variance) fail the stepwise check by orders
     of magnitude; the free-running one bounds error that only accumulates.
@@ -410,8 +410,7 @@ def float32_runs(spec: ModelSpec, start: Mapping[str, torch.Tensor], request: Tr
     """Eager float32 weights after ``request`` under each layout and thread count fedge trains with.
 
     fedge's PyTorch client trains convolutional models channels-last on the CPU (fedge.learning.backend) and the
-    simulator's
-    workers run on one thread or the process's; each is a correct float32 computation of the same steps.
+    simulator's workers run on one thread or the process's; each is a correct float32 computation of the same steps.
     """
     layouts = [torch.contiguous_format]
     if len(spec.input_shape) == 3:

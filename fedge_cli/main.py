@@ -124,8 +124,8 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
     names them. ``deployment`` (a coordinator over a broker, where any admitted client may be hostile): what neither
     ``base``, ``--config`` nor a flag sets takes the deployment's defaults: norm clipping at
     :data:`fedge.aggregation.robust.DEPLOYMENT_CLIP_FACTOR` for an algorithm with a ``clip_factor`` setting instead of
-    the papers'
-    plain mean, and a quorum of :data:`DEPLOYMENT_MIN_REPLIES` instead of every sampled client (one refused reply
+    the papers' plain mean, and a quorum of :data:`DEPLOYMENT_MIN_REPLIES` instead of every sampled client (one refused
+    reply
     must not skip a round).
     """
     chosen_clip = chosen_quorum = base is not None  # a resumed run keeps what its config.json says

@@ -4,8 +4,7 @@ It logs in (with a fleet kit's read-only ``monitor/`` bundle, or to a lab broker
 ``fedge/<run>/run-status`` (retained: the latest status arrives at once) and shows it, redrawn as it changes and
 every second (ages and deadlines move). ``--once`` prints one snapshot and exits: for scripts and tests. What arrives
 is checked like anything a peer sends (:func:`fedge.wire.run_status.decode_run_status`); an invalid message is reported
-in
-one line and skipped, and every string shown is made printable first.
+in one line and skipped, and every string shown is made printable first.
 """
 
 from __future__ import annotations

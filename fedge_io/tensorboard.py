@@ -1,8 +1,8 @@
 """``--tensorboard DIR``: a run's round records as TensorBoard scalars, beside its metrics.jsonl.
 
 Every number of a round's metrics.jsonl line (:meth:`fedge.accounting.records.RoundRecord.to_json`) becomes a scalar at
-step =
-the round: accuracy and forgetting under ``accuracy/``, the algorithm's own metrics (``mean_local_loss``, ...) under
+step = the round: accuracy and forgetting under ``accuracy/``, the algorithm's own metrics (``mean_local_loss``, ...)
+under
 ``metrics/``, bytes under ``bytes/``, seconds under ``time/``, and per-class accuracy under ``per_class_accuracy/``.
 Each run writes its own folder ``DIR/<run directory name>``, so ``tensorboard --logdir DIR`` shows runs side by side.
 TensorBoard stores scalars as float32: byte counts above 2^24 are rounded to 7 significant digits there (metrics.jsonl

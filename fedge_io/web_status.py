@@ -8,8 +8,7 @@ CSS and the script are inline, allowed by their SHA-256 in the Content-Security-
 
 What the broker sends is hostile until checked: only a status that :func:`fedge.wire.run_status.decode_run_status`
 accepted is shown, every displayed string goes through :func:`fedge.wire.fields.printable` and is HTML-escaped (the
-script
-only sets ``textContent``); the JSON holds those display texts and, for scripts, the decoded fields as validated
+script only sets ``textContent``); the JSON holds those display texts and, for scripts, the decoded fields as validated
 (bounded in size and count, JSON-escaped, not filtered to printable characters). No login
 detail is ever part of a page. Bound to a loopback address (the default), the server answers only requests whose
 Host is a loopback name, so that a web page elsewhere cannot read it through DNS rebinding.

@@ -6,8 +6,8 @@ axis. DS-FL Fig. 3/6 (entropy of the global logits, eq. 12) and FedNTD's forgett
 recorded them.
 
 Byte figures are tensor-level unless a table says otherwise, in decimal units (``fedge.accounting.cost.format_bytes``),
-under
-one accounting model: ``"multicast"`` counts a broadcast once (DS-FL Tables I-II), ``"unicast"`` once per recipient
+under one accounting model: ``"multicast"`` counts a broadcast once (DS-FL Tables I-II), ``"unicast"`` once per
+recipient
 (what an MQTT broker sends on per-client topics). The bytes section shows every level and both models.
 """
 

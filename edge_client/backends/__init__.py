@@ -34,8 +34,8 @@ RUNTIME_HOOKS: dict[str, frozenset[str]] = {
     "onnxruntime-training": frozenset(),
 }
 """The training hooks of :data:`fedge.learning.training.HOOKS` each runtime runs. The exported programs compute a fixed
-loss
-of the logits with FedProx's plain proximal term; they have no Fisher-weighted term, no representation output and no
+loss of the logits with FedProx's plain proximal term; they have no Fisher-weighted term, no representation output and
+no
 Fisher pass, so FedCurv and MOON clients run on torch only (the others are refused at admission)."""
 
 

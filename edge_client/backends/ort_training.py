@@ -19,8 +19,7 @@ ORT computes the loss and the gradients; the optimizer step runs here on the hos
 momentum buffer starting as the first step's gradient, ``w -= lr * buf``; dampening 0, no Nesterov), because ORT's
 own SGD has no momentum. SCAFFOLD's correction is added to each gradient before that step, as in eager. Batches
 follow :func:`fedge.learning.training.batch_order`. Batch-norm running statistics go in and out of every training step
-(ORT
-keeps no mutable buffers), so they follow eager PyTorch's update and travel with the weights.
+(ORT keeps no mutable buffers), so they follow eager PyTorch's update and travel with the weights.
 """
 
 from __future__ import annotations

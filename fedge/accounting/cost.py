@@ -347,8 +347,8 @@ def compressed_costs(
     """DS-FL Tables I-II rows (FL, FD, DS-FL) with uploads and broadcast compressed by each of ``schemes``.
 
     Outputs (FD, DS-FL) are compressed row by row, weights (FL) per tensor, as runs do
-    (:mod:`fedge.compression.strategy`);
-    a weight broadcast can only be float16, so FL's broadcast stays float32 under int8 and top-k. Bytes are those
+    (:mod:`fedge.compression.strategy`); a weight broadcast can only be float16, so FL's broadcast stays float32 under
+    int8 and top-k. Bytes are those
     of the coded tensors (codes, scales, offsets, indices, dropped masses), with the schemes' exact layouts.
     """
     rows = []

@@ -4,8 +4,7 @@ A round is: the server half plans it (:meth:`Strategy.configure`: one optional b
 client), each client half turns (task, broadcast, its data, its runtime, its own stored state) into one update
 (:meth:`ClientHalf.step`), and the server half folds the updates in (:meth:`Strategy.aggregate`). Hyperparameters, the
 learning rate of the round and the shuffle seeds travel in the task as typed fields (:mod:`fedge.wire.fields`), so a
-client
-needs nothing else and the result does not depend on which transport carried the messages.
+client needs nothing else and the result does not depend on which transport carried the messages.
 
 An algorithm is one module under :mod:`fedge.algorithms` that defines its settings (a frozen dataclass), its server
 half, its client half and its local objective, and exposes them as one :class:`Algorithm` named ``ALGORITHM``.
@@ -50,8 +49,7 @@ def derive_seed(base: int, *words: int | str) -> int:
 @dataclass(frozen=True)
 class AlgorithmSettings:
     """Base of every algorithm's settings. Fields marked :func:`fedge.wire.fields.server_only` never leave the
-    coordinator;
-    the others travel in each task, converted by :mod:`fedge.wire.fields`."""
+    coordinator; the others travel in each task, converted by :mod:`fedge.wire.fields`."""
 
 
 @dataclass(frozen=True)
@@ -170,8 +168,7 @@ class Strategy(ABC):
     report_type: ClassVar[type[UpdateReport]] = UpdateReport
     reply_tolerance: float = 0.0
     """Error per value in [0, 1] that the run's upload compression may add (:mod:`fedge.compression.strategy`): checks
-    of
-    probability rows allow it."""
+    of probability rows allow it."""
 
     def __init__(self, config: RunConfig, context: ServerContext) -> None:
         self.config = config

@@ -2,8 +2,7 @@
 
 FedLSD's flow and loss with class-wise weights ``alpha_y = (gamma - beta)/2 * E[phi] + (gamma + beta)/2`` from the
 global model's reliability on the client's own data (eq. 3, :func:`fedge.learning.losses.fedcad_class_weights`),
-computed once
-per round from the frozen teacher's logits. Defaults beta = 0.25, gamma = 0.5 (the paper's).
+computed once per round from the frozen teacher's logits. Defaults beta = 0.25, gamma = 0.5 (the paper's).
 """
 
 from __future__ import annotations

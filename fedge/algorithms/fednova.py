@@ -11,8 +11,7 @@ accumulation vector of its local solver (paper, Section 4 and Appendix for momen
 and the server steps ``x <- x - tau_eff * sum_i p_i d_i`` with ``tau_eff = sum_i p_i a_i`` and ``p_i`` the averaging
 weights (data sizes, or uniform). With equal ``a_i`` this is FedAvg exactly. It is computed as FedAvg's average of the
 rescaled models ``z_i = x - (tau_eff / a_i) (x - y_i)``, so the robust rules and clipping of
-:mod:`fedge.aggregation.robust` apply
-to the normalized updates as they do to FedAvg's.
+:mod:`fedge.aggregation.robust` apply to the normalized updates as they do to FedAvg's.
 
 The step count is the client's report (:class:`FedNovaReport`); a peer's claim is bounded by what its declared data
 size allows (``epochs * ceil(n_i / B)`` steps), so it cannot buy itself a larger share by under-reporting beyond that.

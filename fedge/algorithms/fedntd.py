@@ -2,8 +2,7 @@
 
 Local objective, eq. 10-11: ``CE + beta * tau^2 * KL(q~_global || q~_local)``, where ``q~`` is the softmax at
 temperature ``tau`` over the not-true classes only (see :func:`fedge.learning.losses.ntd_loss`). The teacher is the
-received
-global model, frozen (Algorithm 1): its logits on the local data are computed once per round, before training.
+received global model, frozen (Algorithm 1): its logits on the local data are computed once per round, before training.
 Defaults beta = tau = 1 (Appendix B.4). Everything else is FedAvg's flow.
 """
 

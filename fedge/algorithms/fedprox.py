@@ -3,8 +3,7 @@
 Local objective, FedProx eq. 2: ``h(w) = F_k(w) + mu/2 * ||w - w^t||^2`` over the trainable parameters, with
 ``w^t`` the round's global weights and ``F_k`` cross-entropy. FedNTD's Table 5 uses mu = 0.1 (searched in
 {0.1, 0.5, 1.0}); that is the default. The term is part of the training request
-(:class:`fedge.learning.training.TrainRequest`),
-so every runtime applies it, the exported ExecuTorch programs included.
+(:class:`fedge.learning.training.TrainRequest`), so every runtime applies it, the exported ExecuTorch programs included.
 """
 
 from __future__ import annotations

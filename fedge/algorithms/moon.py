@@ -19,11 +19,10 @@ and its first round is plain cross-entropy; the FedNTD authors' server starts ev
 model instead, which a fedge client does not hold.
 
 The loss needs the representation hook of :mod:`fedge.learning.training`, which only the torch runtime runs: the
-exported
-programs compute a loss of the logits only, so executorch and onnxruntime-training clients are refused at admission.
+exported programs compute a loss of the logits only, so executorch and onnxruntime-training clients are refused at
+admission.
 The objective is therefore not registered with :func:`fedge.learning.objectives.register_objective` (whose objectives
-every
-program exporter must build). Traffic is FedAvg's: the previous model never leaves the client.
+every program exporter must build). Traffic is FedAvg's: the previous model never leaves the client.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Server state: global weights ``x`` and server control variate ``c`` (one value p
 first). Each round the server broadcasts ``(x, c)``. Client i keeps its own control variate ``c_i`` (zeros at first)
 and takes K local steps ``y <- y - lr * (g_i(y) + c - c_i)`` (line 10: the correction ``c - c_i`` is added to every
 gradient, see :class:`fedge.learning.training.TrainRequest`), then sets ``c_i+ = c_i - c + (x - y) / (K * lr)`` (line
-12,
-option II) and uploads ``y`` together with ``delta_c = c_i+ - c_i``. The server moves ``x <- x + lr_g * (avg(y) - x)``
+12, option II) and uploads ``y`` together with ``delta_c = c_i+ - c_i``. The server moves ``x <- x + lr_g * (avg(y) -
+x)``
 (line 16, averaged as FedAvg does) and ``c <- c + |S|/N * mean(delta_c)`` (line 17).
 
 Local steps here are momentum SGD (FedNTD B.3). Option II's ``(x - y) / (K * lr)`` is the mean update direction for

@@ -17,8 +17,7 @@ What travels, in a message's params (besides the coded tensors, see :mod:`fedge.
 Weight uploads travel as deltas against the round's broadcast *as the client decoded it* (both sides hold it), with
 zeros as the reference of tensors that have no counterpart in the broadcast; top-k weight uploads keep client-side
 error feedback (:class:`fedge.compression.codecs.Residual`) in the client's store, which a new coordinator session
-resets.
-Aggregation works on decoded float32 tensors; sampling and seeds never depend on compression.
+resets. Aggregation works on decoded float32 tensors; sampling and seeds never depend on compression.
 """
 
 from __future__ import annotations

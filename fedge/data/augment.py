@@ -5,8 +5,8 @@ The FedNTD authors' MNIST train transform (their ``train_tools/preprocessing/mni
 ``Normalize(0.1307, 0.3081)`` and then ``Cutout(16)``: a square of side 16 centred at a uniformly drawn pixel
 (clipped at the borders) set to 0 *after* normalization. Test images are only normalized. fedge's loaders already
 normalize with those constants (:mod:`fedge.data.datasets`), so the batch transform here is crop, flip and cutout on
-normalized
-images, with the crop's padding filled with the normalized value of a black pixel (the lowest value of each channel in
+normalized images, with the crop's padding filled with the normalized value of a black pixel (the lowest value of each
+channel in
 the client's data: black for MNIST-like images), as zero padding before normalization gives.
 
 :data:`PRESETS` names the pipelines; ``paper`` scales the crop padding and the Cutout side to the image size

@@ -157,8 +157,8 @@ def fd_distillation_loss(
 
     ``distill_probs`` (B, C) holds each sample's distillation target, the row of its label in
     :func:`fedge.aggregation.average.fd_leave_one_out`. ``mask`` (B,) bool, optional, drops the distillation term of
-    samples
-    whose class has no target from other clients; dropped samples still count in the batch mean, so the term's scale
+    samples whose class has no target from other clients; dropped samples still count in the batch mean, so the term's
+    scale
     does not depend on how many were dropped (eq. 7 sums over the whole local dataset).
     """
     _check_nonnegative("gamma", gamma)

@@ -48,8 +48,8 @@ class Objective(ABC):
     inputs: ClassVar[tuple[ObjectiveInput, ...]] = ()
     references: ClassVar[tuple[str, ...]] = ()
     """Frozen models (by name, their weights in :attr:`fedge.learning.training.TrainRequest.references`) whose
-    representation
-    of each batch the loss compares with the trained model's (MOON). An objective that names any is trained through
+    representation of each batch the loss compares with the trained model's (MOON). An objective that names any is
+    trained through
     :meth:`representation_loss`, on a runtime that supports the ``representation`` hook."""
 
     @abstractmethod
