@@ -55,11 +55,12 @@ test: install ort-training mosquitto chromium lint typecheck
 	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # The unit tests of the core, the journal, the CLI, the reports and the in-process simulator: no broker, no exported
-# program, no fleet of processes. About 2 minutes on 2 cores; `make test` stays the full suite.
-FAST_TESTS := tests/fedge tests/fedge_io/test_journal.py tests/fedge_cli tests/experiments tests/sim/test_report.py \
-	tests/sim/test_inprocess.py
+# program, no fleet of processes, no venv built (tests/fedge_cli/test_packaging.py) and no Ctrl-C of a subprocess
+# run (test_run_lifecycle.py). Two workers, as `make test`; `make test` stays the full suite.
+FAST_TESTS := tests/fedge tests/fedge_io/test_journal.py tests/fedge_cli/test_cli.py tests/fedge_cli/test_help.py \
+	tests/experiments tests/sim/test_report.py tests/sim/test_inprocess.py
 test-fast: install
-	$(BIN)/pytest -q -m "not broker" --durations=5 $(FAST_TESTS)
+	$(BIN)/pytest -q -n 2 -m "not broker" --durations=10 $(FAST_TESTS)
 
 bench: install
 	$(BIN)/python benchmarks/local_training.py

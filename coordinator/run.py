@@ -20,10 +20,10 @@ from coordinator.fleet import FleetKit, FleetSpec, admit_provisioned, generate_f
 from coordinator.mqtt import MAX_PAYLOAD_SLACK, MqttTransport
 from coordinator.resume import RunJournal
 from fedge.accounting.records import RoundRecord
-from fedge.algorithms import get_algorithm
 from fedge.algorithms.base import Strategy
 from fedge.config import RunConfig
 from fedge.errors import FedgeError
+from fedge.registry import get_algorithm
 from fedge.wire.fields import printable
 from fedge.wire.message import encode
 from fedge.wire.protocol import BrokerAddress, ClientStatus

@@ -34,8 +34,8 @@ from edge_client.client import EdgeClient
 from edge_client.data import ClientDataInfo
 from edge_client.progress import ObservedBackend, TaskAbandoned
 from edge_client.state import ClientStateFiles
-from fedge.algorithms import ALGORITHMS
 from fedge.errors import CodecError, ConfigError
+from fedge.registry import ALGORITHMS
 from fedge.wire import chunking
 from fedge.wire.fields import printable
 from fedge.wire.message import BROADCAST, TASK, Message, decode, encode

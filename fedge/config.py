@@ -18,8 +18,16 @@ from typing import Any
 
 from fedge.data.augment import PRESETS
 from fedge.errors import ConfigError
+from fedge.registry import ALGORITHMS, get_algorithm
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AlgorithmSettings:
+    """Base of every algorithm's settings (a frozen dataclass in its module). Fields marked
+    :func:`fedge.wire.fields.server_only` never leave the coordinator; the others travel in each task, converted by
+    :mod:`fedge.wire.fields`. An instance of this base itself stands for "the defaults of the run's algorithm"."""
 
 
 @dataclass(frozen=True)
@@ -79,11 +87,12 @@ class RunConfig:
     upload_codec: str = "float32"
     broadcast_codec: str = "float32"
     train: TrainConfig = field(default_factory=TrainConfig)
-    algo: Any = None  # the settings dataclass of ``algorithm``; None = its defaults
+    algo: AlgorithmSettings = field(default_factory=AlgorithmSettings)  # the settings of ``algorithm``; the base: its
+    # defaults
 
     def __post_init__(self) -> None:
-        spec = _algorithm(self.algorithm)
-        if self.algo is None:
+        spec = get_algorithm(self.algorithm)
+        if self.algo is None or type(self.algo) is AlgorithmSettings:
             object.__setattr__(self, "algo", spec.settings())
         _check(
             type(self.algo) is spec.settings,
@@ -97,7 +106,7 @@ class RunConfig:
         _check(self.eval_samples >= 0, "eval_samples must be >= 0")
         _check(self.train_size >= 0, f"train_size must be >= 0, got {self.train_size}")
         _check(self.open_size >= 0 and self.private_size >= 0, "open_size and private_size must be >= 0")
-        from fedge.compression.strategy import Compression
+        from fedge.compression.strategy import Compression  # on use: it imports torch, which `fedge --help` need not
 
         Compression.of(self)  # ConfigError for a scheme that does not parse or does not fit the algorithm
 
@@ -128,7 +137,7 @@ class RunConfig:
         for moved in ("open_size", "private_size"):  # run settings now; older configs kept them under algo
             if moved in algo_raw:
                 raw.setdefault(moved, algo_raw.pop(moved))
-        spec = _algorithm(str(raw.get("algorithm", cls.algorithm)))
+        spec = get_algorithm(str(raw.get("algorithm", cls.algorithm)))
         own = {f.name for f in dataclasses.fields(spec.settings)}
         foreign = sorted(k for k in algo_raw if k not in own and k in _all_setting_names())
         if foreign:
@@ -154,13 +163,12 @@ class RunConfig:
 
 def _algorithm(name: str) -> Any:
     # The registry imports every algorithm module, whose settings classes this module must not import at load time.
-    from fedge.algorithms import get_algorithm
+    from fedge.registry import get_algorithm
 
     return get_algorithm(name)
 
 
 def _all_setting_names() -> set[str]:
-    from fedge.algorithms import ALGORITHMS
 
     return {f.name for spec in ALGORITHMS.values() for f in dataclasses.fields(spec.settings)}
 

@@ -4,7 +4,7 @@ A plugin registers a **model factory** ``factory(input_shape, num_classes) -> nn
 logits ``(N, num_classes)``) and a **dataset loader** ``loader(data_dir, seed) -> DatasetArrays`` (train and test
 arrays and the number of classes; ``data_dir`` is the run's ``--data-dir``, ``None`` when not given). Three ways in:
 
-- an installed package declares entry points: group ``fedge.learning.models`` (name = model name, object = its factory)
+- an installed package declares entry points: group ``fedge.models`` (name = model name, object = its factory)
 and
   group ``fedge.datasets`` (name = dataset name, object = its loader or a :class:`DatasetPlugin`);
 - ``FEDGE_PLUGINS``: modules (``my_pkg.fedge_plugin``) or Python files (``./plugin.py``), separated by commas, whose
@@ -25,7 +25,7 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -34,7 +34,6 @@ from typing import Any, TypeAlias
 import numpy as np
 from torch import nn
 
-from fedge.data.datasets import Dataset
 from fedge.errors import ConfigError, DatasetError
 
 __all__ = [
@@ -44,12 +43,13 @@ __all__ = [
     "PluginError",
     "load_class_folders",
     "load_plugins",
-    "plugin_dataset",
+    "plugin_dataset_arrays",
     "plugin_dataset_names",
     "plugin_model",
     "plugin_model_names",
     "register_dataset",
     "register_model",
+    "reserve_builtin_names",
 ]
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 ENV = "FEDGE_PLUGINS"
 """Environment variable: plugin modules or ``.py`` files, comma-separated, imported at the first registry lookup."""
 
-MODEL_GROUP = "fedge.learning.models"
+MODEL_GROUP = "fedge.models"
 DATASET_GROUP = "fedge.datasets"
 
 ModelFactory: TypeAlias = Callable[[tuple[int, ...], int], nn.Module]
@@ -99,16 +99,21 @@ _entry_points_loaded = False
 _current = "your code"  # the plugin being imported, for messages
 
 
-def _builtin_models() -> set[str]:
-    from fedge.learning.models import MODELS
-
-    return set(MODELS)
+_builtin: dict[str, set[str]] = {"model": set(), "dataset": set()}  # fedge's own names, which plugins cannot take
 
 
-def _builtin_datasets() -> set[str]:
-    from fedge.data.datasets import DATASETS
-
-    return set(DATASETS)
+def reserve_builtin_names(kind: str, names: Iterable[str]) -> None:
+    """Called by :mod:`fedge.learning.models` and :mod:`fedge.data.datasets` as they load: their names are fedge's.
+    A plugin registered earlier under one of them is refused now."""
+    names = set(names)
+    taken = _models if kind == "model" else _datasets
+    clash = sorted(names & set(taken))
+    if clash:
+        raise PluginError(
+            f"{_origin[f'{kind}:{clash[0]}']}: {kind} {clash[0]!r} collides with fedge's built-in {kind} of that name; "
+            "give yours another name"
+        )
+    _builtin[kind] |= names
 
 
 def _claim(kind: str, name: str, builtins: set[str], taken: dict[str, Any], value: Any) -> bool:
@@ -133,7 +138,7 @@ def register_model(name: str, factory: ModelFactory) -> None:
     """Make ``name`` a model for ``--model`` and client data files; ``factory(input_shape, num_classes)``."""
     if not callable(factory):
         raise PluginError(f"{_current}: model {name!r}: the factory must be callable, got {type(factory).__name__}")
-    if _claim("model", name, _builtin_models(), _models, factory):
+    if _claim("model", name, _builtin["model"], _models, factory):
         _models[name] = factory
         _origin[f"model:{name}"] = _current
 
@@ -145,7 +150,7 @@ def register_dataset(
     if not callable(loader):
         raise PluginError(f"{_current}: dataset {name!r}: the loader must be callable, got {type(loader).__name__}")
     plugin = DatasetPlugin(loader, default_model)
-    if _claim("dataset", name, _builtin_datasets(), _datasets, plugin):
+    if _claim("dataset", name, _builtin["dataset"], _datasets, plugin):
         _datasets[name] = plugin
         _origin[f"dataset:{name}"] = _current
 
@@ -292,8 +297,9 @@ def plugin_default_model(dataset: str) -> str | None:
     return plugin.default_model if plugin is not None else None
 
 
-def plugin_dataset(name: str, data_dir: str | Path | None, seed: int) -> tuple[Dataset, Dataset] | None:
-    """The checked ``(train, test)`` splits of the plugin dataset ``name``; None when no plugin has that name."""
+def plugin_dataset_arrays(name: str, data_dir: str | Path | None, seed: int) -> DatasetArrays | None:
+    """What the loader of the plugin dataset ``name`` returned (checked by :func:`fedge.data.datasets.checked_splits`);
+    None when no plugin has that name."""
     load_plugins()
     plugin = _datasets.get(name)
     if plugin is None:
@@ -306,53 +312,7 @@ def plugin_dataset(name: str, data_dir: str | Path | None, seed: int) -> tuple[D
         raise PluginError(
             f"dataset {name!r} ({_origin[f'dataset:{name}']}) failed to load: {type(exc).__name__}: {exc}"
         ) from exc
-    return checked_splits(name, arrays)
-
-
-def checked_splits(name: str, arrays: object) -> tuple[Dataset, Dataset]:
-    """:class:`DatasetArrays` as checked ``(train, test)`` datasets; one-line :class:`PluginError` on anything off."""
-    where = f"dataset {name!r}"
-    if not isinstance(arrays, DatasetArrays):
-        raise PluginError(f"{where}: the loader must return fedge.plugins.DatasetArrays, got {type(arrays).__name__}")
-    num_classes = arrays.num_classes
-    if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 2:
-        raise PluginError(f"{where}: num_classes must be an integer >= 2, got {num_classes!r}")
-    train = _split(name, "train", arrays.x_train, arrays.y_train, int(num_classes))
-    test = _split(name, "test", arrays.x_test, arrays.y_test, int(num_classes))
-    if train.x.shape[1:] != test.x.shape[1:] or train.x.dtype != test.x.dtype:
-        raise PluginError(
-            f"{where}: train inputs are {train.x.dtype} {train.x.shape[1:]} per sample but test inputs are "
-            f"{test.x.dtype} {test.x.shape[1:]}"
-        )
-    return train, test
-
-
-def _split(name: str, split: str, x: object, y: object, num_classes: int) -> Dataset:
-    where = f"dataset {name!r}"
-    if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):
-        raise PluginError(
-            f"{where}: x_{split} and y_{split} must be numpy arrays, got {type(x).__name__} and {type(y).__name__}"
-        )
-    if x.ndim < 2 or len(x) == 0:
-        raise PluginError(f"{where}: x_{split} must have shape (N, ...) with N >= 1 and ndim >= 2, got {x.shape}")
-    if x.dtype.kind == "f":
-        x = x.astype(np.float32, copy=False)
-        if not np.isfinite(x).all():
-            raise PluginError(f"{where}: x_{split} holds NaN or infinite values (or values beyond float32)")
-    elif x.dtype.kind in "iu":
-        if x.min() < 0 or int(x.max()) >= 2**63:  # a negative or wrapped id would reach an embedding as a traceback
-            raise PluginError(f"{where}: x_{split} token ids must be in [0, 2**63), got {x.min()}..{x.max()}")
-        x = x.astype(np.int64, copy=False)  # token ids, e.g. for an embedding
-    else:
-        raise PluginError(f"{where}: x_{split} must be floating-point inputs or integer token ids, got {x.dtype}")
-    if y.ndim != 1 or y.dtype.kind not in "iu":
-        raise PluginError(f"{where}: y_{split} must be integer labels of shape (N,), got {y.dtype} {y.shape}")
-    if len(y) != len(x):
-        raise PluginError(f"{where}: x_{split} holds {len(x)} samples but y_{split} holds {len(y)} labels")
-    low, high = int(y.min()), int(y.max())
-    if low < 0 or high >= num_classes:
-        raise PluginError(f"{where}: y_{split} labels must lie in [0, {num_classes}), found [{low}, {high}]")
-    return Dataset(x=np.ascontiguousarray(x), y=y.astype(np.int64), num_classes=num_classes, name=name)
+    return arrays
 
 
 # ------------------------------------------------------------------------------------------- a directory of files

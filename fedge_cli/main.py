@@ -20,15 +20,15 @@ import threading
 import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
 
-from fedge.aggregation.robust import DEPLOYMENT_CLIP_FACTOR
-from fedge.algorithms import ALGORITHMS
-from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError, FedgeError
-from fedge.programs.spec import ModelSpec
-from fedge_io.console import add_skipped_rounds_flag
-from fedge_io.tensorboard import add_tensorboard_flag
+from fedge.registry import ALGORITHMS
+
+# Imported where used, not here: `fedge --help` and `fedge --version` answer without loading torch (2-7 s).
+if TYPE_CHECKING:
+    from fedge.config import RunConfig
+    from fedge.programs.spec import ModelSpec
 
 DEPLOYMENT_MIN_REPLIES = 0.5
 """The quorum of ``fedge coordinator`` and the laptop runner over a broker: half the sampled clients, so a refused or
@@ -99,6 +99,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per config field and per algorithm setting, typed from its default; unset flags keep the
     config's value."""
     parser.add_argument("--config", type=Path, help="JSON config to start from (e.g. a run's config.json)")
+    from fedge.config import RunConfig, TrainConfig
+
     for section, kind in (("run", RunConfig), ("train", TrainConfig)):
         group = parser.add_argument_group(f"{section} settings")
         hints = get_type_hints(kind)
@@ -128,6 +130,9 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
     reply
     must not skip a round).
     """
+    from fedge.aggregation.robust import DEPLOYMENT_CLIP_FACTOR
+    from fedge.config import RunConfig
+
     chosen_clip = chosen_quorum = base is not None  # a resumed run keeps what its config.json says
     config = base or (RunConfig.from_json_file(args.config) if getattr(args, "config", None) else RunConfig())
     if getattr(args, "config", None):
@@ -161,6 +166,8 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
 def _run_config(args: argparse.Namespace, *, deployment: bool = False) -> RunConfig:
     """The run's config from the flags; with ``--resume RUN_DIR`` (and no ``--config``) on top of RUN_DIR's own.
     With ``--previous-journal``, RUN_DIR's journal of the round before (verified) becomes current first."""
+    from fedge.config import RunConfig
+
     resume = getattr(args, "resume", None)
     previous = bool(getattr(args, "previous_journal", False))
     if previous and resume is None:
@@ -405,21 +412,51 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
+COMMANDS = {
+    "sim": "run an algorithm in one process and write a run directory with a report",
+    "demo": "FedAvg, FedNTD and DS-FL on non-IID digits over the embedded MQTT broker, with a comparison report",
+    "cost": "per-round communication of FL, FD and DS-FL (default: DS-FL Tables I and II)",
+    "report": "Markdown tables and PNG plots for one or more run directories",
+    "coordinator": "run rounds over an MQTT broker for clients started elsewhere; writes a run directory",
+    "client": "an edge client: join a run over an MQTT broker and train on a local data file",
+    "provision": "write each client's data file (and the run's config.json) for a deployment",
+    "status": "watch a run live: round, phase, deadline, clients, accuracy, bytes (e.g. --bundle KIT/monitor)",
+    "export": "export a model to ONNX / ExecuTorch (.pte, training programs) and check parity; `export check FILE...`",
+}
+"""Every subcommand and its one-line help, in the order `fedge --help` lists them."""
+
+
+def _top_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     parser = argparse.ArgumentParser(
         prog="fedge",
-        description="Federated learning for edge devices: " + ", ".join(a.label for a in ALGORITHMS.values()) + ", "
+        description="Federated learning for edge devices: " + ", ".join(ALGORITHMS) + ", "
         "simulated in one process or deployed over MQTT, with every byte accounted for.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     parser.add_argument(
         "--version", action=_VersionAction, nargs=0, help="print fedge's version (and git commit) and exit"
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    return parser, parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+
+def overview_parser() -> argparse.ArgumentParser:
+    """The parser of a command line naming no subcommand (`fedge --help`, `fedge --version`, `fedge`): the commands
+    and their one-line help, without importing what the commands need (torch, the algorithms)."""
+    parser, sub = _top_parser()
+    for name, text in COMMANDS.items():
+        sub.add_parser(name, help=text)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fedge_io.console import add_skipped_rounds_flag
+    from fedge_io.tensorboard import add_tensorboard_flag
+
+    parser, sub = _top_parser()
 
     p = sub.add_parser(
         "sim",
-        help="run an algorithm in one process and write a run directory with a report",
+        help=COMMANDS["sim"],
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--out", type=Path, default=Path("runs"), help="parent directory of the run directory")
@@ -477,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="FedAvg, FedNTD and DS-FL on non-IID digits over the embedded MQTT broker, with a comparison report",
+        help=COMMANDS["demo"],
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the three runs and the report go")
@@ -492,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "cost",
-        help="per-round communication of FL, FD and DS-FL (default: DS-FL Tables I and II)",
+        help=COMMANDS["cost"],
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--model", help="a model name: print the costs for these settings instead of the paper tables")
@@ -522,9 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plugin_flag(p)
     p.set_defaults(func=_cmd_cost)
 
-    p = sub.add_parser(
-        "report", help="Markdown tables and PNG plots for one or more run directories", formatter_class=_HelpFormatter
-    )
+    p = sub.add_parser("report", help=COMMANDS["report"], formatter_class=_HelpFormatter)
     p.add_argument("runs", nargs="+", type=Path, help="run directories (written by fedge sim or fedge coordinator)")
     p.add_argument(
         "--out", type=Path, default=None, help="output directory (default: the run directory if one, else ./report)"
@@ -542,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "coordinator",
-        help="run rounds over an MQTT broker for clients started elsewhere; writes a run directory",
+        help=COMMANDS["coordinator"],
         formatter_class=_HelpFormatter,
     )
     add_coordinator_arguments(p)
@@ -555,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "client",
-        help="an edge client: join a run over an MQTT broker and train on a local data file",
+        help=COMMANDS["client"],
         formatter_class=_HelpFormatter,
     )
     add_client_arguments(p)
@@ -564,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "provision",
-        help="write each client's data file (and the run's config.json) for a deployment",
+        help=COMMANDS["provision"],
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--out", type=Path, required=True, help="directory for <client>.safetensors, shared and config")
@@ -619,7 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "status",
-        help="watch a run live: round, phase, deadline, clients, accuracy, bytes (e.g. --bundle KIT/monitor)",
+        help=COMMANDS["status"],
         description="Show the run status the coordinator keeps on the broker, redrawn as it changes; --once prints "
         "one snapshot. With a fleet kit, log in with its read-only monitor/ bundle.",
     )
@@ -630,7 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "export",
-        help="export a model to ONNX / ExecuTorch (.pte, training programs) and check parity; `export check FILE...`",
+        help=COMMANDS["export"],
         formatter_class=_HelpFormatter,
     )
     add_export_arguments(p)
@@ -726,8 +761,10 @@ MISSING_EXTRA = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    names_a_command = any(word in COMMANDS for word in words)
+    parser = build_parser() if names_a_command else overview_parser()
+    args = parser.parse_args(words)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fedge.algorithms import get_algorithm, make_strategy
+from fedge.algorithms import make_strategy
 from fedge.algorithms.base import ClientData, ServerContext, Strategy, derive_seed
+from fedge.algorithms.dsfl import DSFLSettings
 from fedge.config import RunConfig
 from fedge.data.augment import preset as augment_preset
 from fedge.data.datasets import Dataset, load_dataset
@@ -19,6 +20,7 @@ from fedge.errors import ConfigError
 from fedge.learning.models import MODELS, build_model, default_model_for
 from fedge.learning.training import REPRESENTATION
 from fedge.plugins import check_model_on
+from fedge.registry import get_algorithm
 from fedge.types import ClientId
 
 log = logging.getLogger(__name__)
@@ -176,8 +178,7 @@ def _fit_open_set(config: RunConfig, num_train: int) -> RunConfig:
     if open_size + private > num_train:
         raise ConfigError(f"open_size + private_size = {open_size + private} exceeds the {num_train} training samples")
     algo = config.algo
-    per_round = getattr(algo, "open_per_round", None)
-    if per_round is not None and per_round > open_size:
-        log.warning("open_per_round %d exceeds the open set: using %d", per_round, open_size)
+    if isinstance(algo, DSFLSettings) and algo.open_per_round > open_size:
+        log.warning("open_per_round %d exceeds the open set: using %d", algo.open_per_round, open_size)
         algo = dataclasses.replace(algo, open_per_round=open_size)
     return dataclasses.replace(config, open_size=open_size, private_size=private, algo=algo)

@@ -123,8 +123,8 @@ def _run(
 
 def run_cost(args: argparse.Namespace) -> int:
     from fedge.accounting.cost import CostRow, algorithm_round_cost, cost_table_markdown, paper_tables
-    from fedge.algorithms import ALGORITHMS
     from fedge.learning.models import build_model, num_exchanged_values
+    from fedge.registry import ALGORITHMS
 
     accountings = ["multicast", "unicast"] if args.accounting == "both" else [args.accounting]
     out = []

@@ -15,7 +15,7 @@ from pathlib import Path
 from fedge.accounting.cost import format_bytes
 from fedge.accounting.records import RoundRecord
 from fedge.algorithms.dsfl import DSFLSettings
-from fedge.config import RunConfig, TrainConfig
+from fedge.config import AlgorithmSettings, RunConfig, TrainConfig
 from fedge_io.rundir import RunResult, new_run_dir
 
 # One non-IID split for all three, steady enough to read: moderate momentum, no lr decay over a short run.
@@ -37,8 +37,8 @@ def demo_configs(rounds: int = BASE.rounds) -> dict[str, RunConfig]:
     """The three runs of the demo."""
     base = dataclasses.replace(BASE, rounds=rounds)
     return {
-        "fedavg": dataclasses.replace(base, algorithm="fedavg", algo=None),
-        "fedntd": dataclasses.replace(base, algorithm="fedntd", algo=None),
+        "fedavg": dataclasses.replace(base, algorithm="fedavg", algo=AlgorithmSettings()),
+        "fedntd": dataclasses.replace(base, algorithm="fedntd", algo=AlgorithmSettings()),
         "dsfl": dataclasses.replace(base, algorithm="dsfl", algo=DSFL),
     }
 

@@ -31,9 +31,9 @@ from matplotlib.ticker import Formatter, FuncFormatter, MaxNLocator, NullLocator
 from fedge.accounting.cost import format_bytes
 from fedge.accounting.ledger import ACCOUNTING_MODELS, LedgerEntry, read_ledger_csv
 from fedge.accounting.records import RoundRecord
-from fedge.algorithms import get_algorithm
 from fedge.config import RunConfig
 from fedge.errors import ConfigError, FedgeError
+from fedge.registry import get_algorithm
 from fedge_io.rundir import COMU_THRESHOLDS, read_run
 
 _DPI = 120

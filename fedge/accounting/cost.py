@@ -32,6 +32,7 @@ import torch
 from fedge.compression import codecs as cz
 from fedge.errors import ConfigError
 from fedge.learning.models import build_model, num_exchanged_values, num_trainable_parameters
+from fedge.registry import get_algorithm
 
 Method: TypeAlias = Literal["fl", "fd", "dsfl"]
 """Exchange pattern: model parameters (FL: FedAvg, FedNTD, FedCAD, ...), per-class outputs (FD), open-set outputs
@@ -39,6 +40,28 @@ Method: TypeAlias = Literal["fl", "fd", "dsfl"]
 
 Accounting: TypeAlias = Literal["multicast", "unicast"]
 """How the download is counted: one broadcast copy, or one copy per client."""
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """What the per-round cost of an algorithm depends on (tensor level, float32 values)."""
+
+    model_values: int  # exchanged state: parameters plus batch-norm statistics
+    trainable_values: int  # parameters only
+    num_classes: int
+    num_clients: int  # participating clients per round
+    open_per_round: int = 1000  # DS-FL |o_r|
+
+
+@dataclass(frozen=True)
+class RoundTraffic:
+    """Tensor bytes one round moves: per-client upload, one broadcast copy, and protocol extras beyond the paper's
+    cost model (FD's per-class client counts)."""
+
+    up_per_client: int
+    down_broadcast: int
+    protocol_extra_down: int = 0
+
 
 METHOD_LABELS: dict[str, str] = {"fl": "FL", "fd": "FD", "dsfl": "DS-FL"}
 """Display names, as in the paper's tables."""
@@ -172,9 +195,6 @@ def algorithm_round_cost(
 ) -> RoundCost:
     """Tensor bytes of one round of a registered algorithm, from its own traffic model (e.g. SCAFFOLD sends a control
     variate both ways, twice FedAvg's parameters)."""
-    from fedge.algorithms import get_algorithm
-    from fedge.algorithms.base import CostInputs
-
     _positive("num_clients", num_clients)
     _positive("num_classes", num_classes)
     copies = _copies(accounting, num_clients)
@@ -247,8 +267,6 @@ def method_label(method: str) -> str:
     """ "FL", "FD", "DS-FL" for the paper's methods; a registered algorithm's display name otherwise."""
     if method in METHOD_LABELS:
         return METHOD_LABELS[method]
-    from fedge.algorithms import get_algorithm
-
     return get_algorithm(method).label
 
 

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-from fedge.compression.strategy import RAW_BYTES
 from fedge.wire.message import Message
+from fedge.wire.protocol import RAW_BYTES
 
 Direction = Literal["up", "down"]
 Accounting = Literal["multicast", "unicast"]
@@ -77,7 +77,7 @@ class LedgerEntry:
 
 
 def uncompressed_bytes(message: Message) -> int:
-    """The float32 size a coded message declares (:data:`fedge.compression.strategy.RAW_BYTES`), else its tensor bytes.
+    """The float32 size a coded message declares (:data:`fedge.wire.protocol.RAW_BYTES`), else its tensor bytes.
 
     A peer's declaration only fills this informative column, bounded; every other count is measured."""
     raw = message.params.get(RAW_BYTES, "")

@@ -16,12 +16,14 @@ import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Generic, Literal, TypeVar, cast
 
 import numpy as np
 import torch
 from torch import nn
 
+from fedge.accounting.cost import CostInputs, RoundTraffic
+from fedge.config import AlgorithmSettings, RunConfig
 from fedge.data.augment import PRESETS, Augmentation, preset
 from fedge.errors import CodecError, ConfigError
 from fedge.learning.backend import Backend
@@ -33,8 +35,8 @@ from fedge.wire import fields as wire
 from fedge.wire.fields import bounded
 from fedge.wire.message import BROADCAST, TASK, UPDATE, Message
 
-if TYPE_CHECKING:
-    from fedge.config import RunConfig
+SettingsT = TypeVar("SettingsT", bound=AlgorithmSettings)
+"""An algorithm's settings class: its server and client halves are typed over it."""
 
 
 def derive_seed(base: int, *words: int | str) -> int:
@@ -44,12 +46,6 @@ def derive_seed(base: int, *words: int | str) -> int:
 
 
 # --- what travels ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AlgorithmSettings:
-    """Base of every algorithm's settings. Fields marked :func:`fedge.wire.fields.server_only` never leave the
-    coordinator; the others travel in each task, converted by :mod:`fedge.wire.fields`."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +158,7 @@ class ServerContext:
     open_x: torch.Tensor | None = None  # DS-FL's unlabeled open set
 
 
-class Strategy(ABC):
+class Strategy(ABC, Generic[SettingsT]):
     """The server half of an algorithm. Subclasses hold the global state and change it only in ``aggregate``."""
 
     report_type: ClassVar[type[UpdateReport]] = UpdateReport
@@ -172,7 +168,8 @@ class Strategy(ABC):
 
     def __init__(self, config: RunConfig, context: ServerContext) -> None:
         self.config = config
-        self.settings: Any = config.algo
+        # RunConfig checked that ``algo`` is an instance of this algorithm's settings class.
+        self.settings: SettingsT = cast(SettingsT, config.algo)
         self.name = config.algorithm
         self.model_factory = context.model_factory
         self.num_classes = context.num_classes
@@ -295,7 +292,7 @@ def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_class
 # --- the client half ------------------------------------------------------------------------------------------------
 
 
-class ClientHalf(ABC):
+class ClientHalf(ABC, Generic[SettingsT]):
     """The client half of an algorithm: one task (plus the round's broadcast) in, one update out.
 
     Stateless: whatever a client keeps across rounds lives in its ``store``.
@@ -309,11 +306,10 @@ class ClientHalf(ABC):
     ) -> Message:
         """The update answering ``task``."""
 
-    def parse(self, task: Message) -> tuple[LocalTraining, Any]:
+    def parse(self, task: Message) -> tuple[LocalTraining, SettingsT]:
         """The task's local-training settings and this algorithm's settings, typed (CodecError when malformed)."""
-        return wire.from_params(LocalTraining, task.params, defaults=False), wire.from_params(
-            self.settings_type, task.params
-        )
+        training = wire.from_params(LocalTraining, task.params, defaults=False)
+        return training, cast(SettingsT, wire.from_params(self.settings_type, task.params))
 
 
 def update_message(task: Message, tensors: Mapping[str, torch.Tensor], report: UpdateReport) -> Message:
@@ -340,42 +336,21 @@ def keep_own_model(store: ClientStore, backend: Backend) -> None:
 
 
 @dataclass(frozen=True)
-class CostInputs:
-    """What the per-round cost of an algorithm depends on (tensor level, float32 values)."""
-
-    model_values: int  # exchanged state: parameters plus batch-norm statistics
-    trainable_values: int  # parameters only
-    num_classes: int
-    num_clients: int  # participating clients per round
-    open_per_round: int = 1000  # DS-FL |o_r|
-
-
-@dataclass(frozen=True)
-class RoundTraffic:
-    """Tensor bytes one round moves: per-client upload, one broadcast copy, and protocol extras beyond the paper's
-    cost model (FD's per-class client counts)."""
-
-    up_per_client: int
-    down_broadcast: int
-    protocol_extra_down: int = 0
-
-
-@dataclass(frozen=True)
-class Algorithm:
+class Algorithm(Generic[SettingsT]):
     """An algorithm as the rest of fedge sees it: everything config, CLI, reports, cost tables and roles need."""
 
     name: str  # the config/CLI value, e.g. "fedntd"
     label: str  # the display name, e.g. "FedNTD"
     paper: str  # where its equations come from
-    settings: type[AlgorithmSettings]
-    server: type[Strategy]
-    client: ClientHalf
+    settings: type[SettingsT]
+    server: type[Strategy[SettingsT]]
+    client: ClientHalf[SettingsT]
     traffic: Callable[[CostInputs], RoundTraffic]
     exchange: Literal["weights", "outputs"] = "weights"
     needs_open_set: bool = False  # DS-FL: clients and server hold the unlabeled open set
     has_global_model: bool = True  # FD has none: clients report their own accuracy
     hooks: frozenset[str] = frozenset()  # training hooks beyond the proximal term and the correction (training.HOOKS)
-    describe: Callable[[Any], str] = field(default=lambda settings: "")  # hyperparameters for report legends
+    describe: Callable[[SettingsT], str] = field(default=lambda settings: "")  # hyperparameters for report legends
 
 
 def weights_traffic(inputs: CostInputs) -> RoundTraffic:

@@ -127,7 +127,7 @@ def open_index_set(open_size: int, per_round: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(open_size, size=per_round, replace=False))
 
 
-class DistillationSemiSupervised(Strategy):
+class DistillationSemiSupervised(Strategy[DSFLSettings]):
     """Server half of DS-FL: aggregate soft labels, distill the global model, broadcast."""
 
     def __init__(self, config: RunConfig, context: ServerContext) -> None:
@@ -224,7 +224,7 @@ class DistillationSemiSupervised(Strategy):
         return evaluate_model(self._model, x, y, self.num_classes)
 
 
-class DSFLClient(ClientHalf):
+class DSFLClient(ClientHalf[DSFLSettings]):
     """Client half: distill on the previous round's global soft labels, update on private data, predict on o_r."""
 
     settings_type = DSFLSettings

@@ -99,7 +99,7 @@ class FDDistillation(Objective):
         return fd_distillation_loss(logits, y, inputs["targets"], gamma=self.gamma, mask=inputs["mask"])
 
 
-class FederatedDistillation(Strategy):
+class FederatedDistillation(Strategy[FDSettings]):
     """Server half of FD: per-class averaging of the uploaded per-class outputs."""
 
     report_type = FDReport
@@ -192,7 +192,7 @@ def pooled_local_eval(reports: Sequence[UpdateReport], num_classes: int) -> Eval
     return Evaluation(accuracy=float(np.mean(accs)), per_class=mean)
 
 
-class FDClient(ClientHalf):
+class FDClient(ClientHalf[FDSettings]):
     """Client half: (distill toward the others' per-class outputs,) then upload this client's per-class outputs."""
 
     settings_type = FDSettings

@@ -65,7 +65,7 @@ class FedAdamSettings(FedAvgSettings):
             raise ConfigError(f"server_tau must be > 0, got {self.server_tau}")
 
 
-class FedAdam(FedAvg):
+class FedAdam(FedAvg[FedAdamSettings]):
     """Server half: FedAvg's average, then one adaptive step along it."""
 
     def __init__(self, config: RunConfig, context: ServerContext) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -98,7 +98,11 @@ class CrossEntropy(Objective):
         return F.cross_entropy(logits, y)
 
 
-class FedAvg(Strategy):
+FedAvgSettingsT = TypeVar("FedAvgSettingsT", bound=FedAvgSettings)
+"""The settings of FedAvg or of an algorithm built on its flow (FedProx, FedNTD, SCAFFOLD, ...)."""
+
+
+class FedAvg(Strategy[FedAvgSettingsT]):
     """Server half of the weight-exchange family: broadcast the global weights, average what comes back."""
 
     def __init__(self, config: RunConfig, context: ServerContext) -> None:
@@ -178,11 +182,11 @@ class FedAvg(Strategy):
 
 
 @dataclass(frozen=True)
-class LocalRound:
+class LocalRound(Generic[FedAvgSettingsT]):
     """Everything one client's round works with, handed to the hooks of :class:`FedAvgClient`."""
 
     training: LocalTraining
-    settings: Any  # the algorithm's settings, as the task carried them
+    settings: FedAvgSettingsT  # the algorithm's settings, as the task carried them
     data: ClientData
     backend: Backend  # holds the received global weights until training starts
     store: ClientStore
@@ -190,7 +194,7 @@ class LocalRound:
     global_weights: StateDict
 
 
-class FedAvgClient(ClientHalf):
+class FedAvgClient(ClientHalf[FedAvgSettingsT]):
     """Client half: start from the broadcast weights, train on the local objective, return the new weights."""
 
     settings_type: ClassVar[type[AlgorithmSettings]] = FedAvgSettings
@@ -209,11 +213,11 @@ class FedAvgClient(ClientHalf):
         return update_message(task, tensors, self.report(r, stats))
 
     # --- hooks ---------------------------------------------------------------------------------------------------
-    def objective(self, r: LocalRound) -> tuple[Objective, dict[str, torch.Tensor]]:
+    def objective(self, r: LocalRound[FedAvgSettingsT]) -> tuple[Objective, dict[str, torch.Tensor]]:
         """The local loss and its inputs; ``r.backend`` holds the received global weights (the teacher, if any)."""
         return CrossEntropy(), {}
 
-    def request(self, r: LocalRound) -> TrainRequest:
+    def request(self, r: LocalRound[FedAvgSettingsT]) -> TrainRequest:
         """The local training this client runs this round."""
         objective, inputs = self.objective(r)
         t = r.training
@@ -227,11 +231,11 @@ class FedAvgClient(ClientHalf):
         """The global weights in the round's broadcast."""
         return dict(broadcast.tensors)
 
-    def upload(self, r: LocalRound, weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
+    def upload(self, r: LocalRound[FedAvgSettingsT], weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
         """The tensors of the update, from the weights after local training."""
         return weights
 
-    def report(self, r: LocalRound, stats: TrainStats) -> UpdateReport:
+    def report(self, r: LocalRound[FedAvgSettingsT], stats: TrainStats) -> UpdateReport:
         """The numbers the update reports besides its tensors (an instance of the server half's ``report_type``)."""
         return UpdateReport(num_examples=len(r.data), loss=stats.mean_loss)
 
@@ -242,6 +246,6 @@ ALGORITHM = Algorithm(
     paper="McMahan et al. 2017; FedNTD eq. 2; DS-FL eq. 1-3",
     settings=FedAvgSettings,
     server=FedAvg,
-    client=FedAvgClient(),
+    client=FedAvgClient[FedAvgSettings](),
     traffic=weights_traffic,
 )

@@ -8,23 +8,21 @@ computed once per round from the frozen teacher's logits. Defaults beta = 0.25, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from fedge.algorithms.base import Algorithm, ClientData, weights_traffic
-from fedge.algorithms.fedavg import FedAvg, FedAvgSettings
-from fedge.algorithms.fedlsd import FedLSDClient
+from fedge.algorithms.fedavg import FedAvg
+from fedge.algorithms.fedlsd import ClassWeightedClient, ClassWeightedSettings
 from fedge.errors import ConfigError
 from fedge.learning.losses import fedcad_class_weights
 from fedge.wire.fields import bounded
 
 
 @dataclass(frozen=True)
-class FedCADSettings(FedAvgSettings):
+class FedCADSettings(ClassWeightedSettings):
     cad_beta: float = field(default=0.25, metadata=bounded(0.0, 1.0, help="lower end beta of alpha_y, eq. 3"))
     cad_gamma: float = field(default=0.5, metadata=bounded(0.0, 1.0, help="upper end gamma of alpha_y, eq. 3"))
-    kd_tau: float = field(default=1.0, metadata=bounded(1e-3, 1e3, help="distillation temperature, FedCAD eq. 2"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -32,14 +30,12 @@ class FedCADSettings(FedAvgSettings):
             raise ConfigError(
                 f"FedCAD needs 0 <= cad_beta <= cad_gamma <= 1, got beta={self.cad_beta}, gamma={self.cad_gamma}"
             )
-        if not self.kd_tau > 0:
-            raise ConfigError(f"kd_tau must be > 0, got {self.kd_tau}")
 
 
-class FedCADClient(FedLSDClient):
+class FedCADClient(ClassWeightedClient[FedCADSettings]):
     settings_type = FedCADSettings
 
-    def class_weights(self, settings: Any, teacher: torch.Tensor, data: ClientData) -> torch.Tensor:
+    def class_weights(self, settings: FedCADSettings, teacher: torch.Tensor, data: ClientData) -> torch.Tensor:
         """FedCAD eq. 3 on all of the client's data."""
         return fedcad_class_weights(
             teacher, data.y, data.num_classes, beta=settings.cad_beta, gamma=settings.cad_gamma, tau=settings.kd_tau

@@ -83,7 +83,7 @@ class FedCurvSettings(FedAvgSettings):
             raise ConfigError(f"curv_lambda must be >= 0, got {self.curv_lambda}")
 
 
-class FedCurv(FedAvg):
+class FedCurv(FedAvg[FedCurvSettings]):
     """Server half: FedAvg's average, plus every client's latest Fisher terms and their sums for the broadcast."""
 
     def __init__(self, config: RunConfig, context: ServerContext) -> None:
@@ -171,13 +171,13 @@ class FedCurv(FedAvg):
         return metrics
 
 
-class FedCurvClient(FedAvgClient):
+class FedCurvClient(FedAvgClient[FedCurvSettings]):
     settings_type = FedCurvSettings
 
     def received_weights(self, broadcast: Message) -> StateDict:
         return {k: v for k, v in broadcast.tensors.items() if not k.startswith((FISHER_U, FISHER_V))}
 
-    def request(self, r: LocalRound) -> TrainRequest:
+    def request(self, r: LocalRound[FedCurvSettings]) -> TrainRequest:
         u_sum, v_sum = _sums(r.broadcast, r.global_weights)
         own_u, own_v = _own(r.store, u_sum)
         p = {k: (u_sum[k] - own_u[k]).clamp(min=0) for k in u_sum}  # sum over the other clients
@@ -191,7 +191,7 @@ class FedCurvClient(FedAvgClient):
             fisher_samples=r.settings.fisher_samples,
         )
 
-    def upload(self, r: LocalRound, weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
+    def upload(self, r: LocalRound[FedCurvSettings], weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
         if stats.fisher is None:
             raise ConfigError(f"the {r.backend.runtime} runtime returned no Fisher information; FedCurv needs it")
         u = {k: stats.fisher[k].to(torch.float32).contiguous() for k in _sums(r.broadcast, r.global_weights)[0]}

@@ -61,7 +61,7 @@ class FedDynSettings(FedAvgSettings):
             raise ConfigError(f"dyn_alpha must be > 0, got {self.dyn_alpha}")
 
 
-class FedDyn(FedAvg):
+class FedDyn(FedAvg[FedDynSettings]):
     """Server half: FedAvg's average, shifted by the accumulated drift ``-h / alpha``."""
 
     def __init__(self, config: RunConfig, context: ServerContext) -> None:
@@ -90,10 +90,10 @@ class FedDyn(FedAvg):
         return metrics
 
 
-class FedDynClient(FedAvgClient):
+class FedDynClient(FedAvgClient[FedDynSettings]):
     settings_type = FedDynSettings
 
-    def request(self, r: LocalRound) -> TrainRequest:
+    def request(self, r: LocalRound[FedDynSettings]) -> TrainRequest:
         own = _own_gradient(r.store, r.global_weights)
         return dataclasses.replace(
             super().request(r),
@@ -102,7 +102,7 @@ class FedDynClient(FedAvgClient):
             correction={k: -g for k, g in own.items()},  # the gradient of -<g_k, theta>
         )
 
-    def upload(self, r: LocalRound, weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
+    def upload(self, r: LocalRound[FedDynSettings], weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
         alpha = r.settings.dyn_alpha
         for k, g in _own_gradient(r.store, r.global_weights).items():
             r.store[_OWN_GRAD + k] = g - alpha * (weights[k] - r.global_weights[k])

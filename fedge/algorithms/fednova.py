@@ -51,7 +51,7 @@ def accumulation_norm(steps: int, momentum: float) -> float:
     return (steps - rho * (1 - rho**steps) / (1 - rho)) / (1 - rho)
 
 
-class FedNova(FedAvg):
+class FedNova(FedAvg[FedNovaSettings]):
     """Server half: FedAvg's average of the clients' updates, each rescaled to the run's effective step count."""
 
     report_type = FedNovaReport
@@ -93,12 +93,12 @@ class FedNova(FedAvg):
         return dataclasses.replace(reply, tensors=tensors)
 
 
-class FedNovaClient(FedAvgClient):
+class FedNovaClient(FedAvgClient[FedNovaSettings]):
     """FedAvg's local training; the update also reports how many steps it took."""
 
     settings_type = FedNovaSettings
 
-    def report(self, r: LocalRound, stats: TrainStats) -> UpdateReport:
+    def report(self, r: LocalRound[FedNovaSettings], stats: TrainStats) -> UpdateReport:
         return FedNovaReport(num_examples=len(r.data), loss=stats.mean_loss, local_steps=stats.steps)
 
 

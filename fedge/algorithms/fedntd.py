@@ -48,10 +48,10 @@ class NotTrueDistillation(Objective):
         return ntd_loss(logits, inputs["teacher"], y, tau=self.tau, beta=self.beta)
 
 
-class FedNTDClient(FedAvgClient):
+class FedNTDClient(FedAvgClient[FedNTDSettings]):
     settings_type = FedNTDSettings
 
-    def objective(self, r: LocalRound) -> tuple[Objective, dict[str, torch.Tensor]]:
+    def objective(self, r: LocalRound[FedNTDSettings]) -> tuple[Objective, dict[str, torch.Tensor]]:
         teacher = r.backend.logits(r.data.x)  # (N, C): the received global model, frozen for the whole round
         return NotTrueDistillation(tau=r.settings.ntd_tau, beta=r.settings.ntd_beta), {"teacher": teacher}
 

@@ -28,10 +28,10 @@ class FedProxSettings(FedAvgSettings):
             raise ConfigError(f"prox_mu must be >= 0, got {self.prox_mu}")
 
 
-class FedProxClient(FedAvgClient):
+class FedProxClient(FedAvgClient[FedProxSettings]):
     settings_type = FedProxSettings
 
-    def request(self, r: LocalRound) -> TrainRequest:
+    def request(self, r: LocalRound[FedProxSettings]) -> TrainRequest:
         return dataclasses.replace(super().request(r), prox_mu=r.settings.prox_mu, anchor=r.global_weights)
 
 

@@ -83,15 +83,15 @@ class ModelContrastive(Objective):
         return F.cross_entropy(logits, y) + self.mu * l_con
 
 
-class MoonClient(FedAvgClient):
+class MoonClient(FedAvgClient[MoonSettings]):
     settings_type = MoonSettings
 
-    def request(self, r: LocalRound) -> TrainRequest:
+    def request(self, r: LocalRound[MoonSettings]) -> TrainRequest:
         objective = ModelContrastive(mu=r.settings.moon_mu, tau=r.settings.moon_tau)
         references = {"global": r.global_weights, "previous": _previous(r.store, r.global_weights)}
         return r.training.request(r.data.x, r.data.y, objective, references=references)
 
-    def upload(self, r: LocalRound, weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
+    def upload(self, r: LocalRound[MoonSettings], weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
         for k, v in weights.items():
             r.store[_PREVIOUS + k] = v
         return weights

@@ -61,7 +61,7 @@ class ScaffoldSettings(FedAvgSettings):
             raise ConfigError(f"server_lr must be > 0, got {self.server_lr}")
 
 
-class Scaffold(FedAvg):
+class Scaffold(FedAvg[ScaffoldSettings]):
     """Server half: FedAvg's averaging with a global step size, plus the server control variate."""
 
     def __init__(self, config: RunConfig, context: ServerContext) -> None:
@@ -99,17 +99,17 @@ class Scaffold(FedAvg):
         return metrics
 
 
-class ScaffoldClient(FedAvgClient):
+class ScaffoldClient(FedAvgClient[ScaffoldSettings]):
     settings_type = ScaffoldSettings
 
     def received_weights(self, broadcast: Message) -> StateDict:
         return {k: v for k, v in broadcast.tensors.items() if not k.startswith(CONTROL)}
 
-    def request(self, r: LocalRound) -> TrainRequest:
+    def request(self, r: LocalRound[ScaffoldSettings]) -> TrainRequest:
         control, own = _server_control(r.broadcast), _own_control(r.store, r.broadcast)
         return dataclasses.replace(super().request(r), correction={k: control[k] - own[k] for k in control})  # c - c_i
 
-    def upload(self, r: LocalRound, weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
+    def upload(self, r: LocalRound[ScaffoldSettings], weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
         control, own = _server_control(r.broadcast), _own_control(r.store, r.broadcast)
         deltas: dict[str, torch.Tensor] = {}
         for k, c in control.items():

@@ -32,9 +32,10 @@ import torch
 from fedge.compression import codecs as cz
 from fedge.compression.codecs import Residual, Scheme, TensorSpec
 from fedge.errors import CodecError, ConfigError
+from fedge.registry import get_algorithm
 from fedge.types import ClientId
 from fedge.wire.message import MAX_PAYLOAD_BYTES, Message
-from fedge.wire.protocol import SESSION
+from fedge.wire.protocol import RAW_BYTES, SESSION
 
 if TYPE_CHECKING:
     from fedge.algorithms.base import ClientStore, Evaluation, RoundPlan, Strategy, StrategyState, UpdateReport
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 UPLOAD_PREFIX = "codec.up."
 SHAPE_PREFIX = "codec-shape."
 FEEDBACK = "codec-feedback"
-RAW_BYTES = "codec-raw"
 _RESIDUAL = "codec.residual."
 _SESSION_KEY = "codec.session"
 _MAX_VALUES = MAX_PAYLOAD_BYTES // 4  # a declared shape never makes a client allocate more than a message may hold
@@ -61,8 +61,6 @@ class Compression:
     @classmethod
     def of(cls, config: RunConfig) -> Compression:
         """The run's schemes; ConfigError for one that cannot apply to its algorithm."""
-        from fedge.algorithms import get_algorithm
-
         weights = get_algorithm(config.algorithm).exchange == "weights"
         # Outputs (soft labels, logits) are compressed row by row unless told otherwise; weights per tensor.
         unit = "tensor" if weights else "row"

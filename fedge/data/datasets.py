@@ -17,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from fedge import plugins
 from fedge.errors import ConfigError, DatasetError
+from fedge.plugins import DatasetArrays, PluginError
 
 __all__ = [
     "DATASETS",
@@ -382,11 +384,9 @@ def load_dataset(name: str, data_dir: str | Path | None = None, *, seed: int = 0
     files or a data root with a ``<name>/`` subfolder. ``seed`` fixes the split of digits and the synthetic task.
     """
     if name not in DATASETS:
-        from fedge import plugins  # imported on use: plugins import this module
-
-        splits = plugins.plugin_dataset(name, data_dir, seed)
-        if splits is not None:
-            return splits
+        arrays = plugins.plugin_dataset_arrays(name, data_dir, seed)
+        if arrays is not None:
+            return checked_splits(name, arrays)
         raise ConfigError(
             f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}"
             + "".join(f", {n} (plugin)" for n in plugins.plugin_dataset_names())
@@ -409,3 +409,55 @@ _FILE_LOADERS: dict[str, Callable[[Path], tuple[Dataset, Dataset]]] = {
     "fashion_mnist": load_fashion_mnist,
     "cifar10": load_cifar10,
 }
+
+
+# ------------------------------------------------------------------------------------------- your own datasets
+
+
+def checked_splits(name: str, arrays: object) -> tuple[Dataset, Dataset]:
+    """:class:`DatasetArrays` as checked ``(train, test)`` datasets; one-line :class:`PluginError` on anything off."""
+    where = f"dataset {name!r}"
+    if not isinstance(arrays, DatasetArrays):
+        raise PluginError(f"{where}: the loader must return fedge.plugins.DatasetArrays, got {type(arrays).__name__}")
+    num_classes = arrays.num_classes
+    if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 2:
+        raise PluginError(f"{where}: num_classes must be an integer >= 2, got {num_classes!r}")
+    train = _split(name, "train", arrays.x_train, arrays.y_train, int(num_classes))
+    test = _split(name, "test", arrays.x_test, arrays.y_test, int(num_classes))
+    if train.x.shape[1:] != test.x.shape[1:] or train.x.dtype != test.x.dtype:
+        raise PluginError(
+            f"{where}: train inputs are {train.x.dtype} {train.x.shape[1:]} per sample but test inputs are "
+            f"{test.x.dtype} {test.x.shape[1:]}"
+        )
+    return train, test
+
+
+def _split(name: str, split: str, x: object, y: object, num_classes: int) -> Dataset:
+    where = f"dataset {name!r}"
+    if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):
+        raise PluginError(
+            f"{where}: x_{split} and y_{split} must be numpy arrays, got {type(x).__name__} and {type(y).__name__}"
+        )
+    if x.ndim < 2 or len(x) == 0:
+        raise PluginError(f"{where}: x_{split} must have shape (N, ...) with N >= 1 and ndim >= 2, got {x.shape}")
+    if x.dtype.kind == "f":
+        x = x.astype(np.float32, copy=False)
+        if not np.isfinite(x).all():
+            raise PluginError(f"{where}: x_{split} holds NaN or infinite values (or values beyond float32)")
+    elif x.dtype.kind in "iu":
+        if x.min() < 0 or int(x.max()) >= 2**63:  # a negative or wrapped id would reach an embedding as a traceback
+            raise PluginError(f"{where}: x_{split} token ids must be in [0, 2**63), got {x.min()}..{x.max()}")
+        x = x.astype(np.int64, copy=False)  # token ids, e.g. for an embedding
+    else:
+        raise PluginError(f"{where}: x_{split} must be floating-point inputs or integer token ids, got {x.dtype}")
+    if y.ndim != 1 or y.dtype.kind not in "iu":
+        raise PluginError(f"{where}: y_{split} must be integer labels of shape (N,), got {y.dtype} {y.shape}")
+    if len(y) != len(x):
+        raise PluginError(f"{where}: x_{split} holds {len(x)} samples but y_{split} holds {len(y)} labels")
+    low, high = int(y.min()), int(y.max())
+    if low < 0 or high >= num_classes:
+        raise PluginError(f"{where}: y_{split} labels must lie in [0, {num_classes}), found [{low}, {high}]")
+    return Dataset(x=np.ascontiguousarray(x), y=y.astype(np.int64), num_classes=num_classes, name=name)
+
+
+plugins.reserve_builtin_names("dataset", DATASETS)

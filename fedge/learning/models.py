@@ -28,6 +28,7 @@ from typing import TypeAlias
 import torch
 from torch import nn
 
+from fedge import plugins
 from fedge.errors import ConfigError
 from fedge.types import Logits, StateDict
 
@@ -367,8 +368,6 @@ def _builder(name: str) -> Callable[[tuple[int, ...], int], nn.Module]:
     """The built-in model ``name``, else a plugin's (:mod:`fedge.plugins`); ConfigError naming both kinds if neither."""
     if name in MODELS:
         return MODELS[name]
-    from fedge import plugins  # imported on use: plugins import this module
-
     factory = plugins.plugin_model(name)
     if factory is None:
         raise ConfigError(
@@ -382,8 +381,6 @@ def _builder(name: str) -> Callable[[tuple[int, ...], int], nn.Module]:
 def default_model_for(dataset_name: str) -> str:
     """The registry name of the model used for ``dataset_name`` when the user does not choose one."""
     if dataset_name not in _DEFAULT_MODELS:
-        from fedge import plugins  # imported on use: plugins import this module
-
         plugin_default = plugins.plugin_default_model(dataset_name)
         if plugin_default is not None:
             return plugin_default
@@ -474,3 +471,6 @@ def num_exchanged_values(model: nn.Module) -> int:
 def num_trainable_parameters(model: nn.Module) -> int:
     """Number of scalar parameters with ``requires_grad``."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+plugins.reserve_builtin_names("model", MODELS)

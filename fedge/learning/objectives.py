@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from fedge.errors import CodecError, ConfigError
+from fedge.registry import load_all
 from fedge.wire import fields as wire
 
 
@@ -74,20 +75,9 @@ class Objective(ABC):
         """A file-name-safe label, e.g. ``ntd-tau1-beta1``."""
         return "-".join([self.kind] + [f"{f.name}{getattr(self, f.name):g}" for f in dataclasses.fields(self)])
 
-    def check_inputs(self, inputs: Mapping[str, Tensor], num_samples: int, num_classes: int) -> None:
-        """ConfigError unless ``inputs`` holds exactly the declared inputs with the right shapes."""
-        names = {i.name for i in self.inputs}
-        if set(inputs) != names:
-            raise ConfigError(f"objective {self.kind!r} takes inputs {sorted(names)}, got {sorted(inputs)}")
-        for spec in self.inputs:
-            want = spec.concrete_shape(num_classes, num_samples)
-            got = tuple(inputs[spec.name].shape)
-            if got != want:
-                raise ConfigError(f"input {spec.name!r} of objective {self.kind!r} has shape {got}, expected {want}")
-
 
 OBJECTIVES: dict[str, type[Objective]] = {}
-"""Every registered objective by kind; filled when :mod:`fedge.algorithms` is imported."""
+"""Every registered objective by kind; filled as the algorithm modules load (:func:`fedge.registry.load_all`)."""
 
 ObjectiveClass = TypeVar("ObjectiveClass", bound=type[Objective])
 
@@ -102,13 +92,13 @@ def register_objective(cls: ObjectiveClass) -> ObjectiveClass:
 
 def objective_kinds() -> tuple[str, ...]:
     """Registered objective kinds, sorted."""
-    _load_algorithms()
+    load_all()  # objectives live in the algorithm modules and register themselves on import
     return tuple(sorted(OBJECTIVES))
 
 
 def make_objective(kind: str, params: Mapping[str, str] | None = None) -> Objective:
     """The objective ``kind`` with hyperparameters parsed from strings (defaults for absent ones)."""
-    _load_algorithms()
+    load_all()  # objectives live in the algorithm modules and register themselves on import
     try:
         cls = OBJECTIVES[kind]
     except KeyError:
@@ -117,8 +107,3 @@ def make_objective(kind: str, params: Mapping[str, str] | None = None) -> Object
         return wire.from_params(cls, params or {})
     except CodecError as exc:
         raise ConfigError(f"objective {kind!r}: {exc}") from None
-
-
-def _load_algorithms() -> None:
-    """Objectives live in the algorithm modules; importing the package registers them all."""
-    import fedge.algorithms  # noqa: F401  (import for its registrations)

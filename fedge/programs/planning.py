@@ -19,6 +19,7 @@ import torch
 
 from fedge.algorithms import make_strategy, run_client_step
 from fedge.algorithms.base import ClientData, ServerContext
+from fedge.algorithms.dsfl import DSFLSettings
 from fedge.config import RunConfig
 from fedge.learning.models import build_model, exchanged_state, load_exchanged_state
 from fedge.learning.objectives import Objective
@@ -73,7 +74,7 @@ def planned_trainings(
     The server half runs as configured, except that DS-FL's server distillation is skipped (what the server trains does
     not change what a client trains, and it would cost the device a model's training).
     """
-    if hasattr(config.algo, "server_distill"):
+    if isinstance(config.algo, DSFLSettings):
         config = dataclasses.replace(config, algo=dataclasses.replace(config.algo, server_distill=False))
     num_classes = data.num_classes
 

@@ -42,6 +42,7 @@ ClientState = Literal["online", "offline"]
 # Transport metadata (``Message.transport``), apart from the algorithm's fields.
 BROADCAST_ROUND = "broadcast_round"  # in a task: wait for this round's broadcast before computing
 SESSION = "session"  # in tasks and broadcasts: one coordinator run; a new one resets a client's state
+RAW_BYTES = "codec-raw"  # in coded messages: the bytes of their tensors as float32 (the ledger's uncompressed column)
 COMPUTE_S = "compute_s"  # in an update: wall seconds of the client step
 COMPUTE_CPU_S = "compute_cpu_s"  # in an update: CPU seconds of the client step (this process)
 STATE_ROUND = "state_round"  # in an update: the round the client's own state came from (0: it had none)

@@ -15,12 +15,12 @@ from edge_client.backends.executorch import ProgramDirectory, batch_bound
 from edge_client.backends.onnx_file import read_meta, replace_weights
 from edge_client.backends.runners import PteRunner, PteTrainer
 from export.cli import export_jobs
-from fedge.algorithms import ALGORITHMS
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.learning.objectives import OBJECTIVES, make_objective, objective_kinds
 from fedge.programs.planning import planned_trainings
 from fedge.programs.spec import ModelSpec, TrainingLoss, program_file_name
+from fedge.registry import ALGORITHMS
 from fedge_cli.main import build_parser, main
 from fedge_io.experiment import prepare
 

@@ -213,7 +213,7 @@ def test_missing_artifacts_say_how_to_make_them(tmp_path: Path) -> None:
 
 def test_an_onnxruntime_training_client_offers_every_algorithm_without_torch_only_hooks() -> None:
     from edge_client.cli import runtime_capabilities
-    from fedge.algorithms import ALGORITHMS
+    from fedge.registry import ALGORITHMS
 
     offered = runtime_capabilities("onnxruntime-training", False)
     assert offered == tuple(name for name, spec in ALGORITHMS.items() if not spec.hooks) and "fedprox" in offered

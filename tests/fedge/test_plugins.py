@@ -10,10 +10,10 @@ from plugin_support import fresh_plugins  # noqa: F401 - pytest fixture
 from torch import nn
 
 from fedge import plugins
-from fedge.data.datasets import load_dataset
+from fedge.data.datasets import checked_splits, load_dataset
 from fedge.errors import ConfigError, DatasetError
 from fedge.learning.models import build_model, default_model_for
-from fedge.plugins import DatasetArrays, PluginError, checked_splits, load_class_folders, register_dataset
+from fedge.plugins import DatasetArrays, PluginError, load_class_folders, register_dataset
 
 PLUGIN = """
 import numpy as np
@@ -72,7 +72,7 @@ def test_an_installed_packages_entry_points_register_their_names(tmp_path: Path,
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: blob-pkg\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text(
-        "[fedge.learning.models]\nep_net = blob_pkg:Net\n\n"
+        "[fedge.models]\nep_net = blob_pkg:Net\n\n"
         "[fedge.datasets]\nep_blobs = blob_pkg:blobs\nep_blobs2 = blob_pkg:WITH_DEFAULT\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))

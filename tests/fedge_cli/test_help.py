@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -42,3 +44,19 @@ def test_a_setting_shows_its_real_default_and_the_model_its_rule(capsys: pytest.
     assert "--round-timeout ROUND_TIMEOUT seconds a round waits for replies (default: 300.0)" in _help(
         "coordinator", capsys
     )
+
+
+def test_the_overview_help_and_the_version_answer_without_importing_torch() -> None:
+    """`fedge --help` and `fedge --version` list the commands without loading torch or any algorithm module."""
+    probe = (
+        "import contextlib, io, sys\n"
+        "from fedge_cli.main import main\n"
+        "for argv in (['--help'], ['--version']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "        main(argv)\n"
+        "    assert 'sim' in out.getvalue() or 'fedge' in out.getvalue(), out.getvalue()\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('fedge.algorithms.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

@@ -16,11 +16,11 @@ from coordinator.engine import RoundEngine
 from edge_client.client import EdgeClient
 from fedge.accounting.ledger import LedgerEntry, read_ledger_csv, summarize_round
 from fedge.accounting.records import ByteCounts, RoundRecord
-from fedge.algorithms import ALGORITHMS
 from fedge.algorithms.dsfl import DSFLSettings
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError, JournalError
 from fedge.learning.backend import TorchBackend
+from fedge.registry import ALGORITHMS
 from fedge_io.experiment import prepare
 from fedge_io.journal import (
     JOURNAL,

@@ -9,10 +9,10 @@ import torch
 from coordinator.engine import RoundEngine, sample_clients
 from edge_client.client import EdgeClient
 from fedge.accounting.cost import round_cost
-from fedge.algorithms import ALGORITHMS
 from fedge.algorithms.dsfl import DSFLSettings
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import CodecError
+from fedge.registry import ALGORITHMS
 from fedge.wire.message import Message
 from fedge_io.experiment import prepare
 from sim.inprocess import InProcessTransport

@@ -17,11 +17,11 @@ from coordinator.engine import RoundEngine
 from coordinator.transport import Exchange, ReplyCheck
 from edge_client.client import EdgeClient
 from fedge.accounting.records import RoundRecord
-from fedge.algorithms import get_algorithm
-from fedge.algorithms.base import AlgorithmSettings, ClientData, RoundPlan, ServerContext
-from fedge.config import RunConfig, TrainConfig
+from fedge.algorithms.base import ClientData, RoundPlan, ServerContext
+from fedge.config import AlgorithmSettings, RunConfig, TrainConfig
 from fedge.learning.models import exchanged_state, load_exchanged_state
 from fedge.learning.training import TrainRequest, TrainStats, predict_logits, train
+from fedge.registry import get_algorithm
 from fedge.types import ClientId, StateDict
 from fedge.wire.message import Message, decode, encode
 from fedge_io.rundir import RunResult

@@ -11,7 +11,7 @@ from algorithm_support import W0, X_A, X_B, Y_A, Y_B, TwoClients, assert_mqtt_ru
 
 from coordinator.run import admission_rule
 from edge_client.cli import runtime_capabilities
-from fedge.algorithms.base import CostInputs
+from fedge.accounting.cost import CostInputs
 from fedge.algorithms.fedcurv import FISHER_U, FISHER_V, FedCurvSettings, fedcurv_traffic
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import CodecError

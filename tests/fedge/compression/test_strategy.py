@@ -16,12 +16,12 @@ from fedge.algorithms import make_strategy
 from fedge.algorithms.base import ServerContext
 from fedge.algorithms.dsfl import DSFLSettings
 from fedge.compression import codecs as cz
-from fedge.compression.strategy import FEEDBACK, RAW_BYTES, UPLOAD_PREFIX, CompressedStrategy, Compression
+from fedge.compression.strategy import FEEDBACK, UPLOAD_PREFIX, CompressedStrategy, Compression
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import CodecError, ConfigError
 from fedge.learning.backend import TorchBackend
 from fedge.wire.message import encode
-from fedge.wire.protocol import SESSION
+from fedge.wire.protocol import RAW_BYTES, SESSION
 from fedge_io.experiment import Experiment, prepare
 from sim.run import run_inprocess
 
