@@ -20,7 +20,7 @@ from common.mqtt import MqttLink
 from fedge.cost import format_bytes
 from fedge.errors import CodecError, ConfigError
 from fedge.protocol import BrokerAddress, Topics, check_name
-from fedge.run_status import RunStatus, decode_run_status
+from fedge.run_status import RunStatus, after, decode_run_status, is_gone
 from fedge.wire import printable
 
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen
@@ -54,6 +54,8 @@ def render(status: RunStatus, now: float) -> str:
     head = f"run {printable(s.run, 40)!r} (session {printable(s.session, 16)}): "
     if s.phase == "joining":
         head += f"waiting for clients, {s.counts[0]} of {s.needed} online"
+    elif is_gone(s):
+        head += "coordinator gone" + (f" (its last news: round {s.round} of {s.rounds})" if s.round else "")
     elif s.phase in ("finished", "stopped"):
         head += f"{s.phase} after round {s.round} of {s.rounds}"
     else:
@@ -84,7 +86,7 @@ def render(status: RunStatus, now: float) -> str:
     lines.append(f"bytes so far: wire {format_bytes(s.wire_bytes)}, tensor {format_bytes(s.tensor_bytes)} (multicast)")
     if s.note:
         lines.append(f"note: {printable(s.note)}")
-    lines.append(f"updated {max(0.0, now - s.updated):.1f} s ago")
+    lines.append(f"updated {max(0.0, now - s.updated):.1f} s ago" if s.updated else "updated: - (the last will)")
     return "\n".join(lines)
 
 
@@ -113,7 +115,7 @@ def watch(
             fresh = False
             if item is not None and item.payload:  # an empty retained message clears the topic
                 try:
-                    latest = decode_run_status(item.payload, run)
+                    latest = after(latest, decode_run_status(item.payload, run))
                     fresh = True
                 except CodecError as exc:
                     print(f"fedge status: ignoring an invalid run status on {topic}: {exc}", file=err, flush=True)

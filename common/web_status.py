@@ -38,7 +38,7 @@ from common.mqtt import MqttLink
 from fedge.cost import format_bytes
 from fedge.errors import CodecError, ConfigError
 from fedge.protocol import BrokerAddress, Topics
-from fedge.run_status import RunStatus, decode_run_status
+from fedge.run_status import RunStatus, after, decode_run_status, is_gone
 from fedge.wire import printable
 
 log = logging.getLogger(__name__)
@@ -121,9 +121,9 @@ _PHASE_TEXT = {"done": "round done"}
 
 def state_of(status: RunStatus | None, now: float, connected: bool, run: str) -> tuple[str, str]:
     """(kind, sentence) of the page's banner: ``none``, ``offline``, ``finished``, ``stopped``, ``gone`` or
-    ``live``. The run status carries no heartbeat, so a coordinator is taken for gone once its round's deadline
-    passed :data:`common.monitor.LATE_S` seconds ago with no new phase (the terminal view asks the same question
-    then)."""
+    ``live``. ``gone``: the coordinator's last will arrived (it died without a clean exit), or, as the status carries
+    no heartbeat, its round's deadline passed :data:`common.monitor.LATE_S` seconds ago with no new phase (a link
+    that hangs without breaking; the terminal view asks the same question then)."""
     if status is None:
         text = f"no status yet: nothing on {Topics(run).run_status} (is the coordinator of run {run!r} running?)"
         return ("offline", "no connection to the broker; " + text) if not connected else ("none", text)
@@ -132,6 +132,9 @@ def state_of(status: RunStatus | None, now: float, connected: bool, run: str) ->
             "offline",
             f"no connection to the broker: this is the status of {max(0.0, now - status.updated):.0f} s ago",
         )
+    if is_gone(status):
+        last = f" (its last news: round {status.round} of {status.rounds})" if status.round else ""
+        return "gone", printable(status.note) + last
     if status.phase == "finished":
         return "finished", f"run finished after round {status.round} of {status.rounds}"
     if status.phase == "stopped":
@@ -371,7 +374,7 @@ def serve(
                 if item is None or not item.payload:  # an empty retained message clears the topic
                     continue
                 try:
-                    board.set(decode_run_status(item.payload, run))
+                    board.set(after(board.snapshot()[0], decode_run_status(item.payload, run)))
                 except CodecError as exc:
                     print(f"fedge status: ignoring an invalid run status on {topic}: {exc}", file=err, flush=True)
         finally:

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
-from common.mqtt import Inbound, MqttLink, PacketLimit
+from common.mqtt import Inbound, MqttLink, PacketLimit, Will
 from coordinator.broker_counters import SYS_FILTERS, SYS_TOPICS, BrokerCounters, SysCounterReader
 from coordinator.presence import Admit, Presence
 from coordinator.replies import RoundContext, judge_chunk, judge_reply, reject
@@ -52,6 +52,7 @@ from fedge.protocol import (
     delivery_wire_bytes,
 )
 from fedge.records import ClientTiming, Drop
+from fedge.run_status import encode_run_status, gone_status
 from fedge.types import ClientId
 from fedge.wire import printable
 
@@ -156,6 +157,10 @@ class MqttTransport:
     # --- lifecycle --------------------------------------------------------------------------------------------
 
     def open(self) -> MqttTransport:
+        # Dies this process without a clean exit (kill -9, a crash, a cut link), the broker replaces the retained
+        # status with this one, so `fedge status` says the coordinator is gone instead of showing a live round.
+        gone = gone_status(self.topics.run, self.session, self.board.status.rounds)
+        self.link.set_will(Will(self.topics.run_status, encode_run_status(gone), qos=1, retain=True))
         self.link.start(self.connect_timeout)
         self._opened_at = time.monotonic()
         log.info("coordinator connected to %s, run %r", self.address, self.topics.run)
@@ -483,6 +488,7 @@ class MqttTransport:
 
     def _pump(self, timeout: float, *, state: _Round | None = None) -> Inbound | None:
         """Handle one inbound message: status and $SYS here; an update is returned (or kept for the next round)."""
+        self.board.relink()
         item = self.link.get(timeout)
         if item is None:
             return None
