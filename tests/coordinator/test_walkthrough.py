@@ -35,8 +35,6 @@ from signal_support import default_sigint
 
 from sim.brokers import find_mosquitto, free_port, wait_for_port
 
-pytestmark = pytest.mark.broker
-
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "deployment.md"
 STEPS = ("provision", "broker", "broker-as-root", "coordinator", "clients", "status", "report")
@@ -171,6 +169,17 @@ def shells() -> Iterator[list[Shell]]:
         shell.stop_all()
 
 
+def test_the_steps_are_read_from_the_doc_and_a_changed_doc_fails(tmp_path: Path) -> None:
+    steps = walkthrough()
+    assert "fedge coordinator --bundle fleet/kit/coordinator" in steps["coordinator"]
+    assert commands_of(steps["broker"], Path("/w")) == [["mosquitto", "-c", "/w/fleet/kit/broker/mosquitto.conf"]]
+    doc = tmp_path / "deployment.md"
+    doc.write_text(DOC.read_text().replace("<!-- walkthrough: status -->\n", ""))  # a step lost its marker
+    with pytest.raises(AssertionError, match="walkthrough steps"):
+        walkthrough(doc)
+
+
+@pytest.mark.broker
 @pytest.mark.parametrize("who", ["root", "unprivileged"])
 def test_the_docs_walkthrough_runs_as_printed(who: str, open_dir: Path, shells: list[Shell]) -> None:  # noqa: F811
     require_mosquitto()
