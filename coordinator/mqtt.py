@@ -16,7 +16,8 @@ Messages larger than the link's packet limit travel as chunks (:mod:`fedge.wire.
 counts all of a message's chunks, headers included, at payload and wire level. Incoming chunks are judged by the
 reply policy before any memory is spent on them (:func:`coordinator.replies.judge_chunk`: known and sampled sender,
 declared size within the run's largest update), then collected by one :class:`~fedge.wire.chunking.Reassembler` per
-round, whose budgets are one largest update per sampled client. What is still incomplete when the round ends is dropped,
+round,
+whose budgets are one largest update per sampled client. What is still incomplete when the round ends is dropped,
 counted as an ``incomplete`` ledger entry, and named in that client's drop reason.
 """
 
@@ -53,7 +54,8 @@ from fedge.wire.protocol import (
     Topics,
     delivery_wire_bytes,
 )
-from fedge_io.mqtt import Inbound, MqttLink, PacketLimit
+from fedge.wire.run_status import encode_run_status, gone_status
+from fedge_io.mqtt import Inbound, MqttLink, PacketLimit, Will
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,10 @@ class MqttTransport:
     # --- lifecycle --------------------------------------------------------------------------------------------
 
     def open(self) -> MqttTransport:
+        # Dies this process without a clean exit (kill -9, a crash, a cut link), the broker replaces the retained
+        # status with this one, so `fedge status` says the coordinator is gone instead of showing a live round.
+        gone = gone_status(self.topics.run, self.session, self.board.status.rounds)
+        self.link.set_will(Will(self.topics.run_status, encode_run_status(gone), qos=1, retain=True))
         self.link.start(self.connect_timeout)
         self._opened_at = time.monotonic()
         log.info("coordinator connected to %s, run %r", self.address, self.topics.run)
@@ -483,6 +489,7 @@ class MqttTransport:
 
     def _pump(self, timeout: float, *, state: _Round | None = None) -> Inbound | None:
         """Handle one inbound message: status and $SYS here; an update is returned (or kept for the next round)."""
+        self.board.relink()
         item = self.link.get(timeout)
         if item is None:
             return None

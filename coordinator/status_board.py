@@ -49,6 +49,7 @@ class StatusBoard:
         self._lists: dict[str, Any] = dict.fromkeys(_LISTS, ())
         self._dirty = False
         self._sent_at = -float("inf")  # time.monotonic() of the latest publish
+        self._connections = 0  # the link's connections when tick() last looked
         self.published = 0
         self.wire_bytes = 0  # PUBLISH + PUBACK of every status this board sent (the broker also counts them)
 
@@ -70,9 +71,22 @@ class StatusBoard:
             self.tick()
 
     def tick(self) -> None:
-        """Publish pending changes once ``min_interval`` has passed since the last publish."""
+        """Publish pending changes once ``min_interval`` has passed since the last publish (see :meth:`relink`)."""
+        if self.relink():
+            return
         if self._dirty and time.monotonic() - self._sent_at >= self.min_interval:
             self.publish()
+
+    def relink(self) -> bool:
+        """Publish the status at once when our link has reconnected since the last look (whether it was published):
+        the broker published our last will ("coordinator gone") when the link broke."""
+        if self.link.connections <= self._connections:
+            return False
+        self._connections = self.link.connections
+        if self._connections == 1:  # the first connection: nothing was replaced
+            return False
+        self.publish()
+        return True
 
     def final_message(self) -> tuple[str, bytes, bool]:
         """(topic, payload, retain) of the current status, for the link to send before it disconnects."""

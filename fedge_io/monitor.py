@@ -4,7 +4,8 @@ It logs in (with a fleet kit's read-only ``monitor/`` bundle, or to a lab broker
 ``fedge/<run>/run-status`` (retained: the latest status arrives at once) and shows it, redrawn as it changes and
 every second (ages and deadlines move). ``--once`` prints one snapshot and exits: for scripts and tests. What arrives
 is checked like anything a peer sends (:func:`fedge.wire.run_status.decode_run_status`); an invalid message is reported
-in one line and skipped, and every string shown is made printable first.
+in
+one line and skipped, and every string shown is made printable first.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fedge.accounting.cost import format_bytes
 from fedge.errors import CodecError, ConfigError
 from fedge.wire.fields import printable
 from fedge.wire.protocol import BrokerAddress, Topics, check_name
-from fedge.wire.run_status import RunStatus, decode_run_status
+from fedge.wire.run_status import RunStatus, after, decode_run_status, is_gone
 from fedge_io.connection import add_connection_arguments, connection_from_args
 from fedge_io.mqtt import MqttLink
 
@@ -54,6 +55,8 @@ def render(status: RunStatus, now: float) -> str:
     head = f"run {printable(s.run, 40)!r} (session {printable(s.session, 16)}): "
     if s.phase == "joining":
         head += f"waiting for clients, {s.counts[0]} of {s.needed} online"
+    elif is_gone(s):
+        head += "coordinator gone" + (f" (its last news: round {s.round} of {s.rounds})" if s.round else "")
     elif s.phase in ("finished", "stopped"):
         head += f"{s.phase} after round {s.round} of {s.rounds}"
     else:
@@ -84,7 +87,7 @@ def render(status: RunStatus, now: float) -> str:
     lines.append(f"bytes so far: wire {format_bytes(s.wire_bytes)}, tensor {format_bytes(s.tensor_bytes)} (multicast)")
     if s.note:
         lines.append(f"note: {printable(s.note)}")
-    lines.append(f"updated {max(0.0, now - s.updated):.1f} s ago")
+    lines.append(f"updated {max(0.0, now - s.updated):.1f} s ago" if s.updated else "updated: - (the last will)")
     return "\n".join(lines)
 
 
@@ -113,7 +116,7 @@ def watch(
             fresh = False
             if item is not None and item.payload:  # an empty retained message clears the topic
                 try:
-                    latest = decode_run_status(item.payload, run)
+                    latest = after(latest, decode_run_status(item.payload, run))
                     fresh = True
                 except CodecError as exc:
                     print(f"fedge status: ignoring an invalid run status on {topic}: {exc}", file=err, flush=True)

@@ -193,6 +193,11 @@ class MqttLink:
         self._client.on_message = self._handle_message
         self._client.on_disconnect = self._handle_disconnect
 
+    def set_will(self, will: Will) -> None:
+        """Set the last will of every connection from now on (the first one when called before :meth:`start`)."""
+        self._will_topic = will.topic
+        self._client.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
+
     # --- lifecycle --------------------------------------------------------------------------------------------
 
     def start(self, timeout: float = 30.0) -> MqttLink:

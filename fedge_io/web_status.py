@@ -8,7 +8,8 @@ CSS and the script are inline, allowed by their SHA-256 in the Content-Security-
 
 What the broker sends is hostile until checked: only a status that :func:`fedge.wire.run_status.decode_run_status`
 accepted is shown, every displayed string goes through :func:`fedge.wire.fields.printable` and is HTML-escaped (the
-script only sets ``textContent``); the JSON holds those display texts and, for scripts, the decoded fields as validated
+script
+only sets ``textContent``); the JSON holds those display texts and, for scripts, the decoded fields as validated
 (bounded in size and count, JSON-escaped, not filtered to printable characters). No login
 detail is ever part of a page. Bound to a loopback address (the default), the server answers only requests whose
 Host is a loopback name, so that a web page elsewhere cannot read it through DNS rebinding.
@@ -36,7 +37,7 @@ from fedge.accounting.cost import format_bytes
 from fedge.errors import CodecError, ConfigError
 from fedge.wire.fields import printable
 from fedge.wire.protocol import BrokerAddress, Topics
-from fedge.wire.run_status import RunStatus, decode_run_status
+from fedge.wire.run_status import RunStatus, after, decode_run_status, is_gone
 from fedge_io.connection import is_loopback
 from fedge_io.monitor import (  # the terminal view's rules: one answer to "is it gone?", one list format
     LATE_S,
@@ -124,9 +125,9 @@ _PHASE_TEXT = {"done": "round done"}
 
 def state_of(status: RunStatus | None, now: float, connected: bool, run: str) -> tuple[str, str]:
     """(kind, sentence) of the page's banner: ``none``, ``offline``, ``finished``, ``stopped``, ``gone`` or
-    ``live``. The run status carries no heartbeat, so a coordinator is taken for gone once its round's deadline
-    passed :data:`fedge_io.monitor.LATE_S` seconds ago with no new phase (the terminal view asks the same question
-    then)."""
+    ``live``. ``gone``: the coordinator's last will arrived (it died without a clean exit), or, as the status carries
+    no heartbeat, its round's deadline passed :data:`fedge_io.monitor.LATE_S` seconds ago with no new phase (a link
+    that hangs without breaking; the terminal view asks the same question then)."""
     if status is None:
         text = f"no status yet: nothing on {Topics(run).run_status} (is the coordinator of run {run!r} running?)"
         return ("offline", "no connection to the broker; " + text) if not connected else ("none", text)
@@ -135,6 +136,9 @@ def state_of(status: RunStatus | None, now: float, connected: bool, run: str) ->
             "offline",
             f"no connection to the broker: this is the status of {max(0.0, now - status.updated):.0f} s ago",
         )
+    if is_gone(status):
+        last = f" (its last news: round {status.round} of {status.rounds})" if status.round else ""
+        return "gone", printable(status.note) + last
     if status.phase == "finished":
         return "finished", f"run finished after round {status.round} of {status.rounds}"
     if status.phase == "stopped":
@@ -374,7 +378,7 @@ def serve(
                 if item is None or not item.payload:  # an empty retained message clears the topic
                     continue
                 try:
-                    board.set(decode_run_status(item.payload, run))
+                    board.set(after(board.snapshot()[0], decode_run_status(item.payload, run)))
                 except CodecError as exc:
                     print(f"fedge status: ignoring an invalid run status on {topic}: {exc}", file=err, flush=True)
         finally:

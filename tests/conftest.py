@@ -18,6 +18,7 @@ SLOW_FILES = (
     "tests/sim/test_executors.py",
     "tests/sim/test_resume.py",
     "tests/coordinator/test_fleet_status.py",
+    "tests/coordinator/test_walkthrough.py",
     "tests/coordinator/test_resume.py",
     "tests/export/test_fleet.py",
     "tests/coordinator/test_faults.py",

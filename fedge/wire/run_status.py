@@ -9,6 +9,7 @@ the field for anything else. Lists longer than :data:`MAX_LISTED` are cut; the c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -24,6 +25,10 @@ MAX_LISTED = 500  # client ids per list in one message: a 10,000-device fleet st
 MAX_ID = 128  # characters of a client id (fedge.wire.protocol.check_name's bound)
 MAX_STATUS_BYTES = 1 << 20  # a monitor refuses a bigger message unread; 4 full lists of 500 ids fit
 _MAX_COUNT = 10**7
+# The note of the coordinator's last will: the broker publishes it (retained, in place of the last status) when the
+# coordinator's connection ends without a DISCONNECT, i.e. without a clean exit. A clean exit publishes "finished"
+# or "stopped" itself and disconnects, which discards the will.
+GONE_NOTE = "coordinator gone: its connection to the broker ended without a clean exit (killed, crashed or cut off)"
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,26 @@ def run_status(
         counts=counts,
         **fields,
     )
+
+
+def gone_status(run: str, session: str, rounds: int) -> RunStatus:
+    """The coordinator's last will: a ``stopped`` status with :data:`GONE_NOTE`. It is fixed when the coordinator
+    connects, so it cannot know the round; ``updated`` 0 says it carries no time of its own."""
+    return run_status(run, session, "stopped", rounds=rounds, note=GONE_NOTE)
+
+
+def is_gone(status: RunStatus) -> bool:
+    """Whether ``status`` is a coordinator's last will (see :func:`gone_status`)."""
+    return status.phase == "stopped" and status.note == GONE_NOTE
+
+
+def after(previous: RunStatus | None, status: RunStatus) -> RunStatus:
+    """What a monitor shows once ``status`` arrives after ``previous``: the status itself, except that the last will
+    of the session ``previous`` belongs to keeps what ``previous`` knew (round, clients, accuracy, bytes, the time of
+    the coordinator's last news) and only marks the coordinator gone."""
+    if previous is None or not is_gone(status) or previous.session != status.session or is_gone(previous):
+        return status
+    return dataclasses.replace(previous, phase="stopped", deadline=0.0, note=status.note)
 
 
 _NUMBERS: dict[str, tuple[type, float, float]] = {

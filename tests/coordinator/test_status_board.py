@@ -3,14 +3,15 @@ interval, and a status too big for the packet limit goes out without its lists (
 
 from __future__ import annotations
 
+import socket
 import time
 
 from mqtt_support import mosquitto_url  # noqa: F401 - a fixture
 
 from coordinator.status_board import StatusBoard
 from fedge.wire.protocol import BrokerAddress, Topics
-from fedge.wire.run_status import RunStatus, decode_run_status
-from fedge_io.mqtt import MqttLink
+from fedge.wire.run_status import RunStatus, decode_run_status, encode_run_status, gone_status, is_gone
+from fedge_io.mqtt import MqttLink, Will
 
 T = Topics("board")
 
@@ -54,3 +55,27 @@ def test_a_status_over_the_packet_limit_goes_out_without_its_lists(mosquitto_url
         (shown,) = received(monitor)
         assert (shown.phase, shown.round, shown.counts) == ("training", 3, (200, 50, 0, 0))
         assert shown.online == () and shown.sampled == ()
+
+
+def test_after_its_link_broke_the_board_replaces_the_last_will_with_the_status(mosquitto_url: str) -> None:  # noqa: F811
+    """The broker publishes the coordinator's will ("gone") when the link breaks; once the link is back, the board
+    publishes the live status again instead of leaving the run shown as gone."""
+    address = BrokerAddress.parse(mosquitto_url)
+    will = Will(T.run_status, encode_run_status(gone_status("board", "s1", rounds=5)))
+    coordinator = MqttLink(address, "coordinator", backoff=(0.1, 0.5))
+    coordinator.set_will(will)
+    with MqttLink(address, "monitor", subscriptions=[(T.run_status, 1)]).start(10) as monitor, coordinator.start(10):
+        board = StatusBoard(coordinator, T.run_status, "board", "s1")
+        board.update(phase="training", round=2, rounds=5)
+        assert [s.phase for s in received(monitor)] == ["training"]
+        assert not board.relink()  # the first connection replaced nothing
+        sock = coordinator._client.socket()  # cut the link under paho, without a DISCONNECT
+        assert sock is not None
+        sock.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + 10
+        while coordinator.connections < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert coordinator.connections == 2 and board.relink()
+        shown = received(monitor)
+        assert [is_gone(s) for s in shown] == [True, False], shown
+        assert (shown[-1].phase, shown[-1].round) == ("training", 2)

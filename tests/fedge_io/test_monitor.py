@@ -15,7 +15,7 @@ from mqtt_support import mosquitto_url  # noqa: F401 - a fixture
 from signal_support import default_sigint
 
 from fedge.wire.protocol import BrokerAddress, Topics
-from fedge.wire.run_status import MAX_LISTED, encode_run_status, run_status
+from fedge.wire.run_status import MAX_LISTED, after, encode_run_status, gone_status, run_status
 from fedge_io.monitor import render
 from fedge_io.mqtt import MqttLink
 
@@ -44,6 +44,18 @@ def test_the_view_shows_the_round_the_clients_and_who_is_still_awaited() -> None
     assert "bytes so far: wire 2.5 MB" in shown and "updated 2.0 s ago" in shown
     late = render(status, NOW + 100)
     assert "deadline passed 60 s ago (is the coordinator still running?)" in late
+
+
+def test_a_coordinator_that_died_shows_as_gone_with_its_last_news() -> None:
+    will = gone_status("lab", "s1", rounds=5)
+    alone = render(will, NOW)  # a monitor started after the death: the retained will alone
+    assert alone.splitlines()[0] == "run 'lab' (session s1): coordinator gone"
+    assert "note: coordinator gone: its connection to the broker ended without a clean exit" in alone
+    assert alone.splitlines()[-1] == "updated: - (the last will)"
+    live = run_status("lab", "s1", "training", round=2, rounds=5, updated=NOW - 7, deadline=NOW + 40, online=("c0",))
+    seen = render(after(live, will), NOW)  # a monitor that watched round 2
+    assert seen.splitlines()[0] == "run 'lab' (session s1): coordinator gone (its last news: round 2 of 5)"
+    assert "online:  c0" in seen and "updated 7.0 s ago" in seen and "deadline" not in seen
 
 
 def test_long_lists_say_how_many_more() -> None:

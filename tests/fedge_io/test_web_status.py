@@ -27,7 +27,7 @@ from signal_support import default_sigint
 from coordinator.run import run_coordinator
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError
-from fedge.wire.run_status import RunStatus, decode_run_status, encode_run_status, run_status
+from fedge.wire.run_status import RunStatus, after, decode_run_status, encode_run_status, gone_status, run_status
 from fedge_io.experiment import Experiment, prepare
 from fedge_io.web_status import CSP, Board, StatusServer, parse_web_address, render_page, status_json
 from sim.brokers import free_port, mosquitto_broker, stop_process
@@ -111,6 +111,14 @@ def test_the_json_holds_the_validated_fields_and_escaped_texts() -> None:
             "stopped after round 0 of 0: nobody",
         ),
         (run_status("lab", "s", "joining", updated=NOW - 9), NOW, False, "offline", "status of 9 s ago"),
+        (gone_status("lab", "s", rounds=5), NOW, True, "gone", "coordinator gone: its connection to the broker"),
+        (
+            after(run_status("lab", "s", "training", round=3, rounds=5, deadline=NOW + 60), gone_status("lab", "s", 5)),
+            NOW,
+            True,
+            "gone",
+            "without a clean exit (killed, crashed or cut off) (its last news: round 3 of 5)",
+        ),
     ],
 )
 def test_the_banner_says_what_state_the_run_is_in(

@@ -3,6 +3,7 @@ parser that refuses what a hostile publisher could send."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -100,3 +101,22 @@ def test_a_monitor_refuses_other_messages() -> None:
         decode_run_status(b"\0" * (MAX_STATUS_BYTES + 1), "lab")
     with pytest.raises(CodecError):
         decode_run_status(b"garbage!", "lab")
+
+
+def test_the_last_will_is_a_run_status_every_monitor_parses_and_keeps_the_last_news() -> None:
+    from fedge.wire.run_status import GONE_NOTE, after, gone_status, is_gone
+
+    will = decode_run_status(encode_run_status(gone_status("lab", "abc123", rounds=10)), "lab")  # bounded parser
+    assert is_gone(will) and will.phase == "stopped" and will.note == GONE_NOTE
+    assert (will.round, will.rounds, will.updated) == (0, 10, 0.0)
+    live = decode_run_status(sample(), "lab")
+    assert not is_gone(live)
+    shown = after(live, will)  # a monitor that saw round 3: the will keeps what it knew, marked gone
+    assert is_gone(shown) and shown.deadline == 0.0
+    assert (shown.round, shown.online, shown.dropped, shown.updated) == (3, live.online, live.dropped, live.updated)
+    assert after(None, will) == will  # a monitor started after the death: the will alone
+    other = run_status("lab", "a-newer-session", "joining")
+    assert after(live, other) == other and after(shown, live) == live  # any other status replaces the view
+    assert after(dataclasses.replace(live, session="older"), will) == will  # another session's news is not kept
+    # A stopped status with another note is a clean stop, not a will.
+    assert not is_gone(run_status("lab", "abc123", "stopped", note="interrupted"))

@@ -1,0 +1,257 @@
+"""docs/deployment.md's "A first secure fleet on one machine, step by step", run as the doc prints it.
+
+The commands are read from the doc itself: every fenced block after a ``<!-- walkthrough: STEP -->`` marker. Each
+block runs with ``bash -c`` in an empty directory every user can enter, with ``fedge`` and ``mosquitto`` on ``PATH``;
+the only substitution is a free port for ``8883``. Blocks the doc runs "in a terminal of its own" run in the
+background, each in a process group of its own that the test stops at the end. A doc that breaks (a command that
+fails, a broker block that is not what ``fedge provision`` prints, a missing step) fails this test.
+
+As root and as an unprivileged user: as root mosquitto drops to user ``mosquitto`` and must still read the kit (the
+bug of issue 31); the unprivileged run is user ``nobody`` when the test runs as root (every step, the broker
+included, as that user), else the test's own user. The test prints the walkthrough's times (``pytest -s``): from
+``fedge provision`` to the coordinator's first aggregated round and to its exit; it asserts no time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import re
+import shlex
+import signal
+import site
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from kit_support import open_dir, printed_commands  # noqa: F401 - a fixture
+from mqtt_support import require_mosquitto
+from signal_support import default_sigint
+
+from sim.brokers import find_mosquitto, free_port, wait_for_port
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "deployment.md"
+STEPS = ("provision", "broker", "broker-as-root", "coordinator", "clients", "status", "report")
+DOC_PORT = "--fleet-port 8883"  # the one placeholder the test fills (the doc says so)
+ROUNDS = 3  # the doc's --rounds
+_MARKED = re.compile(r"^<!-- walkthrough: ([\w-]+) -->\n```bash\n(.*?)\n```$", re.S | re.M)
+
+
+def walkthrough(doc: Path = DOC) -> dict[str, str]:
+    """The doc's marked blocks by step name, in the doc's order (which must be :data:`STEPS`)."""
+    found = _MARKED.findall(doc.read_text())
+    assert tuple(name for name, _ in found) == STEPS, f"{doc}: walkthrough steps {[n for n, _ in found]}"
+    return dict(found)
+
+
+def commands_of(block: str, cwd: Path) -> list[list[str]]:
+    """A broker block's commands as argument lists, ``$PWD`` expanded and a trailing ``&`` dropped (to compare them
+    with what ``fedge provision`` printed)."""
+    lines = [line.strip().removesuffix("&").strip() for line in block.splitlines() if line.strip()]
+    return [shlex.split(line.replace("$PWD", str(cwd))) for line in lines]
+
+
+@dataclass
+class Shell:
+    """Runs the doc's blocks as a user would in a terminal: ``bash -c BLOCK`` in ``cwd``, as ``user``."""
+
+    cwd: Path
+    env: dict[str, str]
+    user: str | None = None
+    groups: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, block: str, log: Path) -> subprocess.Popen[bytes]:
+        """Start a block in a process group of its own (its background jobs stay in it), output to ``log``."""
+        ids = {}
+        if self.user is not None:
+            account = pwd.getpwnam(self.user)
+            ids = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(
+                ["bash", "-c", block],
+                cwd=self.cwd,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=default_sigint,  # Ctrl-C must work even under a pytest started in the background
+                **ids,  # type: ignore[arg-type]
+            )
+        self.groups.append(proc)
+        return proc
+
+    def run(self, block: str, log: Path, timeout: float = 300) -> str:
+        """Run a block to its end; its output (exit status 0 asserted)."""
+        proc = self.start(block, log)
+        rc = proc.wait(timeout)
+        out = log.read_text()
+        assert rc == 0, f"{block!r} exited {rc}:\n{out[-3000:]}"
+        return out
+
+    def signal(self, proc: subprocess.Popen[bytes], sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)  # the block's process group: bash and every job it started
+
+    def stop_all(self) -> None:
+        for proc in self.groups:
+            self.signal(proc, signal.SIGTERM)
+        for proc in self.groups:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.signal(proc, signal.SIGKILL)
+                proc.wait(5)
+        # Background jobs outlive their bash: make sure nothing of the group is left.
+        for proc in self.groups:
+            self.signal(proc, signal.SIGKILL)
+
+
+def _runs_python(user: str, python: str, pythonpath: str) -> bool:
+    account = pwd.getpwnam(user)
+    probe = [python, "-c", "import fedge_cli.main, torch"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath, "HOME": "/tmp"}
+    try:
+        done = subprocess.run(probe, env=env, user=account.pw_uid, group=account.pw_gid, extra_groups=[], timeout=120)
+    except OSError:  # PermissionError: the interpreter lies under a directory this user cannot enter (/root)
+        return False
+    return done.returncode == 0
+
+
+def fedge_command(bin_dir: Path, user: str | None) -> dict[str, str]:
+    """Put a ``fedge`` on ``bin_dir`` that ``user`` can run; the environment it needs (PYTHONPATH).
+
+    This venv's ``fedge`` where that user can run its interpreter; else (a venv built from a Python under /root) the
+    system's python3 of the same version with this venv's packages on PYTHONPATH; else the test is skipped."""
+    pythonpath = os.pathsep.join([str(ROOT), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
+    python = sys.executable
+    if user is not None and not _runs_python(user, python, pythonpath):
+        python = "/usr/bin/python3"
+        pythonpath = os.pathsep.join([pythonpath, *site.getsitepackages()])
+        same = (
+            Path(python).exists()
+            and subprocess.run(
+                [python, "-c", f"import sys; sys.exit(sys.version_info[:2] != {tuple(sys.version_info[:2])})"]
+            ).returncode
+            == 0
+        )
+        if not same or not _runs_python(user, python, pythonpath):
+            pytest.skip(f"user {user} can run neither {sys.executable} nor a python3 {sys.version_info[:2]} with it")
+    script = bin_dir / "fedge"
+    script.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} -m fedge_cli.main "$@"\n')
+    script.chmod(0o755)
+    return {"PYTHONPATH": pythonpath}
+
+
+def wait_for_text(path: Path, pattern: str, proc: subprocess.Popen[bytes], timeout: float) -> float:
+    """time.monotonic() when ``pattern`` first appears in ``path`` (polled every 0.1 s)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if re.search(pattern, path.read_text(), re.M):
+            return time.monotonic()
+        if proc.poll() is not None and not re.search(pattern, path.read_text(), re.M):
+            raise AssertionError(f"exited {proc.returncode} before {pattern!r}:\n{path.read_text()[-3000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"{pattern!r} never appeared in {path}:\n{path.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def shells() -> Iterator[list[Shell]]:
+    made: list[Shell] = []
+    yield made
+    for shell in made:
+        shell.stop_all()
+
+
+def test_the_steps_are_read_from_the_doc_and_a_changed_doc_fails(tmp_path: Path) -> None:
+    steps = walkthrough()
+    assert "fedge coordinator --bundle fleet/kit/coordinator" in steps["coordinator"]
+    assert commands_of(steps["broker"], Path("/w")) == [["mosquitto", "-c", "/w/fleet/kit/broker/mosquitto.conf"]]
+    doc = tmp_path / "deployment.md"
+    doc.write_text(DOC.read_text().replace("<!-- walkthrough: status -->\n", ""))  # a step lost its marker
+    with pytest.raises(AssertionError, match="walkthrough steps"):
+        walkthrough(doc)
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("who", ["root", "unprivileged"])
+def test_the_docs_walkthrough_runs_as_printed(who: str, open_dir: Path, shells: list[Shell]) -> None:  # noqa: F811
+    require_mosquitto()
+    is_root = os.geteuid() == 0
+    if who == "root" and not is_root:
+        pytest.skip("needs root: mosquitto started as root drops to its own user")
+    user = "nobody" if who == "unprivileged" and is_root else None
+    if user is not None:
+        try:
+            pwd.getpwnam(user)
+        except KeyError:
+            pytest.skip(f"no user {user} to run the walkthrough unprivileged")
+    steps = walkthrough()
+    work, logs, bin_dir = open_dir / "walk", open_dir / "logs", open_dir / "bin"
+    for d in (work, logs, bin_dir):
+        d.mkdir()
+    if user is not None:  # as if that user had made the directory it works in
+        account = pwd.getpwnam(user)
+        os.chown(work, account.pw_uid, account.pw_gid)
+    env = {
+        "PATH": os.pathsep.join(
+            [str(bin_dir), str(Path(find_mosquitto()).parent), "/usr/local/bin", "/usr/bin", "/bin"]
+        ),
+        "HOME": str(work),
+        "LANG": "C.UTF-8",
+        **fedge_command(bin_dir, user),
+    }
+    shell = Shell(work, env, user)
+    shells.append(shell)
+    port = free_port()
+    assert DOC_PORT in steps["provision"], f"the provision step must name {DOC_PORT!r} (the test replaces it)"
+
+    started = time.monotonic()
+    printed = shell.run(steps["provision"].replace(DOC_PORT, f"--fleet-port {port}"), logs / "provision.log")
+    provisioned = time.monotonic()
+
+    # The broker: the doc's commands are the ones fedge provision printed, and they start it.
+    broker_block = steps["broker-as-root" if is_root and user is None else "broker"]
+    assert commands_of(broker_block, work) == [shlex.split(c) for c in printed_commands(printed)], printed
+    broker = shell.start(broker_block, logs / "broker.log")
+    assert wait_for_port("127.0.0.1", port, 20), (logs / "broker.log").read_text()[-2000:]
+    listening = time.monotonic()
+
+    coordinator = shell.start(steps["coordinator"], logs / "coordinator.log")
+    clients = shell.start(steps["clients"], logs / "clients.log")
+    status = shell.start(steps["status"], logs / "status.log")
+
+    first = wait_for_text(logs / "coordinator.log", r"^round +1  acc", coordinator, 300)
+    assert coordinator.wait(300) == 0, (logs / "coordinator.log").read_text()[-3000:]
+    ended = time.monotonic()
+    out = (logs / "coordinator.log").read_text()
+    assert len(re.findall(r"^round +\d+  acc", out, re.M)) == ROUNDS, out
+    assert "SKIPPED" not in out and "final accuracy" in out, out
+
+    # The live view saw the rounds and the end; Ctrl-C leaves it with status 0.
+    wait_for_text(logs / "status.log", rf"finished after round {ROUNDS} of {ROUNDS}", status, 30)
+    shell.signal(status, signal.SIGINT)
+    assert status.wait(10) == 0
+    seen = (logs / "status.log").read_text()
+    assert re.search(rf"round 1 of {ROUNDS}, (training|aggregating|round done)", seen), seen
+
+    report = shell.run(steps["report"], logs / "report.log")
+    assert "report:" in report, report
+
+    # Every client did its part; stopped (SIGTERM, as `kill %1 %2 %3`) they leave cleanly.
+    shell.signal(clients, signal.SIGTERM)
+    client_out = (logs / "clients.log").read_text()
+    assert len(re.findall(r"round 1: task received", client_out)) == 3, client_out[-3000:]
+    assert len(re.findall(rf"round {ROUNDS}: sent update", client_out)) == 3, client_out[-3000:]
+    shell.signal(broker, signal.SIGTERM)
+    print(
+        f"\nwalkthrough ({user or ('root' if is_root else 'this user')}), seconds after `fedge provision` started: "
+        f"kit written {provisioned - started:.1f}, broker listening {listening - started:.1f}, first aggregated "
+        f"round {first - started:.1f}, coordinator exited {ended - started:.1f}"
+    )
