@@ -88,7 +88,7 @@ class RoundEngine:
         available = list(self.transport.available_clients())
         sampled = sample_clients(available, cfg.clients_per_round, cfg.seed, rnd)
         plan = self.strategy.configure(rnd, sampled)
-        exchange = self.transport.exchange(plan, lambda c, m: self.strategy.check_reply(rnd, c, m))
+        exchange = self.transport.exchange(plan, lambda c, m: self.strategy.accept(rnd, c, m))
         comm_done = time.perf_counter()
         self.history.ledger.extend(exchange.entries)
         self._note_lost_state(rnd, exchange.replies)

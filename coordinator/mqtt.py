@@ -469,9 +469,9 @@ class MqttTransport:
             if refused and client in state.tasks and client not in state.out.replies:
                 state.refused_replies[client] = (time.monotonic(), judged.rejection.reason)
             return
-        assert msg is not None
+        assert msg is not None and judged.update is not None
         state.refused_replies.pop(client, None)
-        state.out.replies[client] = msg
+        state.out.replies[client] = judged.update
         self.board.update(replied=sorted(state.out.replies))
         state.offline.pop(client, None)  # e.g. its connection dropped after it published
         state.incomplete.pop(client, None)  # an earlier attempt that was given up does not matter any more

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from coordinator.transport import Exchange, ReplyCheck
 from fedge.accounting.ledger import LedgerEntry, uncompressed_bytes
 from fedge.accounting.records import ClientTiming, Drop, Rejection
+from fedge.algorithms.base import CheckedReply
 from fedge.errors import CodecError, FedgeError
 from fedge.types import ClientId
 from fedge.wire.chunking import ChunkHeader, parse_header
@@ -60,8 +61,9 @@ class RoundContext:
 class Judgement:
     """The decoded message (if it decoded) and, for a refused one, why."""
 
-    message: Message | None
+    message: Message | None  # as it arrived (counted in the ledger)
     rejection: Rejection | None
+    update: Message | None = None  # accepted: what the strategy aggregates (decoded when the run compresses)
 
     @property
     def accepted(self) -> bool:
@@ -89,9 +91,9 @@ def judge_reply(payload: bytes, sender: ClientId, ctx: RoundContext) -> Judgemen
             "invalid",
             printable(f"{type(exc).__name__}: {exc}" if not isinstance(exc, FedgeError) else str(exc)),
         )
-    if verdict is None:
+    if isinstance(verdict, CheckedReply):
         ctx.replied.add(sender)
-        return Judgement(msg, None)
+        return Judgement(msg, None, verdict.update)
     return Judgement(msg, reject(ctx, sender, *verdict))
 
 
@@ -119,7 +121,8 @@ def judge_chunk(chunk: bytes, sender: ClientId, ctx: RoundContext) -> tuple[Chun
     return header, None
 
 
-def _judge(msg: Message, sender: ClientId, ctx: RoundContext) -> tuple[str, str] | None:
+def _judge(msg: Message, sender: ClientId, ctx: RoundContext) -> tuple[str, str] | CheckedReply:
+    """(category, reason) of a refusal, or the strategy's acceptance."""
     rnd = ctx.rnd
     if not ctx.known(sender):
         return "unknown client", f"{printable(sender, 40)!r} is not a client of this run"
@@ -145,12 +148,13 @@ def _judge(msg: Message, sender: ClientId, ctx: RoundContext) -> tuple[str, str]
         error = printable(msg.params.get("error", "?"))
         ctx.failed[sender] = f"client failed: {error}"
         return "client failed", error
-    report = ctx.check(sender, msg)  # kind, run, tensors, shapes, dtypes, finiteness, bounded numbers
+    accepted = ctx.check(sender, msg)  # kind, run, tensors, shapes, dtypes, finiteness, bounded numbers
+    report = accepted.report
     declared = ctx.declared(sender)
     # The self-reported data size is an averaging weight: never trusted beyond what the client declared when admitted.
     if declared is not None and report.num_examples > declared:
         return "invalid", f"num_examples {report.num_examples} exceeds the {declared} samples {sender!r} declared"
-    return None
+    return accepted
 
 
 def reject(ctx: RoundContext, sender: ClientId, category: str, detail: object) -> Rejection:
@@ -170,8 +174,8 @@ def record_reply(
     tensor_bytes = message.tensor_bytes if message is not None else 0
     raw = uncompressed_bytes(message) if message is not None else 0
     out.entries.append(LedgerEntry(rnd, "up", client_id, kind, 1, tensor_bytes, len(blob), 0, raw))
-    if judged.accepted and message is not None:
-        out.replies[client_id] = message
+    if judged.accepted and judged.update is not None:
+        out.replies[client_id] = judged.update
         out.timings.append(timing)
     else:
         assert judged.rejection is not None

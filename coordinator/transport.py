@@ -8,12 +8,13 @@ from typing import Protocol
 
 from fedge.accounting.ledger import LedgerEntry
 from fedge.accounting.records import ClientTiming, Drop, Rejection
-from fedge.algorithms.base import RoundPlan, UpdateReport
+from fedge.algorithms.base import CheckedReply, RoundPlan
 from fedge.types import ClientId
 from fedge.wire.message import Message
 
-ReplyCheck = Callable[[ClientId, Message], UpdateReport]
-"""The strategy's rules for a reply of this round; raises fedge.errors.CodecError when it must be rejected."""
+ReplyCheck = Callable[[ClientId, Message], CheckedReply]
+"""The strategy's rules for a reply of this round (:meth:`fedge.algorithms.base.Strategy.accept`): its report and the
+update to aggregate; raises fedge.errors.CodecError when it must be rejected."""
 
 
 @dataclass
@@ -21,7 +22,9 @@ class Exchange:
     """Everything one round's communication produced: the valid replies, every message counted, every client that
     dropped out and every message refused, with reasons, and the replies' timings."""
 
-    replies: dict[ClientId, Message] = field(default_factory=dict)
+    replies: dict[ClientId, Message] = field(
+        default_factory=dict
+    )  # the accepted updates, as the strategy aggregates them
     entries: list[LedgerEntry] = field(default_factory=list)
     drops: list[Drop] = field(default_factory=list)  # sampled, but no valid reply before the deadline
     rejections: list[Rejection] = field(default_factory=list)

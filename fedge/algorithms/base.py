@@ -105,6 +105,14 @@ class UpdateReport:
 
 
 @dataclass(frozen=True)
+class CheckedReply:
+    """A reply that passed the server half's rules: its parsed report and the update :meth:`Strategy.aggregate` gets."""
+
+    report: UpdateReport
+    update: Message
+
+
+@dataclass(frozen=True)
 class RoundPlan:
     """What the server sends in one round."""
 
@@ -233,6 +241,12 @@ class Strategy(ABC, Generic[SettingsT]):
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise CodecError(f"tensor {name!r} holds NaN or infinite values")
         return self.report_of(reply)
+
+    def accept(self, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
+        """What the round engine calls for each reply: :meth:`check_reply`'s verdict, and the update to aggregate
+        (the reply itself here; a compressing wrapper returns it decoded, so nothing is kept aside between the check
+        and :meth:`aggregate`)."""
+        return CheckedReply(self.check_reply(rnd, client, reply), reply)
 
     def report_of(self, reply: Message) -> UpdateReport:
         """The numbers ``reply`` reports, parsed with their bounds (CodecError when malformed)."""

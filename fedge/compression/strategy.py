@@ -38,7 +38,15 @@ from fedge.wire.message import MAX_PAYLOAD_BYTES, Message
 from fedge.wire.protocol import RAW_BYTES, SESSION
 
 if TYPE_CHECKING:
-    from fedge.algorithms.base import ClientStore, Evaluation, RoundPlan, Strategy, StrategyState, UpdateReport
+    from fedge.algorithms.base import (
+        CheckedReply,
+        ClientStore,
+        Evaluation,
+        RoundPlan,
+        Strategy,
+        StrategyState,
+        UpdateReport,
+    )
     from fedge.algorithms.base import TensorSpec as SpecTuple
     from fedge.config import RunConfig
 
@@ -163,7 +171,6 @@ class CompressedStrategy:
         self.inner = inner
         self.compression = compression
         self._reference: dict[str, torch.Tensor] = {}  # this round's broadcast as the clients decode it
-        self._decoded: dict[ClientId, Message] = {}
         if compression.upload.name != "float32":
             inner.reply_tolerance = compression.probability_error()
 
@@ -173,7 +180,6 @@ class CompressedStrategy:
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
         plan = self.inner.configure(rnd, clients)
         broadcast = plan.broadcast
-        self._decoded = {}
         self._reference = dict(broadcast.tensors) if broadcast is not None else {}
         c = self.compression
         if broadcast is not None and c.broadcast.name != "float32":
@@ -187,8 +193,9 @@ class CompressedStrategy:
             tasks = {cid: replace(t, params={**t.params, **extra}) for cid, t in tasks.items()}
         return replace(plan, broadcast=broadcast, tasks=tasks)
 
-    def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
-        """Decode ``reply`` under the scheme its task asked for (CodecError otherwise), then the algorithm's checks."""
+    def accept(self, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
+        """Decode ``reply`` under the scheme its task asked for (CodecError otherwise), then the algorithm's checks;
+        the decoded update is what :meth:`aggregate` receives."""
         scheme = self.compression.upload
         decoded = reply
         if scheme.name != "float32":
@@ -196,12 +203,14 @@ class CompressedStrategy:
             reference = _delta_reference(expect, self._reference) if scheme.delta else None
             tensors = cz.decode(reply.tensors, reply.params, expect, scheme=scheme, reference=reference)
             decoded = replace(reply, params=_without_codec(reply.params), tensors=tensors)
-        report = self.inner.check_reply(rnd, client, decoded)
-        self._decoded[client] = decoded
-        return report
+        return self.inner.accept(rnd, client, decoded)
+
+    def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
+        return self.accept(rnd, client, reply).report
 
     def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
-        return self.inner.aggregate(rnd, {c: self._decoded.get(c, m) for c, m in replies.items()})
+        """``replies``: the updates :meth:`accept` returned (decoded)."""
+        return self.inner.aggregate(rnd, replies)
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
         return self.inner.evaluate(x, y)

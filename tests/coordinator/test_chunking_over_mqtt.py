@@ -276,9 +276,7 @@ def test_hostile_chunks_are_rejected_by_the_reply_policy_with_bounded_memory(
         holder: dict[str, Any] = {}
         plan = strategy.configure(1, ["c000", "c001"])  # c002 is online but not sampled
         thread = threading.Thread(
-            target=lambda: holder.setdefault(
-                "ex", transport.exchange(plan, lambda c, m: strategy.check_reply(1, c, m))
-            ),
+            target=lambda: holder.setdefault("ex", transport.exchange(plan, lambda c, m: strategy.accept(1, c, m))),
             daemon=True,
         )
         thread.start()

@@ -30,8 +30,9 @@ from coordinator.fleet import (
 )
 from fedge.errors import ConfigError, TransportError
 from fedge.wire.protocol import BrokerAddress, ClientStatus, Topics
+from fedge_io.broker_security import tls_context
 from fedge_io.credentials import load_bundle
-from fedge_io.mqtt import MqttLink, Will, tls_context
+from fedge_io.mqtt import MqttLink, Will
 from sim.brokers import embedded_broker, find_mosquitto, fleet_mosquitto, free_port, wait_for_port
 
 pytestmark = [

@@ -18,8 +18,9 @@ from cryptography.hazmat.primitives import serialization
 from coordinator.fleet import FleetKit, FleetSpec, generate_fleet_kit, issue_certificate
 from fedge.errors import ConfigError, TransportError
 from fedge.wire.protocol import BrokerAddress, Topics
+from fedge_io.broker_security import tls_context
 from fedge_io.credentials import load_bundle, read_secret, with_credentials
-from fedge_io.mqtt import MqttLink, tls_context
+from fedge_io.mqtt import MqttLink
 from sim.brokers import embedded_broker, find_mosquitto, fleet_mosquitto, free_port, mosquitto_broker
 
 T = Topics("lab")

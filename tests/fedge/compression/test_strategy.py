@@ -110,7 +110,7 @@ def test_a_reply_declaring_another_scheme_is_rejected_with_the_reason() -> None:
         params={**plan.tasks["c000"].params, **cz.Scheme("float16", delta=True).to_meta(UPLOAD_PREFIX)},
     )
     liar = EdgeClient("c000", exp.client_data("c000", exp.open_x()), _backend(exp)).handle(task, plan.broadcast)
-    ctx = RoundContext(1, frozenset({"c000"}), lambda c, m: strategy.check_reply(1, c, m))
+    ctx = RoundContext(1, frozenset({"c000"}), lambda c, m: strategy.accept(1, c, m))
     verdict = judge_reply(encode(liar), "c000", ctx)
     assert verdict.rejection is not None and verdict.rejection.category == "invalid"
     assert "declares compression float16(delta), expected int8(delta)" in verdict.rejection.reason
