@@ -19,6 +19,7 @@ SLOW_FILES = (
     "tests/sim/test_resume.py",
     "tests/coordinator/test_fleet_status.py",
     "tests/coordinator/test_walkthrough.py",
+    "tests/coordinator/test_coordinator_gone.py",
     "tests/coordinator/test_resume.py",
     "tests/export/test_fleet.py",
     "tests/coordinator/test_faults.py",
