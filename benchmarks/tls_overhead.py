@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.fleet import FleetSpec, generate_fleet_kit
+from coordinator.kit.accounts import FleetSpec
+from coordinator.kit.writer import generate_fleet_kit
 from fedge.wire.protocol import PUBACK_BYTES, BrokerAddress, Topics, publish_packet_bytes
 from fedge_io.credentials import load_bundle
 from fedge_io.mqtt import MqttLink

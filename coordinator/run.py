@@ -16,7 +16,8 @@ from typing import Any
 
 from coordinator.broker_counters import compare_with_broker
 from coordinator.engine import RoundEngine
-from coordinator.fleet import FleetKit, FleetSpec, admit_provisioned, generate_fleet_kit
+from coordinator.kit.accounts import FleetSpec, admit_provisioned
+from coordinator.kit.writer import FleetKit, generate_fleet_kit
 from coordinator.mqtt import MAX_PAYLOAD_SLACK, MqttTransport
 from coordinator.resume import RunJournal
 from fedge.accounting.records import RoundRecord

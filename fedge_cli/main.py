@@ -355,10 +355,10 @@ def _cmd_provision(args: argparse.Namespace) -> int:
 
 
 def _write_services(args: argparse.Namespace, kit_root: Path, coordinator_bundle: Path, broker_conf_dir: Path) -> None:
-    """The kit's systemd units (coordinator.services), with this machine's fedge and mosquitto."""
+    """The kit's systemd units (coordinator.kit.services), with this machine's fedge and mosquitto."""
     import shutil
 
-    from coordinator.services import install_commands, write_units
+    from coordinator.kit.services import install_commands, write_units
 
     script = Path(sys.executable).with_name("fedge")
     fedge = [str(script)] if script.is_file() else [sys.executable, "-m", "fedge_cli.main"]

@@ -2,7 +2,7 @@
 
 Secrets never come from the command line (process lists show it): a password is read from a file (the first line,
 which should be readable by its owner only) or from ``$FEDGE_MQTT_PASSWORD``. A fleet bundle (``bundle.json`` in
-each device's directory of a fleet kit, see :mod:`coordinator.fleet`) names the run, the device's identity, the
+each device's directory of a fleet kit, see :mod:`coordinator.kit`) names the run, the device's identity, the
 broker and the TLS and password files next to it; :func:`load_bundle` turns it into a :class:`Bundle` whose address
 :class:`fedge_io.mqtt.MqttLink` connects with.
 """

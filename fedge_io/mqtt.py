@@ -9,7 +9,7 @@ puts received messages into a :class:`queue.Queue`. The owner reads the queue fr
 code ever runs inside a paho callback. ``publish`` may be called from any thread: it only queues the packet, and
 the network thread alone reads and writes the socket (a TLS connection must never be used by two threads at once).
 
-Security (see ``coordinator/fleet.py`` for the kit that sets it up; TLS and the refusal texts are
+Security (see ``coordinator/kit/`` for the kit that sets it up; TLS and the refusal texts are
 :mod:`fedge_io.broker_security`): TLS 1.2+ with hostname verification for
 ``mqtts://`` addresses, user name and password from the address (the URL, a credential file or an environment
 variable: :func:`fedge_io.credentials.with_credentials`), and a device's whole connection from its fleet bundle

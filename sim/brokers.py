@@ -5,7 +5,7 @@ Both listen on 127.0.0.1 only and are context managers yielding the URL ``mqtt:/
     with embedded_broker() as url: ...       # nothing to install (amqtt runs in a thread of this process)
     with mosquitto_broker() as url: ...      # needs the mosquitto binary (apt-get install mosquitto)
 
-Secured by a fleet kit (:mod:`coordinator.fleet`), yielding ``mqtts://127.0.0.1:PORT`` (``mqtt://`` for a kit
+Secured by a fleet kit (:mod:`coordinator.kit`), yielding ``mqtts://127.0.0.1:PORT`` (``mqtt://`` for a kit
 without TLS); connect with the kit's bundles (:func:`fedge_io.credentials.load_bundle` with ``broker=url``):
 
     with fleet_mosquitto(kit.broker_dir) as url: ...               # mosquitto run from the kit's mosquitto.conf

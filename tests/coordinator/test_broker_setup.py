@@ -17,7 +17,8 @@ from kit_support import fedge_provision, open_dir, printed_commands, start_as_pr
 from mqtt_support import require_mosquitto
 
 from coordinator.broker_setup import BROKER_USER, blocked_by, broker_plan
-from coordinator.fleet import FleetSpec, generate_fleet_kit
+from coordinator.kit.accounts import FleetSpec
+from coordinator.kit.writer import generate_fleet_kit
 from fedge.wire.protocol import Topics
 from fedge_io.credentials import load_bundle
 from fedge_io.mqtt import MqttLink

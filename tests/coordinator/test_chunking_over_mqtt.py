@@ -28,7 +28,8 @@ import torch
 from mqtt_support import FakeClient, fake_clients, require_mosquitto  # noqa: F401 - a pytest fixture
 from safetensors.torch import load_file
 
-from coordinator.fleet import FleetSpec, mosquitto_conf
+from coordinator.kit.accounts import FleetSpec
+from coordinator.kit.broker_files import mosquitto_conf
 from coordinator.mqtt import MqttTransport
 from coordinator.replies import CATEGORIES
 from coordinator.run import run_coordinator

@@ -20,14 +20,9 @@ from typing import Any
 import paho.mqtt.client as paho
 import pytest
 
-from coordinator.fleet import (
-    FleetKit,
-    FleetSpec,
-    admit_provisioned,
-    fleet_username,
-    generate_fleet_kit,
-    mosquitto_password_line,
-)
+from coordinator.kit.accounts import FleetSpec, admit_provisioned, fleet_username
+from coordinator.kit.broker_files import mosquitto_password_line
+from coordinator.kit.writer import FleetKit, generate_fleet_kit
 from fedge.errors import ConfigError, TransportError
 from fedge.wire.protocol import BrokerAddress, ClientStatus, Topics
 from fedge_io.broker_security import tls_context

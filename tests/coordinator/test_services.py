@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.broker_setup import broker_plan
-from coordinator.services import CLIENT_FINAL_EXITS
+from coordinator.kit.services import CLIENT_FINAL_EXITS
 from fedge_cli.main import build_parser, main
 from sim.brokers import free_port
 

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from coordinator.fleet import FleetKit, FleetSpec, generate_fleet_kit, issue_certificate
+from coordinator.kit.accounts import FleetSpec
+from coordinator.kit.pki import issue_certificate
+from coordinator.kit.writer import FleetKit, generate_fleet_kit
 from fedge.errors import ConfigError, TransportError
 from fedge.wire.protocol import BrokerAddress, Topics
 from fedge_io.broker_security import tls_context
