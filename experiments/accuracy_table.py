@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from fedge.errors import FedgeError
-from sim.report import Run, load_runs
+from sim.report.runs import Run, load_runs
 
 
 def table_row(run: Run, rounds: list[int], thresholds: list[float]) -> list[str]:

@@ -173,7 +173,8 @@ def run_cost(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from sim.report import not_a_run, write_report
+    from sim.report import write_report
+    from sim.report.runs import not_a_run
 
     runs = []
     for path in args.runs:  # a glob such as runs/*-fedavg-* may also match a failed start or another directory

@@ -14,7 +14,8 @@ from fedge.algorithms.dsfl import DSFLSettings
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError, FedgeError
 from fedge_io.rundir import RunWriter
-from sim.report import run_label, write_report
+from sim.report import write_report
+from sim.report.runs import run_label
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HEADER = 40  # payload bytes a message adds on top of its tensors
