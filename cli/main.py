@@ -432,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--executor",
-        choices=["auto", "sequential", "processes", "ray"],
+        choices=["auto", "sequential", "processes", "ray", "batched"],
         default="auto",
         help="who runs the clients' steps in process: auto (processes when two or more workers fit the cores), "
         "sequential, processes (a worker pool), ray (a Ray cluster: pip install 'fedge[ray]'); same model either way",
