@@ -54,7 +54,7 @@ def _run(config: RunConfig, name: str) -> tuple[dict[str, torch.Tensor], list, d
     return dict(strategy.global_weights()), history.rounds, {}
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "fedntd", "fedprox"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedntd", "fedprox", "scaffold"])
 def test_two_rounds_match_the_sequential_executor(algorithm: str):
     config = _config(algorithm)
     sizes = {len(i) for i in prepare(config).parts.values()}
