@@ -1,10 +1,10 @@
 """The batched executor (stacked local training, torch.func vmap) against the sequential executor.
 
-Tolerance: the stacked kernels (a batched matmul or convolution over the clients' axis) add in another order than
-one small model at a time, so results equal the sequential ones up to float32 round-off, which SGD with momentum
-carries on: after 2 rounds of fedavg_cnn on digits (lr 0.05, momentum 0.9) the global weights differ by at most
-~1e-6 (measured); we allow ATOL = 1e-4, far below any training effect (one step moves weights by ~1e-2), and
-the test of masking is exact (``torch.equal``).
+Tolerance: the stacked kernels (a batched matmul or convolution over the clients' axis) may add in another order than
+one small model at a time, so results are equal to the sequential ones up to float32 round-off, which momentum SGD
+carries on. Measured (torch 2.13 CPU): tiny_mlp's global weights after 2 rounds were bit for bit the sequential ones
+for FedAvg, FedNTD, FedProx and SCAFFOLD; fedavg_cnn's per-client weights within 2.3e-8. We allow ATOL = 1e-4 (one
+SGD step moves weights by ~1e-2), and the test of masking is exact (``torch.equal``).
 """
 
 from __future__ import annotations
