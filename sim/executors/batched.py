@@ -100,14 +100,18 @@ class StackedBackend:
 
     runtime = "torch"
 
-    def __init__(self, base: TorchBackend, rendezvous: _Round) -> None:
+    def __init__(self, base: TorchBackend, shapes: Mapping[str, tuple[int, ...]], rendezvous: _Round) -> None:
         self._base = base
+        self._shapes = shapes  # of the exchanged state, to check what set_weights gets
         self._round = rendezvous
         self._weights: StateDict | None = None
 
     def set_weights(self, state: StateDict) -> None:
-        expected = self._base.get_weights()
-        if set(state) != set(expected) or any(tuple(state[k].shape) != tuple(v.shape) for k, v in expected.items()):
+        if (
+            set(state) != set(self._shapes)
+            or any(tuple(state[k].shape) != s for k, s in self._shapes.items())
+            or not all(isinstance(v, torch.Tensor) and torch.is_floating_point(v) for v in state.values())
+        ):
             load_exchanged_state(copy.deepcopy(self._base.model), state)  # raises the usual ConfigError
         self._weights = dict(state)
 
@@ -142,6 +146,7 @@ class _DeferringClient:
         if not isinstance(base, TorchBackend):
             raise ConfigError(f"the batched executor runs PyTorch clients only, not {type(base).__name__}; {INSTEAD}")
         self.inner, self.base, self._executor = inner, base, executor
+        self.shapes = {k: tuple(v.shape) for k, v in base.get_weights().items()}
 
     @property
     def client_id(self) -> ClientId:
@@ -152,7 +157,7 @@ class _DeferringClient:
         return self.inner.store
 
     def handle(self, task: Message, broadcast: Message | None) -> Message:
-        backend = StackedBackend(self.base, self._executor.current_round())
+        backend = StackedBackend(self.base, self.shapes, self._executor.current_round())
         return self.inner.handle(task, broadcast, backend)  # type: ignore[call-arg]
 
 
@@ -237,26 +242,32 @@ class BatchedExecutor(ExecutorBase):
 
     def _serve(self, calls: list[_Call], refusals: list[str]) -> None:
         """Answer every waiting call: trainings by group, logits by weights, then wake their threads."""
-        trainings: dict[tuple[object, ...], list[_Call]] = {}
-        inferences: dict[tuple[int, ...], list[_Call]] = {}
-        for c in calls:
-            if c.kind == "train":
-                trainings.setdefault(group_key(c.payload), []).append(c)
-            else:  # the same weight tensors (one decoded broadcast): one forward pass for all of them
-                inferences.setdefault(tuple(id(v) for v in c.weights.values()), []).append(c)
-        groups = [(self._train, g) for g in trainings.values()] + [(self._logits, g) for g in inferences.values()]
-        for serve, group in groups:
-            try:
-                serve(group)
-            except BatchedRefusal as exc:
-                refusals.append(str(exc))
-                for c in group:
-                    c.error = exc
-            except Exception as exc:  # answered to each client: its step fails as it would have alone
-                for c in group:
-                    c.error = exc
-        for c in calls:
-            c.done.set()
+        try:
+            trainings: dict[tuple[object, ...], list[_Call]] = {}
+            inferences: dict[tuple[int, ...], list[_Call]] = {}
+            for c in calls:
+                if c.kind == "train":
+                    trainings.setdefault(group_key(c.payload), []).append(c)
+                else:  # the same weight tensors (one decoded broadcast): one forward pass for all of them
+                    inferences.setdefault(tuple(id(v) for v in c.weights.values()), []).append(c)
+            groups = [(self._train, g) for g in trainings.values()]
+            groups += [(self._logits, g) for g in inferences.values()]
+            for serve, group in groups:
+                try:
+                    serve(group)
+                except BatchedRefusal as exc:
+                    refusals.append(str(exc))
+                    for c in group:
+                        c.error = exc
+                except Exception as exc:  # answered to each client: its step fails as it would have alone
+                    for c in group:
+                        c.error = exc
+        except Exception as exc:  # a call that cannot even be grouped fails its clients, never leaves them waiting
+            for c in calls:
+                c.error = c.error or exc
+        finally:
+            for c in calls:
+                c.done.set()
 
     def _model(self) -> tuple[torch.nn.Module, torch.device]:
         client = next(iter(self._host.clients.values()))

@@ -10,10 +10,12 @@ SGD step moves weights by ~1e-2), and the test of masking is exact (``torch.equa
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
+from cli.main import main
 from common.experiment import prepare
 from coordinator.engine import RoundEngine
 from fedge.algorithms.fedavg import CrossEntropy
@@ -22,7 +24,7 @@ from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError
 from fedge.models import build_model, exchanged_state
 from fedge.training import SGDSettings, TrainRequest, train
-from sim.executors import BatchedExecutor, ExecutorError, ExecutorTransport, ExperimentClients, make_executor
+from sim.executors import BatchedExecutor, ExecutorTransport, ExperimentClients, make_executor
 from sim.executors.stacked import BatchedRefusal, train_stacked
 
 ATOL = 1e-4
@@ -87,7 +89,7 @@ def _requests(objective=None, inputs=None) -> tuple[torch.nn.Module, list[TrainR
         x, y = torch.randn(n, 1, 8, 8, generator=gen), torch.randint(0, 10, (n,), generator=gen)
         obj = objective or CrossEntropy()
         ins = inputs(n) if inputs else {}
-        out.append(TrainRequest(x, y, obj, sgd, epochs=1 + i, batch_size=16, seed=10 + i, inputs=ins))
+        out.append(TrainRequest(x, y, obj, sgd, epochs=2 if i == 1 else 1, batch_size=16, seed=10 + i, inputs=ins))
     return model, out
 
 
@@ -136,12 +138,35 @@ def test_what_it_cannot_do_exactly_is_refused_with_the_executor_to_use():
         train_stacked(bn, [exchanged_state(bn)], [a], torch.device("cpu"))
 
 
-def test_a_run_it_cannot_do_stops_with_a_one_line_error():
-    config = _config(train=dataclasses.replace(FAST, augment="paper"))
-    with pytest.raises(ExecutorError, match="augmentation; use --executor sequential"):
-        _run(config, "batched")
+def test_fedge_sim_with_a_run_it_cannot_do_stops_with_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    flags = ["--dataset", "digits", "--model", "tiny_mlp", "--num-clients", "4", "--rounds", "1", "--augment", "paper"]
+    argv = ["sim", "--out", str(tmp_path), *flags, "--executor", "batched", "--quiet", "--no-report"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        err[-1]
+        == "fedge: error: the batched executor cannot train with augmentation; use --executor sequential or processes"
+    )
 
 
 def test_the_batched_executor_needs_clients():
     with pytest.raises(ConfigError):
         BatchedExecutor()
+
+
+def test_a_stacked_backend_checks_the_weights_it_is_given():
+    from fedge.backend import TorchBackend
+    from sim.executors.batched import StackedBackend, _Round
+
+    base = TorchBackend("tiny_mlp", (1, 8, 8), 10)
+    weights = base.get_weights()
+    backend = StackedBackend(base, {k: tuple(v.shape) for k, v in weights.items()}, _Round(1))
+    backend.set_weights(weights)
+    assert all(torch.equal(backend.get_weights()[k], v) for k, v in weights.items())
+    key = next(iter(weights))
+    with pytest.raises(ConfigError, match="missing keys"):
+        backend.set_weights({k: v for k, v in weights.items() if k != key})
+    with pytest.raises(ConfigError):
+        backend.set_weights({**weights, key: weights[key][:1]})
