@@ -15,8 +15,9 @@ kernels. It computes what :func:`fedge.training.train` computes for each request
 
 Results equal the sequential executor's up to float summation order (the stacked kernels add in another order):
 ``tests/test_batched_executor.py`` measures it. What cannot be done exactly is refused with :class:`BatchedRefusal`
-(:func:`refusal`), never dropped: models with buffers (batch norm) or dropout, augmentation, MOON's reference
-models, FedCurv's weighted proximal term and Fisher information, and epoch observers.
+(:func:`model_refusal`, :func:`request_refusal`), never dropped: losses other than :data:`OBJECTIVES`, models with
+buffers (batch norm) or dropout, augmentation, MOON's reference models, FedCurv's weighted proximal term and Fisher
+information, and epoch observers.
 """
 
 from __future__ import annotations
@@ -50,9 +51,17 @@ def model_refusal(model: nn.Module) -> str | None:
     return None
 
 
+OBJECTIVES = ("ce", "ntd")
+"""The local losses tested stacked against fedge.training.train (FedAvg, FedProx, SCAFFOLD, FedDyn: ce; FedNTD: ntd)."""
+
+
 def request_refusal(request: TrainRequest) -> str | None:
     """Why ``request`` cannot be trained stacked exactly, or None."""
     r = request
+    if r.objective.kind not in OBJECTIVES:
+        return (
+            f"the batched executor trains the losses {', '.join(OBJECTIVES)} only, not {r.objective.kind!r}; {INSTEAD}"
+        )
     unsupported = {
         "augmentation": r.augment.active or bool(r.step_inputs),
         "reference models (MOON)": bool(r.references or r.objective.references),

@@ -18,6 +18,7 @@ import torch
 from cli.main import main
 from common.experiment import prepare
 from coordinator.engine import RoundEngine
+from fedge.algorithms.dsfl import SoftTargets
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.algorithms.fedntd import NotTrueDistillation
 from fedge.config import RunConfig, TrainConfig
@@ -129,6 +130,7 @@ def test_what_it_cannot_do_exactly_is_refused_with_the_executor_to_use():
         (augmented, "augmentation"),
         (dataclasses.replace(a, fisher_samples=10), "Fisher"),
         (dataclasses.replace(a, anchor=start, prox_weights=start), "Fisher-weighted"),
+        (dataclasses.replace(a, objective=SoftTargets(), inputs={"targets": torch.ones(len(a.x), 10) / 10}), "'soft'"),
     ]:
         with pytest.raises(BatchedRefusal, match=reason) as info:
             train_stacked(model, [start], [request], torch.device("cpu"))
