@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,6 +186,7 @@ class BatchedExecutor(ExecutorBase):
         self._batch = 0
         self._round: _Round | None = None
         self._scratch: dict[int, torch.nn.Module] = {}  # per base backend: its architecture, for the stacked calls
+        self._resident: dict[int, torch.Tensor] = {}  # id of a client's data tensor -> its copy on the device
 
     def _build(self, client_id: ClientId) -> SimClient:
         inner = self._given.get(client_id)
@@ -278,9 +280,21 @@ class BatchedExecutor(ExecutorBase):
             self._scratch[id(base)] = model
         return self._scratch[id(base)], base.device
 
+    def resident(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``x`` on ``device``, copied once for as long as ``x`` lives: a client's data (the same tensor every round)
+        stays on the GPU, and leaves it with the client's tensor."""
+        if x.device == device:
+            return x
+        key = id(x)
+        if key not in self._resident:
+            self._resident[key] = x.to(device)
+            weakref.finalize(x, self._resident.pop, key, None)
+        return self._resident[key]
+
     def _train(self, group: list[_Call]) -> None:
         model, device = self._model()
-        answers = train_stacked(model, [c.weights for c in group], [c.payload for c in group], device)
+        weights, requests = [c.weights for c in group], [c.payload for c in group]
+        answers = train_stacked(model, weights, requests, device, lambda t: self.resident(t, device))
         for c, answer in zip(group, answers, strict=True):
             c.result = answer
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -89,10 +89,16 @@ def _per_sample(r: TrainRequest, name: str) -> bool:
 
 
 def train_stacked(
-    model: nn.Module, weights: Sequence[StateDict], requests: Sequence[TrainRequest], device: torch.device
+    model: nn.Module,
+    weights: Sequence[StateDict],
+    requests: Sequence[TrainRequest],
+    device: torch.device,
+    resident: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[tuple[StateDict, TrainStats]]:
     """Train ``weights[k]`` on ``requests[k]`` for every k at once; each client's weights after training (on the
-    CPU) and its stats. All requests must share :func:`group_key`. ``model`` gives the architecture only."""
+    CPU) and its stats. All requests must share :func:`group_key`. ``model`` gives the architecture only;
+    ``resident`` gives a client's samples and labels on ``device`` (a cache that keeps them there across rounds)."""
+    on_device = resident or (lambda t: t.to(device))
     why = model_refusal(model)
     for r in requests:
         why = why or request_refusal(r)
@@ -109,8 +115,8 @@ def train_stacked(
 
     # The clients' data, resident on the device in one tensor; offsets turn a client's indices into rows of it.
     offsets = [0, *itertools.accumulate(len(r.x) for r in requests)]
-    x_all = torch.cat([r.x.to(device) for r in requests])
-    y_all = torch.cat([r.y.to(device) for r in requests])
+    x_all = torch.cat([on_device(r.x) for r in requests])
+    y_all = torch.cat([on_device(r.y) for r in requests])
     per_sample = {s.name: s.per_sample for s in first.objective.inputs}
     rows = {k: torch.cat([r.inputs[k].to(device) for r in requests]) for k in per_sample if per_sample[k]}
     whole = {k: torch.stack([r.inputs[k].to(device) for r in requests]) for k in per_sample if not per_sample[k]}

@@ -172,3 +172,14 @@ def test_a_stacked_backend_checks_the_weights_it_is_given():
         backend.set_weights({k: v for k, v in weights.items() if k != key})
     with pytest.raises(ConfigError):
         backend.set_weights({**weights, key: weights[key][:1]})
+
+
+def test_client_data_stays_resident_while_its_tensor_lives():
+    exe = BatchedExecutor(clients=[])
+    x = torch.randn(5, 3)
+    assert exe.resident(x, torch.device("cpu")) is x and not exe._resident  # already there: no copy, no entry
+    meta = torch.device("meta")  # another device without a GPU: a copy of shapes only
+    first = exe.resident(x, meta)
+    assert first.device == meta and exe.resident(x, meta) is first
+    del x, first
+    assert exe._resident == {}  # freed with the client's tensor: the cache cannot grow without bound
