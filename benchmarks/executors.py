@@ -13,7 +13,12 @@ Paths, each a full round (client work, aggregation, evaluation on the 10,000 tes
   in one loop, with torch's default thread count;
 - ``sequential``: fedge's round engine with the sequential executor, 1 thread per client step (the reproducible
   default) and with torch's default thread count (today's in-process path);
-- ``processes`` and ``ray`` with 1 and 2 workers of 1 thread each.
+- ``processes`` and ``ray`` with 1 and 2 workers of 1 thread each;
+- ``batched``: the batched executor (the round's clients trained as one stacked model, ``sim.executors.stacked``);
+  it refuses models with batch norm, so the DS-FL setup (dsfl_mnist_cnn) skips it and says why.
+GPU mode, ``--device cuda``: fedge's clients compute on the GPU and the default paths are the plain CPU loop, the
+sequential executor on the GPU and the batched executor on the GPU, alternated in one run (it stops with a one-line
+message where CUDA is missing).
 Rounds alternate between paths (round r of every path, then round r + 1), so a slow stretch of a shared machine hits
 every path alike; each path's first round (worker start-up, warm-up) is reported apart and not counted; the table
 shows medians of the other rounds and throughput as a ratio to the plain loop's (higher is faster).
@@ -23,7 +28,8 @@ Also measured: start-up (imports, dataset load, partition) in fresh processes, t
 weights from the default's, and the server's test-set evaluation, the plain loop's against fedge's ``predict_logits``.
 
 Usage: python benchmarks/executors.py [--quick] [--data-dir ../shared/data/mnist] [--setups fedntd,dsfl]
-       [--paths plain,sequential,processes,ray] [--rounds N] [--skip-startup] [--skip-arithmetic]
+       [--paths plain,sequential,processes,ray,batched] [--rounds N] [--skip-startup] [--skip-arithmetic]
+       [--device cuda]
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from sim.executors import (
     mps_pipe_dir,
     usable_cores,
 )
+from sim.executors.stacked import model_refusal
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
 
@@ -291,6 +298,12 @@ def bench_setup(
         if executor in paths:
             for n in workers:
                 todo.append(Timed(f"{executor}, {n} worker(s) x 1 thread{on}", engine(executor, n, 1)))
+    if "batched" in paths:
+        why = model_refusal(exp.model_factory())
+        if why:
+            print(f"batched: skipped ({why})")
+        else:
+            todo.append(Timed(f"batched, 1 thread{on}", engine("batched", 1, 1)))
     try:
         for p in todo:
             started = time.perf_counter()
@@ -459,12 +472,25 @@ def bench_evaluation(exp: Experiment, repeats: int, threads: int) -> dict[str, A
     return out
 
 
+CPU_PATHS = "plain,sequential,processes,ray"
+GPU_PATHS = "plain,sequential,batched"
+
+
+def check_device(device: str) -> None:
+    """SystemExit with a one-line message when ``device`` names CUDA and this machine has none."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(
+            f"--device {device}: CUDA is not available here (torch {torch.__version__}); run the GPU mode on a "
+            "machine with an NVIDIA GPU and a CUDA build of torch, or use --device cpu"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="scaled-down setups and fewer rounds")
     p.add_argument("--data-dir", default=str(DEFAULT_DATA))
     p.add_argument("--setups", default="fedntd,dsfl")
-    p.add_argument("--paths", default="plain,sequential,processes,ray")
+    p.add_argument("--paths", default=None, help=f"default {CPU_PATHS}; with --device cuda {GPU_PATHS} (also: batched)")
     p.add_argument("--rounds", type=int, default=0, help="rounds per path, the first not counted (default 3 quick, 4)")
     p.add_argument("--skip-startup", action="store_true")
     p.add_argument("--skip-arithmetic", action="store_true")
@@ -472,9 +498,10 @@ def main() -> None:
     p.add_argument("--workers", default="1,2", help="worker counts for processes and ray (e.g. 1,2,4,8,16)")
     p.add_argument("--device", default="cpu", help="where fedge's clients compute: cpu or cuda (the plain loop: cpu)")
     args = p.parse_args()
+    check_device(args.device)
     logging.basicConfig(level=logging.WARNING)
     rounds = args.rounds or (3 if args.quick else 4)
-    paths = args.paths.split(",")
+    paths = (args.paths or (CPU_PATHS if args.device == "cpu" else GPU_PATHS)).split(",")
     workers = tuple(int(n) for n in args.workers.split(","))
     configs = setups(args.data_dir, args.quick)
     print(

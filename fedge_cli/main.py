@@ -470,10 +470,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--executor",
-        choices=["auto", "sequential", "processes", "ray"],
+        choices=["auto", "sequential", "processes", "ray", "batched"],
         default="auto",
         help="who runs the clients' steps in process: auto (processes when two or more workers fit the cores), "
-        "sequential, processes (a worker pool), ray (a Ray cluster: pip install 'fedge[ray]'); same model either way",
+        "sequential, processes (a worker pool), ray (a Ray cluster: pip install 'fedge[ray]'); same model either way; "
+        "batched (the round's clients as one stacked model, for a GPU: same model up to float round-off)",
     )
     p.add_argument("--workers", type=int, default=0, help="executor workers (0: one per core, at most the clients)")
     p.add_argument(

@@ -9,7 +9,9 @@ executors, one module each:
 - :class:`ProcessExecutor` (``processes``): a pool of worker processes on this machine (spawn), each with its share
   of threads;
 - :class:`RayExecutor` (``ray_actors``): Ray actors on the cores and GPUs of a cluster (the optional extra
-  ``fedge[ray]``).
+  ``fedge[ray]``);
+- :class:`BatchedExecutor` (``batched``): every client in this process, their local training stacked into one
+  model (torch.func vmap, ``stacked``), for a GPU.
 
 The contract they share is in ``core``; how a worker hosts its clients in ``host``; which worker runs which client in
 ``placement``.
@@ -35,6 +37,7 @@ from collections.abc import Iterable, Mapping
 
 from fedge.errors import ConfigError
 from fedge.types import ClientId
+from sim.executors.batched import BatchedExecutor
 from sim.executors.core import (
     ClientBuilder,
     ClientExecutor,
@@ -57,6 +60,7 @@ from sim.executors.transport import ExecutorTransport
 __all__ = [
     "EXECUTORS",
     "RAY_INSTALL_HINT",
+    "BatchedExecutor",
     "ClientBuilder",
     "ClientExecutor",
     "ClientFactory",
@@ -80,7 +84,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-EXECUTORS = ("sequential", "processes", "ray", "auto")
+EXECUTORS = ("sequential", "processes", "ray", "batched", "auto")
 """The names :func:`make_executor` accepts (the choices of ``fedge sim --executor``)."""
 
 
@@ -140,6 +144,8 @@ def make_executor(
         if workers > 1:
             log.warning("the sequential executor runs one client at a time: --workers %d ignored", workers)
         return SequentialExecutor(factory, clients=clients, threads_per_worker=threads_per_worker)
+    if name == "batched":  # one process, like sequential: its clients' training runs stacked (sim.executors.stacked)
+        return BatchedExecutor(factory, clients=clients, threads_per_worker=threads_per_worker)
     if factory is None:
         raise ConfigError(f"the {name} executor needs a picklable client factory")
     if name == "processes":

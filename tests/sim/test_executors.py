@@ -331,7 +331,7 @@ def test_a_factory_that_cannot_build_clients_is_an_executor_error():
 
 
 def test_unknown_executor_is_a_config_error():
-    with pytest.raises(ConfigError, match="choose one of sequential, processes, ray, auto"):
+    with pytest.raises(ConfigError, match="choose one of sequential, processes, ray, batched, auto"):
         make_executor("threads", 2, ExperimentClients(CONFIGS["fedavg"]))
 
 
