@@ -444,8 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-overlap",
         action="store_true",
-        help="in process: evaluate each round before the next one starts, instead of while its clients train "
-        "(same results either way)",
+        help="evaluate each round before the next one starts, instead of while its clients train in the executor's "
+        "worker processes (same results either way)",
     )
     p.add_argument(
         "--broker",

@@ -44,8 +44,9 @@ def run_inprocess(
     ``executor``: who runs the clients' steps (:mod:`sim.executors`): ``sequential`` in this process, ``processes``
     (``workers`` processes), ``ray``, or ``auto``; every client step uses ``threads_per_worker`` torch threads, so all
     executors give the same model bit for bit.
-    ``overlap``: evaluate each round's global model (and write the round's files) while the next round's clients
-    train (:class:`coordinator.engine.RoundPipeline`): the same files, bit for bit, as without.
+    ``overlap``: when the clients train in other processes (not ``sequential``), evaluate each round's global model
+    (and write the round's files) while the next round's clients train (:class:`coordinator.engine.RoundPipeline`):
+    the same files, bit for bit, as without.
     """
     exp = experiment or prepare(config)
     config = exp.config  # resolved (e.g. DS-FL open-set sizes fitted to the dataset)
@@ -78,6 +79,9 @@ def run_inprocess(
             log.warning(advice)
         transport = ExecutorTransport(exe, sorted(exp.parts), declared=sizes)
         engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
+        # Clients that train in this process (sequential) would share torch's process-wide settings (MKL's thread
+        # count) with the evaluation thread, and their float sums could depend on timing: overlap only elsewhere.
+        overlap = overlap and exe.name != "sequential"
         journal = RunJournal(
             run_dir,
             config,
