@@ -42,7 +42,12 @@ def cache_root() -> Path | None:
     value = os.environ.get(ENV)
     if value is not None:
         return Path(value).expanduser() if value.strip() else None
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except (RuntimeError, KeyError):  # no home directory (a bare service account): no cache
+            return None
     return Path(base) / "fedge" / "datasets"
 
 
@@ -63,7 +68,7 @@ def cached_splits(
     try:
         _write(root, entry, splits)
     except OSError as exc:  # a read-only or full disk: the run goes on without a cache
-        log.warning("cannot cache the decoded dataset in %s (%s); set %s= to turn the cache off", root, exc, ENV)
+        log.info("cannot cache the decoded dataset in %s (%s); set %s= to turn the cache off", root, exc, ENV)
     return splits
 
 
