@@ -611,7 +611,8 @@ def main() -> None:
     finally:
         if "ray" in paths:
             ray.shutdown()
-    blocks, per_block = (int(v) for v in (args.overlap_blocks or ("3,2" if args.quick else "4,3")).split(",")[:2])
+    spec_blocks, _, spec_rounds = (args.overlap_blocks or ("3,2" if args.quick else "4,3")).partition(",")
+    blocks, per_block = int(spec_blocks), int(spec_rounds or 1)
     if blocks > 0 and args.device == "cpu":
         results["overlap"] = {
             name: bench_overlap(name, configs[name], blocks, per_block) for name in args.setups.split(",")
