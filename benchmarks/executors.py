@@ -23,13 +23,17 @@ Rounds alternate between paths (round r of every path, then round r + 1), so a s
 every path alike; each path's first round (worker start-up, warm-up) is reported apart and not counted; the table
 shows medians of the other rounds and throughput as a ratio to the plain loop's (higher is faster).
 
+``--overlap-blocks``: the plain loop, and ``fedge sim``'s default path (the ``auto`` executor) without and with the
+server's evaluation overlapped with the next round's clients (``coordinator.engine.RoundPipeline``), alternated in
+blocks of rounds (overlap works across rounds), checking that both record the same rounds.
+
 Also measured: start-up (imports, dataset load, partition) in fresh processes, the per-client arithmetic options
 (channels_last, SGD ``foreach=True`` and ``fused=True``) on one client's local training, with how far each moves the
 weights from the default's, and the server's test-set evaluation, the plain loop's against fedge's ``predict_logits``.
 
 Usage: python benchmarks/executors.py [--quick] [--data-dir ../shared/data/mnist] [--setups fedntd,dsfl]
        [--paths plain,sequential,processes,ray,batched] [--rounds N] [--skip-startup] [--skip-arithmetic]
-       [--device cuda]
+       [--device cuda] [--overlap-blocks BLOCKS,ROUNDS]
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,7 +56,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from coordinator.engine import RoundEngine, sample_clients
+from coordinator.engine import RoundEngine, RoundPipeline, sample_clients
 from fedge.algorithms.base import derive_seed
 from fedge.algorithms.dsfl import DSFLSettings, open_index_set
 from fedge.config import RunConfig, TrainConfig
@@ -339,6 +345,86 @@ def report(name: str, done: list[Timed]) -> dict[str, Any]:
     return out
 
 
+# --- the server's work overlapped with the clients' ------------------------------------------------------------------
+
+
+class PipelinePath:
+    """``fedge sim``'s path: the ``auto`` executor, rounds through a :class:`RoundPipeline`, overlapped or not."""
+
+    def __init__(self, exp: Experiment, factory: ExperimentClients, overlap: bool) -> None:
+        self.executor = make_executor("auto", 0, factory, max_parallel=exp.config.clients_per_round)
+        self.overlap = overlap
+        transport = ExecutorTransport(self.executor, sorted(exp.parts))
+        self.engine = RoundEngine(exp.config, exp.strategy("bench"), transport, *exp.test_tensors())
+
+    def block(self, rounds: range) -> float:
+        """Seconds per round over ``rounds``, all of them concluded (an overlapped evaluation cannot run on into
+        another path's block)."""
+        started = time.perf_counter()
+        with RoundPipeline(self.engine, overlap=self.overlap) as pipeline:
+            for rnd in rounds:
+                pipeline.round(rnd)
+        return (time.perf_counter() - started) / len(rounds)
+
+
+class PlainBlocks:
+    def __init__(self, exp: Experiment) -> None:
+        self.loop = PlainLoop(exp)
+
+    def block(self, rounds: range) -> float:
+        return sum(self.loop.round(rnd) for rnd in rounds) / len(rounds)
+
+
+def bench_overlap(name: str, config: RunConfig, blocks: int, per_block: int) -> dict[str, Any]:
+    """The plain loop, and ``fedge sim``'s default path without and with overlap, alternated in blocks of
+    ``per_block`` rounds (overlap pays off across rounds, so a path's rounds run back to back within a block; the
+    order of the paths rotates from block to block); the first block (start-up, warm-up) is shown apart. Also
+    checks that both fedge paths recorded the same rounds (accuracy, per-class accuracy, losses, bytes)."""
+    config = dataclasses.replace(config, rounds=blocks * per_block)
+    exp = prepare(config)
+    factory = ExperimentClients(exp.config)
+    paths: dict[str, Any] = {}
+    times: dict[str, list[float]] = {}
+    try:
+        for label, make in (
+            (f"plain loop ({torch.get_num_threads()} threads)", lambda: PlainBlocks(exp)),
+            ("fedge sim defaults, no overlap", lambda: PipelinePath(exp, factory, overlap=False)),
+            ("fedge sim defaults, overlapped", lambda: PipelinePath(exp, factory, overlap=True)),
+        ):
+            paths[label], times[label] = make(), []
+        names = list(paths)
+        for b in range(blocks):
+            rounds = range(b * per_block + 1, (b + 1) * per_block + 1)
+            for label in names[b % len(names) :] + names[: b % len(names)]:
+                times[label].append(paths[label].block(rounds))
+            print(f"{name} block {b + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s/round" for k, v in times.items()))
+        fedge = [p for p in paths.values() if isinstance(p, PipelinePath)]
+        a, b_ = ([r.to_json() for r in p.engine.history.rounds] for p in fedge)
+        varying = ("wall_s", "exchange_s")
+        same = [{k: v for k, v in r.items() if k not in varying and not k.startswith("client_")} for r in a] == [
+            {k: v for k, v in r.items() if k not in varying and not k.startswith("client_")} for r in b_
+        ]
+        executor = fedge[0].executor
+    finally:
+        for p in paths.values():
+            if isinstance(p, PipelinePath):
+                p.executor.close()
+    base = statistics.median(times[names[0]][1:] or times[names[0]])
+    print(
+        f"\n{name}, fedge sim's default path ({executor.name}, {executor.workers} worker(s)) with and without "
+        f"overlap: median s/round of blocks 2..{blocks} of {per_block} rounds (block 1 apart); same records: {same}"
+    )
+    print(f"{'path':<34} {'round s':>8} {'x plain':>8} {'block 1 s':>10}")
+    out: dict[str, Any] = {"same_records": same, "executor": executor.name, "workers": executor.workers}
+    for label, ts in times.items():
+        med = statistics.median(ts[1:] or ts)
+        print(f"{label:<34} {med:>8.2f} {base / med:>7.2f}x {ts[0]:>10.2f}")
+        out[label] = {"median_round_s": med, "vs_plain": base / med, "first_block_s": ts[0], "blocks_s": ts}
+    if not same:
+        raise RuntimeError("the overlapped path recorded other rounds than the plain one")
+    return out
+
+
 # --- start-up -------------------------------------------------------------------------------------------------------
 
 _STARTUP = """
@@ -363,23 +449,38 @@ print(json.dumps({"import torch": t1 - t0, "import fedge": t2 - t1, "prepare": t
 """
 
 
-def bench_startup(config: RunConfig, repeats: int) -> dict[str, float]:
-    """Cold imports, dataset load and partition in fresh processes (the OS file cache is warm after the first)."""
-    runs = []
-    for _ in range(repeats):
+def bench_startup(config: RunConfig, repeats: int) -> dict[str, Any]:
+    """Cold imports, dataset load and partition in fresh processes (the OS file cache is warm after the first), with
+    the decoded-dataset cache (fedge.data.cache) off and warm, alternated."""
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="fedge-bench-cache-") as cache:
+        settings = {"no dataset cache": "", "dataset cache warm": cache}
         code = _STARTUP.replace("CONFIG", repr(json.dumps(config.to_dict())))
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-        runs.append(json.loads(out.strip().splitlines()[-1]))
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    med["load dataset"] = med["prepare"] - med["partition"]  # prepare = load + partition
-    med["total"] = med["import torch"] + med["import fedge"] + med["prepare"]
+        subprocess.run(
+            [sys.executable, "-c", code], env={**os.environ, "FEDGE_CACHE_DIR": cache}, capture_output=True, check=True
+        )
+        runs: dict[str, list[dict[str, float]]] = {k: [] for k in settings}
+        for _ in range(repeats):
+            for label, value in settings.items():
+                env = {**os.environ, "FEDGE_CACHE_DIR": value}
+                done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+                runs[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(
         f"\nstart-up for {config.dataset} ({config.partition}, {config.num_clients} clients), median of {repeats} "
-        "fresh processes:"
+        f"fresh processes (load average {os.getloadavg()[0]:.1f}):"
     )
-    for k in ("import torch", "import fedge", "load dataset", "partition", "total"):
-        print(f"  {k:<14} {med[k]:6.2f} s")
-    return med
+    for label, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        med["load dataset"] = med["prepare"] - med["partition"]  # prepare = load + partition
+        med["total"] = med["import torch"] + med["import fedge"] + med["prepare"]
+        print(
+            f"  {label}: "
+            + ", ".join(
+                f"{k} {med[k]:.2f} s" for k in ("import torch", "import fedge", "load dataset", "partition", "total")
+            )
+        )
+        out[label] = med
+    return out
 
 
 # --- per-client arithmetic options ----------------------------------------------------------------------------------
@@ -497,6 +598,12 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--workers", default="1,2", help="worker counts for processes and ray (e.g. 1,2,4,8,16)")
     p.add_argument("--device", default="cpu", help="where fedge's clients compute: cpu or cuda (the plain loop: cpu)")
+    p.add_argument(
+        "--overlap-blocks",
+        default="",
+        help="BLOCKS,ROUNDS: also alternate the plain loop and fedge sim's default path without and with overlap in "
+        "BLOCKS blocks of ROUNDS rounds each (default 3,2 quick, 4,3 full; 0 to skip)",
+    )
     args = p.parse_args()
     check_device(args.device)
     logging.basicConfig(level=logging.WARNING)
@@ -530,6 +637,12 @@ def main() -> None:
     finally:
         if "ray" in paths:
             ray.shutdown()
+    spec_blocks, _, spec_rounds = (args.overlap_blocks or ("3,2" if args.quick else "4,3")).partition(",")
+    blocks, per_block = int(spec_blocks), int(spec_rounds or 1)
+    if blocks > 0 and args.device == "cpu":
+        results["overlap"] = {
+            name: bench_overlap(name, configs[name], blocks, per_block) for name in args.setups.split(",")
+        }
     if not args.skip_arithmetic:
         results["arithmetic"] = {}
         for name in args.setups.split(","):

@@ -3,22 +3,25 @@
 Per round: sample clients, let the strategy plan the round, let the transport deliver it and collect the replies,
 aggregate when a quorum replied (otherwise the round is skipped: the global state stays as it was and the run goes
 on), evaluate, and record a :class:`fedge.accounting.records.RoundRecord`. Same config and seeds give the same result
-over any transport.
+over any
+transport.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import TracebackType
 
 import numpy as np
 import torch
 
-from coordinator.transport import Transport
-from fedge.accounting.ledger import ByteLedger
+from coordinator.transport import Exchange, Transport
+from fedge.accounting.ledger import ByteLedger, RoundBytes
 from fedge.accounting.records import ByteCounts, RoundRecord
 from fedge.algorithms.base import Strategy, derive_seed
 from fedge.config import RunConfig
@@ -42,6 +45,21 @@ class RunHistory:
     # they lost it (a wiped state directory, --no-state and a restart); the run goes on, but is not the
     # uninterrupted run's any more. By client, the first time seen.
     state_lost: dict[ClientId, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Played:
+    """A round between its exchange and its record."""
+
+    round: int
+    started: float
+    exchanged: float
+    sampled: list[ClientId]
+    exchange: Exchange
+    quorum: int = 0
+    aggregated: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+    round_bytes: RoundBytes | None = None
 
 
 def sample_clients(available: list[ClientId], k: int, seed: int, rnd: int) -> list[ClientId]:
@@ -74,38 +92,62 @@ class RoundEngine:
         self.initial_bytes = initial_bytes or {}
         self.history = RunHistory()
 
-    def run(self, on_round: Callable[[RoundRecord], None] | None = None) -> RunHistory:
-        """The rounds after those already in ``history`` (all of them, unless a resumed run restored some)."""
-        for rnd in range(len(self.history.rounds) + 1, self.config.rounds + 1):
-            record = self.run_round(rnd)
-            if on_round is not None:
-                on_round(record)
+    def run(
+        self,
+        on_round: Callable[[RoundRecord], None] | None = None,
+        *,
+        overlap: bool = False,
+        prepare: Callable[[int], Callable[[RoundRecord], None]] | None = None,
+    ) -> RunHistory:
+        """The rounds after those already in ``history`` (all of them, unless a resumed run restored some).
+
+        ``prepare``: called in this thread right after a round's aggregation, before the next round starts; returns
+        what commits the round (its metrics line, its journal) once its record, evaluation included, is made; then
+        ``on_round`` gets the record. ``overlap``: evaluate (and commit, and call ``on_round``) on a second thread
+        while the next round's clients train (see :class:`RoundPipeline`); the same records either way.
+        """
+        with RoundPipeline(self, overlap=overlap, prepare=prepare, on_round=on_round) as pipeline:
+            for rnd in range(len(self.history.rounds) + 1, self.config.rounds + 1):
+                pipeline.round(rnd)
         return self.history
 
     def run_round(self, rnd: int) -> RoundRecord:
+        """Round ``rnd`` from sampling to its record (evaluation included), in this thread."""
+        return self._conclude(self._aggregate(self._exchange(rnd)))
+
+    def _exchange(self, rnd: int) -> _Played:
+        """Sample, plan and deliver round ``rnd``: what runs while the previous round's evaluation may still run."""
         cfg = self.config
         started = time.perf_counter()
         available = list(self.transport.available_clients())
         sampled = sample_clients(available, cfg.clients_per_round, cfg.seed, rnd)
         plan = self.strategy.configure(rnd, sampled)
         exchange = self.transport.exchange(plan, lambda c, m: self.strategy.accept(rnd, c, m))
-        comm_done = time.perf_counter()
+        return _Played(rnd, started, time.perf_counter(), sampled, exchange)
+
+    def _aggregate(self, played: _Played) -> _Played:
+        """Account for the round's messages and aggregate; needs every earlier round's record (lost-state checks)."""
+        rnd, exchange, sampled = played.round, played.exchange, played.sampled
         self.history.ledger.extend(exchange.entries)
         self._note_lost_state(rnd, exchange.replies)
-
-        quorum = max(1, math.ceil(cfg.min_replies * len(sampled)))
-        aggregated = len(exchange.replies) >= quorum
-        metrics: dict[str, float] = {}
-        if aggregated:
-            metrics = self.strategy.aggregate(rnd, exchange.replies)
+        played.quorum = max(1, math.ceil(self.config.min_replies * len(sampled)))
+        played.aggregated = len(exchange.replies) >= played.quorum
+        if played.aggregated:
+            played.metrics = self.strategy.aggregate(rnd, exchange.replies)
         else:
             log.warning(
                 "round %d: %d of %d replies, below the quorum of %d: skipped",
                 rnd,
                 len(exchange.replies),
                 len(sampled),
-                quorum,
+                played.quorum,
             )
+        played.round_bytes = self.history.ledger.round_bytes(rnd)
+        return played
+
+    def _conclude(self, played: _Played) -> RoundRecord:
+        """Evaluate the aggregated state and record the round (on the evaluation thread when overlapped)."""
+        cfg, rnd, exchange = self.config, played.round, played.exchange
         accuracy = per_class = forgotten = None
         if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
             evaluation = self.strategy.evaluate(self.test_x, self.test_y)
@@ -115,22 +157,23 @@ class RoundEngine:
                 per_class = tuple(None if np.isnan(v) else float(v) for v in evaluation.per_class)
                 forgotten = forgetting(self.history.per_class_history)
         previous = self.history.rounds[-1].bytes if self.history.rounds else None
+        assert played.round_bytes is not None, "a round is aggregated before it is concluded"
         record = RoundRecord(
             round=rnd,
-            sampled=tuple(sampled),
+            sampled=tuple(played.sampled),
             replied=tuple(sorted(exchange.replies)),
-            aggregated=aggregated,
-            quorum=quorum,
-            bytes=ByteCounts.of(self.history.ledger.round_bytes(rnd), previous, self.initial_bytes),
+            aggregated=played.aggregated,
+            quorum=played.quorum,
+            bytes=ByteCounts.of(played.round_bytes, previous, self.initial_bytes),
             drops=tuple(exchange.drops),
             rejections=tuple(exchange.rejections),
-            metrics=metrics,
+            metrics=played.metrics,
             accuracy=accuracy,
             per_class_accuracy=per_class,
             forgetting=forgotten,
             timings=tuple(exchange.timings),
-            wall_s=time.perf_counter() - started,
-            exchange_s=comm_done - started,
+            wall_s=time.perf_counter() - played.started,
+            exchange_s=played.exchanged - played.started,
         )
         self.history.rounds.append(record)
         return record
@@ -149,3 +192,83 @@ class RoundEngine:
                 )
                 self.history.state_lost[client] = why
                 log.warning("client %s %s", client, why)
+
+
+class RoundPipeline:
+    """Runs a :class:`RoundEngine`'s rounds one at a time: exchange, aggregation, then the round's conclusion (its
+    evaluation, record, commit and ``on_round``). With ``overlap``, the conclusion runs on a second thread while the
+    next round's clients train, so the server's evaluation no longer keeps the clients waiting.
+
+    Why the records stay the same: the next round's sampling, plan and client steps do not read what a conclusion
+    writes (the strategy's scratch evaluation model, the per-class history, the records), and this thread waits for
+    the previous conclusion before it aggregates, the first step that changes what an evaluation reads. A round's
+    evaluation thus overlaps only the next round's exchange; conclusions run in round order, one at a time, with the
+    torch thread count this thread had (float sums depend on it). ``prepare`` (the journal's snapshot of the state a
+    round committed) runs here, before the next round can change that state.
+
+    A failure in a conclusion (or in ``on_round``) is raised here, at the next round's aggregation or at the end. An
+    exception here (Ctrl-C during a round) first lets the conclusion in flight finish: its round is complete, and its
+    commit must not race the clean-up of the run directory.
+    """
+
+    def __init__(
+        self,
+        engine: RoundEngine,
+        *,
+        overlap: bool = False,
+        prepare: Callable[[int], Callable[[RoundRecord], None]] | None = None,
+        on_round: Callable[[RoundRecord], None] | None = None,
+    ) -> None:
+        self.engine, self.prepare, self.on_round = engine, prepare, on_round
+        self._threads = torch.get_num_threads()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fedge-conclude") if overlap else None
+        self._pending: concurrent.futures.Future[RoundRecord] | None = None
+
+    @property
+    def overlap(self) -> bool:
+        return self._pool is not None
+
+    def round(self, rnd: int) -> None:
+        """Play round ``rnd``; overlapped, its conclusion may still run when this returns (see :meth:`wait`)."""
+        engine = self.engine
+        played = engine._exchange(rnd)  # meanwhile, the previous round's conclusion
+        self.wait()
+        engine._aggregate(played)
+        commit = self.prepare(rnd) if self.prepare is not None else None
+        if self._pool is None:
+            self._conclude(played, commit)
+        else:
+            self._pending = self._pool.submit(self._conclude, played, commit)
+
+    def wait(self) -> RoundRecord | None:
+        """Until the conclusion in flight is done: its record (None when there is none); raises what failed in it."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
+    def _conclude(self, played: _Played, commit: Callable[[RoundRecord], None] | None) -> RoundRecord:
+        if torch.get_num_threads() != self._threads:  # a thread's own count: this thread's only
+            torch.set_num_threads(self._threads)
+        record = self.engine._conclude(played)
+        if commit is not None:
+            commit(record)
+        if self.on_round is not None:
+            self.on_round(record)
+        return record
+
+    def __enter__(self) -> RoundPipeline:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            if exc is None:
+                self.wait()
+            elif self._pending is not None:
+                pending, self._pending = self._pending, None
+                concurrent.futures.wait([pending])
+                if not pending.cancelled() and pending.exception() is not None:
+                    log.warning("the round concluding when the run stopped failed too: %s", pending.exception())
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)

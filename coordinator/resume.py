@@ -17,6 +17,7 @@ supersedes are deleted after that, so a crash at any point leaves a journal whos
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -82,32 +83,49 @@ class RunJournal:
 
     def round(self, record: RoundRecord) -> None:
         """Write the engine's latest round (its metrics line and messages), then commit the journal of its state."""
-        history = self.engine.history
-        metrics_bytes, ledger_bytes = self.writer.round(
-            record, [e for e in history.ledger.entries if e.round == record.round]
-        )
-        strategy_tensors, strategy_values = self.engine.strategy.state()
-        tensors = _prefixed(_STRATEGY, strategy_tensors)
-        if history.per_class_history:
-            tensors[_PER_CLASS] = torch.from_numpy(np.stack(history.per_class_history))  # (evaluations, C)
-        files = self._write_client_stores(record.round)
-        values = {"strategy": strategy_values, "resumed_after": history.resumed_after, "client_files": files}
-        write_journal(self.run_dir, self.config, RunState(record.round, tensors, values, metrics_bytes, ledger_bytes))
-        self.previous_files, self.client_files = self.client_files, files
-        self._delete_stale_client_files()
+        self.prepare(record.round)(record)
 
-    def _write_client_stores(self, rnd: int) -> dict[ClientId, str]:
-        """Write the stores that changed into new files; the mapping the next journal commits."""
+    def prepare(self, rnd: int) -> Callable[[RoundRecord], None]:
+        """Take round ``rnd``'s state now (right after its aggregation); returns what writes the round once its
+        record is made, which may be later, on another thread, while the next round's clients change their stores
+        and the strategy checks their replies (:class:`coordinator.engine.RoundPipeline`)."""
+        history = self.engine.history
+        entries = [e for e in history.ledger.entries if e.round == rnd]
+        strategy_tensors, strategy_values = self.engine.strategy.state()
+        tensors = {k: v.detach().clone() for k, v in _prefixed(_STRATEGY, strategy_tensors).items()}
+        values = {
+            "strategy": json.loads(json.dumps(strategy_values)),  # a copy: the next round may change the original
+            "resumed_after": list(history.resumed_after),
+        }
         which = set(self.changed()) if self.changed is not None else set(self.stores)
+        stores = {
+            c: {k: v.detach().contiguous().clone() for k, v in self.stores[c].items()}
+            for c in sorted(which & set(self.stores))
+        }
+
+        def commit(record: RoundRecord) -> None:
+            assert record.round == rnd, f"round {record.round} committed with the state of round {rnd}"
+            metrics_bytes, ledger_bytes = self.writer.round(record, entries)
+            if history.per_class_history:  # up to this round's evaluation: conclusions run in round order
+                tensors[_PER_CLASS] = torch.from_numpy(np.stack(history.per_class_history))  # (evaluations, C)
+            files = self._write_client_stores(rnd, stores)
+            state = RunState(rnd, tensors, {**values, "client_files": files}, metrics_bytes, ledger_bytes)
+            write_journal(self.run_dir, self.config, state)
+            self.previous_files, self.client_files = self.client_files, files
+            self._delete_stale_client_files()
+
+        return commit
+
+    def _write_client_stores(self, rnd: int, stores: Mapping[ClientId, ClientStore]) -> dict[ClientId, str]:
+        """Write the stores that changed into new files; the mapping the next journal commits."""
         files = dict(self.client_files)
         directory = self.run_dir / CLIENT_DIR
-        for client in sorted(which & set(self.stores)):
-            store = self.stores[client]
+        for client, store in stores.items():
             if not store and client not in files:
                 continue
             directory.mkdir(exist_ok=True)
             name = f"{client}-{rnd:06d}.safetensors"
-            atomic_write(directory / name, st_save({k: v.detach().contiguous().clone() for k, v in store.items()}))
+            atomic_write(directory / name, st_save(dict(store)))
             files[client] = name
         return files
 

@@ -481,6 +481,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads-per-worker", type=int, default=1, help="torch threads of every client step (results depend on it)"
     )
     p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="evaluate each round before the next one starts, instead of while its clients train in the executor's "
+        "worker processes (same results either way)",
+    )
+    p.add_argument(
         "--broker",
         default=None,
         help="with --transport mqtt: mqtt://HOST:PORT of an existing broker (default: an embedded broker on loopback)",
@@ -683,6 +689,7 @@ RESUME_FLAGS = {
         "executor",
         "workers",
         "threads_per_worker",
+        "no_overlap",
         "device",
         "tensorboard",
     ),

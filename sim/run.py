@@ -33,6 +33,7 @@ def run_inprocess(
     executor: str = "sequential",
     workers: int = 0,
     threads_per_worker: int = 1,
+    overlap: bool = True,
 ) -> RunResult:
     """Run ``config`` with every client in this process and write ``run_dir``.
 
@@ -43,6 +44,9 @@ def run_inprocess(
     ``executor``: who runs the clients' steps (:mod:`sim.executors`): ``sequential`` in this process, ``processes``
     (``workers`` processes), ``ray``, or ``auto``; every client step uses ``threads_per_worker`` torch threads, so all
     executors give the same model bit for bit.
+    ``overlap``: when the clients train in other processes (not ``sequential``), evaluate each round's global model
+    (and write the round's files) while the next round's clients train (:class:`coordinator.engine.RoundPipeline`):
+    the same files, bit for bit, as without.
     """
     exp = experiment or prepare(config)
     config = exp.config  # resolved (e.g. DS-FL open-set sizes fitted to the dataset)
@@ -75,6 +79,9 @@ def run_inprocess(
             log.warning(advice)
         transport = ExecutorTransport(exe, sorted(exp.parts), declared=sizes)
         engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
+        # Clients that train in this process (sequential) would share torch's process-wide settings (MKL's thread
+        # count) with the evaluation thread, and their float sums could depend on timing: overlap only elsewhere.
+        overlap = overlap and exe.name != "sequential"
         journal = RunJournal(
             run_dir,
             config,
@@ -84,13 +91,7 @@ def run_inprocess(
             stores=transport.stores,
             changed=transport.pop_changed,
         )
-
-        def record(r: RoundRecord) -> None:
-            journal.round(r)
-            if on_round is not None:
-                on_round(r)
-
-        history = engine.run(record)
+        history = engine.run(on_round, overlap=overlap, prepare=journal.prepare)
         extra = {
             "model": exp.model,
             "transport": "inprocess",
@@ -98,6 +99,7 @@ def run_inprocess(
             "workers": exe.workers,
             "device": device,
             "threads_per_worker": threads_per_worker,
+            "overlap": overlap,
         }
     summary = journal.finish(
         strategy.global_weights(),

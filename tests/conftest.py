@@ -40,3 +40,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.broker)
     rank = {path: i for i, path in enumerate(SLOW_FILES)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep their order
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _dataset_cache(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """Decoded datasets (fedge.data.cache) are cached in this session's temporary directory, not in ~/.cache."""
+    from fedge.data.cache import ENV
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv(ENV, str(tmp_path_factory.mktemp("dataset-cache")))
+    yield
+    patch.undo()

@@ -193,7 +193,11 @@ class Strategy(ABC, Generic[SettingsT]):
 
     @abstractmethod
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
-        """Accuracy after the latest aggregation, or None when there is nothing to evaluate yet."""
+        """Accuracy after the latest aggregation, or None when there is nothing to evaluate yet.
+
+        May run on another thread while the next round's :meth:`configure` and :meth:`check_reply` run
+        (:class:`coordinator.engine.RoundPipeline`), never alongside :meth:`aggregate`: change only scratch state of
+        its own (e.g. an evaluation model), nothing those two read."""
 
     @abstractmethod
     def reply_tensors(self) -> dict[str, TensorSpec]:

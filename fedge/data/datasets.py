@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from fedge import plugins
+from fedge.data.cache import cached_splits
 from fedge.errors import ConfigError, DatasetError
 from fedge.plugins import DatasetArrays, PluginError
 
@@ -207,9 +208,16 @@ def load_idx_dir(directory: str | Path, name: str) -> tuple[Dataset, Dataset]:
     """MNIST-style train/test splits from the four IDX files in ``directory``, as ``(N, 1, rows, cols)`` float32.
 
     Pixels are scaled to [0, 1] and standardized with the dataset's published mean/std when ``name`` is known
-    (``"mnist"``, ``"fashion_mnist"``), otherwise with the mean/std of the training images.
+    (``"mnist"``, ``"fashion_mnist"``), otherwise with the mean/std of the training images. Decoded once, then read
+    from :mod:`fedge.data.cache` (keyed by the files' bytes).
     """
     directory = Path(directory)
+    sources = [_find_idx_file(directory, f) for f in _IDX_FILES]
+    recipe = f"idx/1 {name} {_IDX_NORMALIZATION.get(name)}"  # bump the version when decoding changes
+    return cached_splits(sources, recipe, lambda: _decode_idx_dir(directory, name))
+
+
+def _decode_idx_dir(directory: Path, name: str) -> tuple[Dataset, Dataset]:
     train_images, train_labels = _read_idx_split(directory, _IDX_FILES[0], _IDX_FILES[1])
     test_images, test_labels = _read_idx_split(directory, _IDX_FILES[2], _IDX_FILES[3])
     if train_images.shape[1:] != test_images.shape[1:]:
