@@ -381,23 +381,6 @@ def generate(spec: ModelSpec, loss: TrainingLoss, directory: Path, *, weights: S
 # --- parity gate and cache ------------------------------------------------------------------------------------------
 
 
-RETRY_SEEDS = (8, 9)
-"""Data seeds of the drift runs repeated when the first (``export.parity.drift_request``'s, seed 7) fails."""
-
-
-def drift_request_for_seed(
-    spec: ModelSpec, loss: TrainingLoss, *, batch_size: int, seed: int, steps: int | None = None
-) -> TrainRequest:
-    """``export.parity.drift_request`` (its SGD settings, steps and batch) on the real-looking samples and objective
-    inputs of ``seed`` (7 gives ``drift_request``'s own)."""
-    from export.parity import DRIFT_STEPS, drift_request, parity_sample, training_request
-
-    base = drift_request(spec, loss, batch_size=batch_size, steps=steps or DRIFT_STEPS)
-    other = training_request(spec, loss, samples=len(base.x), seed=seed)
-    x, y = parity_sample(spec, len(base.x), seed=seed)
-    return dataclasses.replace(base, x=x, y=y, inputs=other.inputs, anchor=other.anchor)
-
-
 def check_artifacts(
     directory: Path,
     weights: Mapping[str, torch.Tensor] | None = None,
@@ -411,18 +394,16 @@ def check_artifacts(
     :data:`export.parity.DRIFT_BATCH`) real-looking samples with momentum 0.9 and weight decay 1e-5, and compares the
     weights and BN statistics with eager float64's, within a tolerance set by eager float32's own distance.
 
-    A correct runtime can fail one such run by chance: when a ReLU or max-pool input on some step lies within
-    round-off of its kink (seen: 2e-8 from zero), ORT and eager float32 take different sides, the gradient jumps
-    (1e-4 to 2e-3 on one weight) and the runs part, while eager float32 happened to stay with float64 (2 of 12 model
-    and loss combinations tried at the standard samples; ORT's step-by-step gradients there match eager to 4e-8).
-    So when the standard run fails, the check runs again on the samples of :data:`RETRY_SEEDS` and passes only if
-    every one of those passes; the first failure is logged. A wrong gradient or an imprecise kernel fails every run.
+    A failed drift run is repeated on other samples (:func:`export.parity.drift_with_retries`, as the ExecuTorch gate
+    does): seen on ORT, 2 of 12 model and loss combinations at the standard samples took the other side of a
+    round-off tie from eager float32 (a ReLU input 2e-8 from zero), while ORT's step-by-step gradients there match
+    eager to 4e-8.
     Without ``weights`` the seed-0 initialization is the starting point. Does not raise on failure.
     """
     from export.parity import (
         DRIFT_BATCH,
-        drift_parity,
         drift_request,
+        drift_with_retries,
         logits_parity,
         reference_model,
         stepwise_parity,
@@ -447,30 +428,14 @@ def check_artifacts(
 
     batch = batch_size or DRIFT_BATCH
     request = drift_request(spec, trainer.loss, batch_size=batch)
-    # Stepwise first: each step from float64's weights measures the arithmetic itself (no near-tie flips), so a
-    # wrong gradient or an imprecise kernel fails it whatever the samples; the retries below are for drift only.
+    # Stepwise first: each step from float64's weights measures the arithmetic itself, so a wrong gradient or an
+    # imprecise kernel fails it whatever the samples; the retries are for drift only.
     stepwise = stepwise_parity(run_from, spec, start, request, source=source, runtime=RUNTIME)
-    first = drift_parity(run, spec, start, request, source=source, runtime=RUNTIME)
+    drift = drift_with_retries(run, spec, start, trainer.loss, batch_size=batch, source=source, runtime=RUNTIME)
     # Eval-mode logits (the eval model) on the trained weights: BN then normalizes with moved running statistics.
     trainer.set_weights(trained[0])
     logits = logits_parity(trainer.logits, reference_model(spec, trained[0]), spec, source=source, runtime=RUNTIME)
-    reports = [logits, stepwise, first]
-    if first.passed:
-        return reports
-    log.warning("%s; running the drift check again on other samples (a round-off tie flips a run by chance)", first)
-    retries = []
-    for seed in RETRY_SEEDS:
-        report = drift_parity(
-            run,
-            spec,
-            start,
-            drift_request_for_seed(spec, trainer.loss, batch_size=batch, seed=seed),
-            source=source,
-            runtime=RUNTIME,
-        )
-        retries.append(dataclasses.replace(report, worst=f"{report.worst}, samples of seed {seed}"))
-    # Passed: the retries stand for the drift check (the first failure was logged). Failed: every run is reported.
-    return [logits, stepwise, *retries] if all(r.passed for r in retries) else [*reports, *retries]
+    return [logits, stepwise, *drift]
 
 
 def _digest(directory: Path) -> bytes:

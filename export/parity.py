@@ -46,12 +46,16 @@ TRAIN_SGD = SGDSettings(lr=0.02, momentum=0.9, weight_decay=5e-4)
 
 # Drift check, two parts, at the batch size the program runs at, on real-looking images, with a run's SGD settings.
 # - Stepwise: before each of DRIFT_STEPS steps, the program and eager float64 start from the same weights (float64's
-#   trajectory rounded to float32) and take one step; the program's update of every tensor must match float64's
-#   within STEP_TOLERANCE of the step's largest update of any tensor, less one float32 rounding of the result. This is
-#   what measures a program's arithmetic: from the same weights there are no near-tie flips (measured: <= 1.2e-7 for
-#   correct programs, but 1.2e-4 for fedavg_cnn's ce program from fresh seed-0 weights, whose first convolution's
-#   weight gradient sums 50 x 28 x 28 cancelling terms: a known false refusal), while a wrong gradient (ExecuTorch
-#   1.4.1's max-pool backward) is off by O(1) and an imprecise kernel (the portable batch-norm variance) by ~1e-3.
+#   trajectory rounded to float32) and take one step; the program's update of every element must match float64's
+#   within STEP_TOLERANCE of the step's largest update of any tensor, plus one float32 rounding of the result, plus
+#   JITTER_FACTOR times how far float64 itself lands when each layer's output and gradient is rounded once (jittered
+#   by eps32, JITTER_RUNS times; computed only for a step that some element fails without it). The jitter term excuses
+#   ties: from the same weights a max-pool window tied to float64's precision can still break the other way in
+#   float32 (fedavg_cnn's ce program from fresh seed-0 weights at 28x28: 1.2e-4 of the step's largest update on
+#   features.0.weight, as eager float32 channels-last; 1.2e-6 with the term). What it does not excuse: a wrong
+#   gradient (ExecuTorch 1.4.1's max-pool backward, O(1)) or a kernel that loses precision inside one op (the
+#   portable kernels of the unlowered dsfl_mnist_cnn: 1.7e-5, as eager channels-last on one thread; the jitter spread
+#   there is ~1e-8), while correct programs measure <= 2.1e-7 without the term.
 # - Free-running: the program's weights after all steps against float64's, within DRIFT_FACTOR times the spread of
 #   eager float32 runs under the layouts (contiguous, channels-last) and thread counts (one, the process's) fedge
 #   itself trains with, plus DRIFT_FLOOR. Free-running float32 is chaotic for max-pooling CNNs (a near-tied window or
@@ -61,7 +65,10 @@ DRIFT_BATCH = 50  # the local batch size of every algorithm's defaults
 DRIFT_SGD = SGDSettings(lr=0.01, momentum=0.9, weight_decay=1e-5)
 DRIFT_FACTOR = 10.0
 DRIFT_FLOOR = 1e-5
-STEP_TOLERANCE = 5e-6  # correct programs: <= 2.1e-7; the portable batch-norm variance: 1.7e-5
+STEP_TOLERANCE = 5e-6  # correct programs: <= 2.1e-7 (1.2e-6 where a tie breaks); portable kernels: 1.7e-5
+RETRY_SEEDS = (8, 9)  # data seeds of the drift runs repeated when the first (seed 7's samples) fails
+JITTER_RUNS = 3  # jittered float64 steps that measure a suspect step's spread (see stepwise_parity)
+JITTER_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -267,10 +274,16 @@ def check_training(
     batch = min(batch_size or DRIFT_BATCH, trainer.meta.max_batch)
     request = drift_request(spec, trainer.loss, batch_size=batch)
     reports.append(stepwise_parity(run_from, spec, start, request, source=source, runtime=trainer.runtime))
-    reports.append(
-        drift_parity(lambda r: run_from(start, r), spec, start, request, source=source, runtime=trainer.runtime)
+    drift = drift_with_retries(
+        lambda r: run_from(start, r),
+        spec,
+        start,
+        trainer.loss,
+        batch_size=batch,
+        source=source,
+        runtime=trainer.runtime,
     )
-    return reports
+    return [*reports, *drift]
 
 
 def parity_sample(spec: ModelSpec, samples: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,6 +315,50 @@ def drift_request(spec: ModelSpec, loss: TrainingLoss, *, batch_size: int, steps
     return dataclasses.replace(r, x=x, y=y, sgd=DRIFT_SGD, batch_size=batch_size)
 
 
+def drift_request_for_seed(
+    spec: ModelSpec, loss: TrainingLoss, *, batch_size: int, seed: int, steps: int | None = None
+) -> TrainRequest:
+    """:func:`drift_request` (its SGD settings, steps and batch) on the real-looking samples and objective inputs of
+    ``seed`` (7 gives ``drift_request``'s own)."""
+    base = drift_request(spec, loss, batch_size=batch_size, steps=steps or DRIFT_STEPS)
+    other = training_request(spec, loss, samples=len(base.x), seed=seed)
+    x, y = parity_sample(spec, len(base.x), seed=seed)
+    return dataclasses.replace(base, x=x, y=y, inputs=other.inputs, anchor=other.anchor)
+
+
+def drift_with_retries(
+    train: Callable[[TrainRequest], Mapping[str, torch.Tensor]],
+    spec: ModelSpec,
+    start: Mapping[str, torch.Tensor],
+    loss: TrainingLoss,
+    *,
+    batch_size: int,
+    source: str,
+    runtime: str,
+) -> list[ParityReport]:
+    """:func:`drift_parity` on :func:`drift_request`'s samples and, if that fails, on those of each of RETRY_SEEDS.
+
+    A correct runtime can fail one free-running run by chance: when a ReLU or max-pool input on some step lies within
+    round-off of its kink, the runtime and eager float32 take different sides and the runs part, while eager float32
+    happened to stay with float64. So a failed first run is repeated on other samples; the check passes only if every
+    repeat passes (then the worst repeat is returned; the first failure is logged). A wrong gradient or an imprecise
+    kernel fails every run; the stepwise check measures those directly. Both runtimes' gates use this.
+    """
+    first = drift_parity(
+        train, spec, start, drift_request(spec, loss, batch_size=batch_size), source=source, runtime=runtime
+    )
+    if first.passed:
+        return [first]
+    log.warning("%s; running the drift check again on other samples (a round-off tie flips a run by chance)", first)
+    retries = []
+    for seed in RETRY_SEEDS:
+        request = drift_request_for_seed(spec, loss, batch_size=batch_size, seed=seed)
+        report = drift_parity(train, spec, start, request, source=source, runtime=runtime)
+        retries.append(dataclasses.replace(report, worst=f"{report.worst}, samples of seed {seed}"))
+    # Passed: the worst repeat stands for the drift check. Failed: every run is reported.
+    return [max(retries, key=lambda r: r.max_scaled_diff)] if all(r.passed for r in retries) else [first, *retries]
+
+
 def _as_float64(request: TrainRequest) -> TrainRequest:
     def widen(t: torch.Tensor) -> torch.Tensor:
         return t.double() if t.is_floating_point() else t
@@ -329,13 +386,58 @@ def _one_batch(request: TrainRequest, idx: torch.Tensor, step: int) -> TrainRequ
     )
 
 
-def _float64_run(spec: ModelSpec, begin: Mapping[str, torch.Tensor], request: TrainRequest) -> nn.Module:
-    """The eager float64 model after ``request`` from ``begin``, on one intra-op thread (see drift_parity)."""
+def _float64_run(
+    spec: ModelSpec, begin: Mapping[str, torch.Tensor], request: TrainRequest, *, jitter: torch.Generator | None = None
+) -> nn.Module:
+    """The eager float64 model after ``request`` from ``begin``, on one intra-op thread (see drift_parity).
+
+    With ``jitter``, every layer's output on the way forward, every gradient on the way back through a layer and every
+    parameter's gradient moves by up to eps32 of itself plus eps32 of its tensor's mean magnitude (uniform, drawn from
+    ``jitter``): a float32 computation that rounds each layer's result once and is exact within it (see
+    :func:`stepwise_parity`).
+    """
     model = reference_model(spec, {k: v.float() for k, v in begin.items()}).double()
     load_exchanged_state(model, {k: v.double() for k, v in begin.items()})
-    with _threads(1):
-        fedge_train(model, _as_float64(request))
+    handles = _add_jitter(model, jitter) if jitter is not None else []
+    try:
+        with _threads(1):
+            fedge_train(model, _as_float64(request))
+    finally:
+        for h in handles:
+            h.remove()
     return model
+
+
+def _jittered(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    # A float32 sum's rounding scales with its terms, not with its (possibly cancelled) result: each element moves by
+    # up to eps32 of itself plus eps32 of the tensor's mean magnitude.
+    u, v = (torch.rand(t.shape, generator=gen, dtype=t.dtype) * 2.0 - 1.0 for _ in range(2))
+    eps = torch.finfo(torch.float32).eps
+    return t * (1.0 + eps * u) + eps * v * t.detach().abs().mean()
+
+
+class _Jitter(torch.autograd.Function):
+    """Identity up to one float32 rounding, forward and backward."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        ctx.gen = gen  # type: ignore[attr-defined]
+        return _jittered(x, gen)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _jittered(g, ctx.gen), None  # type: ignore[attr-defined]
+
+
+def _add_jitter(model: nn.Module, gen: torch.Generator) -> list[torch.utils.hooks.RemovableHandle]:
+    def on_output(module: nn.Module, inputs: object, output: object) -> object:
+        if isinstance(output, torch.Tensor) and output.is_floating_point():
+            return _Jitter.apply(output, gen)
+        return output  # an LSTM's (output, state) tuple: its input and parameter gradients are still jittered
+
+    handles = [m.register_forward_hook(on_output) for m in model.modules() if not list(m.children())]
+    handles += [p.register_hook(lambda g: _jittered(g, gen)) for p in model.parameters()]
+    return handles
 
 
 class _threads:
@@ -355,6 +457,27 @@ def _amax(t: torch.Tensor) -> float:
     return float(t.abs().max()) if t.numel() else 0.0
 
 
+def _jitter_spread(
+    spec: ModelSpec,
+    begin: Mapping[str, torch.Tensor],
+    request: TrainRequest,
+    expected: Mapping[str, torch.Tensor],
+    *,
+    seed: int,
+) -> dict[str, torch.Tensor]:
+    """Per element, the largest distance from ``expected`` (float64's step) of JITTER_RUNS jittered float64 steps
+    (:func:`_float64_run`) and of eager float32 in the contiguous layout (one thread and the process's).
+
+    Eager channels-last is left out: on one thread its convolution and batch-norm kernels lose precision like
+    ExecuTorch's portable ones (measured: the same 3.5e-6 on dsfl_mnist_cnn's features.0.weight), which the gate
+    must refuse.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    runs = [exchanged_state(_float64_run(spec, begin, request, jitter=gen)) for _ in range(JITTER_RUNS)]
+    runs += float32_runs(spec, begin, request, layouts=(torch.contiguous_format,))
+    return {k: torch.stack([(r[k].double() - v).abs() for r in runs]).amax(0) for k, v in expected.items()}
+
+
 def stepwise_parity(
     train: Callable[[Mapping[str, torch.Tensor], TrainRequest], Mapping[str, torch.Tensor]],
     spec: ModelSpec,
@@ -368,9 +491,12 @@ def stepwise_parity(
 
     ``train(begin, one_step_request)`` runs one step from ``begin`` (float32) on the runtime under test with a fresh
     optimizer and returns its weights. Float64 follows its own trajectory from ``start``; before each step its weights,
-    rounded to float32, are where both begin. Per tensor the measure is the difference of the two updates, less one
+    rounded to float32, are where both begin. Per element the measure is the difference of the two updates, less one
     float32 rounding of the result (float32 cannot store an update below its rounding of the weight), over the step's
-    largest float64 update of any tensor; the report is the worst tensor and step.
+    largest float64 update of any tensor. Where that exceeds STEP_TOLERANCE, the element's allowance grows by
+    JITTER_FACTOR times its spread (:func:`_jitter_spread`: jittered float64 runs and eager float32 contiguous runs of
+    the same step), so the measure is ``excess / (scale + JITTER_FACTOR * spread / STEP_TOLERANCE)``; the report is
+    the worst element's tensor and step.
     """
     order = batch_order(len(request.x), request.epochs, request.batch_size, request.seed)
     current: dict[str, torch.Tensor] = {k: v.double() for k, v in start.items()}
@@ -386,16 +512,29 @@ def stepwise_parity(
         # The largest update of any tensor in this step: gradients of some tensors are zero up to round-off (a
         # convolution's bias before batch norm), so a tensor's own update is no scale for its error.
         scale = max(max(_amax(v - begin[k].double()) for k, v in current.items()), 1e-12)
-        max_abs, max_scaled, where = 0.0, -1.0, ""
+        excess: dict[str, torch.Tensor] = {}
+        max_abs = 0.0
         for name, after in current.items():
             # Both runtimes store the result in float32: up to one unit in the last place of it is rounding.
             ulp = torch.finfo(torch.float32).eps * after.abs().clamp(min=torch.finfo(torch.float32).tiny)
             diff = (got[name].double() - after).abs()
-            excess = _amax((diff - ulp).clamp(min=0.0)) if bool(torch.isfinite(diff).all()) else math.nan
             max_abs = max(max_abs, _amax(diff))
-            if math.isnan(excess) or excess / scale > max_scaled:
-                max_scaled, where = excess / scale, f"{name} at step {step} of {len(order)} of {request.batch_size}"
-            if math.isnan(excess):
+            excess[name] = (
+                (diff - ulp).clamp(min=0.0) if bool(torch.isfinite(diff).all()) else diff.new_full((), math.nan)
+            )
+        if any(_amax(e) > STEP_TOLERANCE * scale for e in excess.values() if not e.isnan().any()):
+            # Some elements are off by more than round-off of the step's largest update. Excused where float64
+            # itself moves that far when each layer's result is rounded once (a near-tied max-pool window or a
+            # ReLU at zero flips): a tie is no kernel's error, while an op that loses precision inside (a one-pass
+            # variance, an unblocked long sum) or a wrong gradient is far outside that spread.
+            spread = _jitter_spread(spec, begin, one, current, seed=step)
+            excess = {k: e / (1.0 + JITTER_FACTOR * spread[k] / (STEP_TOLERANCE * scale)) for k, e in excess.items()}
+        max_scaled, where = -1.0, ""
+        for name, e in excess.items():
+            measure = math.nan if bool(e.isnan().any()) else _amax(e) / scale
+            if math.isnan(measure) or measure > max_scaled:
+                max_scaled, where = measure, f"{name} at step {step} of {len(order)} of {request.batch_size}"
+            if math.isnan(measure):
                 break
         report = ParityReport(source, "step", runtime, max_abs, max_scaled, where, STEP_TOLERANCE)
         if worst is None or math.isnan(report.max_scaled_diff) or report.max_scaled_diff > worst.max_scaled_diff:
@@ -406,15 +545,20 @@ def stepwise_parity(
     return worst
 
 
-def float32_runs(spec: ModelSpec, start: Mapping[str, torch.Tensor], request: TrainRequest) -> list[StateDict]:
+def float32_runs(
+    spec: ModelSpec,
+    start: Mapping[str, torch.Tensor],
+    request: TrainRequest,
+    *,
+    layouts: Sequence[torch.memory_format] | None = None,
+) -> list[StateDict]:
     """Eager float32 weights after ``request`` under each layout and thread count fedge trains with.
 
     fedge's PyTorch client trains convolutional models channels-last on the CPU (fedge.learning.backend) and the
     simulator's workers run on one thread or the process's; each is a correct float32 computation of the same steps.
     """
-    layouts = [torch.contiguous_format]
-    if len(spec.input_shape) == 3:
-        layouts.append(torch.channels_last)
+    if layouts is None:
+        layouts = [torch.contiguous_format, *([torch.channels_last] if len(spec.input_shape) == 3 else [])]
     threads = sorted({1, max(1, torch.get_num_threads())})
     runs = []
     for layout in layouts:

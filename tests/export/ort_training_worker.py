@@ -19,14 +19,8 @@ import torch
 from safetensors.torch import save_file
 
 from edge_client.backends.ort_training import OrtTrainer
-from export.ort_training import (
-    RETRY_SEEDS,
-    ArtifactCache,
-    StatBatchNorm,
-    check_artifacts,
-    drift_request_for_seed,
-    generate,
-)
+from export.ort_training import ArtifactCache, StatBatchNorm, check_artifacts, generate
+from export.parity import RETRY_SEEDS, drift_request_for_seed
 from fedge.learning.models import exchanged_state
 from fedge.learning.objectives import make_objective
 from fedge.programs.spec import ModelSpec, TrainingLoss

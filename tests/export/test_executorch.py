@@ -68,28 +68,66 @@ def test_without_the_max_pool_workaround_the_parity_check_refuses_the_program() 
     Only a program that keeps ``max_pool2d`` shows it: the lowered programs route max-pool gradients themselves.
     """
     data = training_program("fedavg_cnn", "ce", max_pool_workaround=False, lower=False)
-    logits, step, drift = check_training(data, source="no-workaround.pte")
+    logits, step, *drift = check_training(data, source="no-workaround.pte")
     assert logits.passed  # inference is fine: only gradients are wrong
     assert not step.passed and step.max_scaled_diff > 1e3 * step.tolerance  # wrong from the second step on
-    assert not drift.passed and drift.max_abs_diff > 1e-3
+    # The free-running check failed on the standard samples and on both repeats (as the ONNX Runtime gate retries).
+    assert len(drift) == 3 and all(not d.passed and d.max_abs_diff > 1e-3 for d in drift)
+    assert "samples of seed 9" in drift[-1].worst
     with pytest.raises(ExportError, match=r"no-workaround\.pte: step parity on executorch FAILED: max abs diff"):
-        require([logits, step, drift])
+        require([logits, step, *drift])
     # With the decomposition, max pooling trains as in eager: see the dsfl_mnist_cnn test above.
 
 
 @pytest.mark.timeout(900)  # export plus the gate's eager runs: over 300 s on a loaded 2-core host
 def test_the_stepwise_gate_refuses_an_imprecise_program_whose_free_running_drift_is_within_float32s_spread() -> None:
-    """The program of the unlowered dsfl_mnist_cnn runs ExecuTorch's portable batch-norm kernels, whose one-pass
-    variance loses ~1e-4 relative on MNIST-like batches. From trained weights, free-running float32 eager itself
-    lands ~6e-4 from float64 (max-pool windows and ReLUs flip), so the free-running check cannot see it; one step at
-    a time from float64's weights it is ~1.7e-5 of the step's largest update off, correct programs <= 2.1e-7."""
+    """The program of the unlowered dsfl_mnist_cnn runs ExecuTorch's portable convolution and batch-norm kernels,
+    which lose precision on MNIST-like batches (as eager channels-last does on one thread: the same 3.5e-6 on
+    features.0.weight). From trained weights, free-running float32 eager itself lands ~6e-4 from float64 (max-pool
+    windows and ReLUs flip), so the free-running check cannot see it; one step at a time from float64's weights it is
+    1.7e-5 of the step's largest update off, where rounding each layer's result once moves float64 by ~1e-8 (the
+    jitter spread does not excuse it), correct programs <= 2.1e-7."""
     spec = SPECS["dsfl_mnist_cnn"]
     data = export_training(spec.build(seed=1), spec, loss_of("ntd", 0.0), max_batch=64, lower=False)
-    _, step, drift = check_training(data, weights("dsfl_mnist_cnn"), source="unlowered.pte")
+    _, step, *drift = check_training(data, weights("dsfl_mnist_cnn"), source="unlowered.pte")
     assert not step.passed and step.max_scaled_diff > 2 * step.tolerance
-    assert drift.tolerance > 10 * DRIFT_FLOOR  # set by the spread of eager float32 runs, not a fixed number
+    assert drift[0].tolerance > 10 * DRIFT_FLOOR  # set by the spread of eager float32 runs, not a fixed number
     with pytest.raises(ExportError, match=r"unlowered\.pte: step parity on executorch FAILED"):
         require([step])
+
+
+@pytest.mark.timeout(900)  # eight float64 steps of a 1.7M-parameter CNN at batch 50: minutes on a loaded 2-core host
+def test_the_stepwise_gate_accepts_a_max_pool_tie_that_float32_breaks_the_other_way(monkeypatch) -> None:
+    """fedavg_cnn at 28x28 from fresh seed-0 weights, ce: at the third step a max-pool window of the first layer is
+    tied to float64's precision, float32 picks another position, and features.0.weight's update moves by 1.2e-4 of the
+    step's largest update. `fedge export` refused its (correct) program for that; eager float32 channels-last, the
+    layout fedge's own client trains with, lands on the same weights to the last bit. A tie is no kernel's error: the
+    gate excuses what float64 itself moves when each layer's result is rounded once (``_jitter_spread``)."""
+    import dataclasses
+
+    from export import parity
+    from fedge.learning.models import exchanged_state
+    from fedge.learning.training import train as eager_train
+    from fedge.programs.spec import ModelSpec
+
+    spec = ModelSpec("fedavg_cnn", (1, 28, 28), 10)
+    start = exchanged_state(spec.build(seed=0))
+    request = parity.drift_request(spec, TrainingLoss(CrossEntropy()), batch_size=parity.DRIFT_BATCH)
+
+    def channels_last_float32(begin, one):  # type: ignore[no-untyped-def]
+        model = parity.reference_model(spec, begin).to(memory_format=torch.channels_last)
+        with parity._threads(1):
+            eager_train(model, dataclasses.replace(one, x=one.x.contiguous(memory_format=torch.channels_last)))
+        return exchanged_state(model)
+
+    suspect_steps: list[int] = []
+    spread = parity._jitter_spread
+    monkeypatch.setattr(
+        parity, "_jitter_spread", lambda *a, seed, **k: suspect_steps.append(seed) or spread(*a, seed=seed, **k)
+    )
+    report = parity.stepwise_parity(channels_last_float32, spec, start, request, source="eager", runtime="torch")
+    assert suspect_steps == [3]  # off by more than the tolerance of the step's largest update there, before the spread
+    assert report.passed, report
 
 
 @pytest.mark.parametrize(
