@@ -37,7 +37,7 @@ from sim.brokers import find_mosquitto, free_port, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "deployment.md"
-STEPS = ("provision", "broker", "broker-as-root", "coordinator", "clients", "status", "report")
+STEPS = ("provision", "broker", "broker-as-root", "coordinator", "clients", "status", "resume", "report")
 DOC_PORT = "--fleet-port 8883"  # the one placeholder the test fills (the doc says so)
 ROUNDS = 3  # the doc's --rounds
 _MARKED = re.compile(r"^<!-- walkthrough: ([\w-]+) -->\n```bash\n(.*?)\n```$", re.S | re.M)
@@ -172,6 +172,7 @@ def shells() -> Iterator[list[Shell]]:
 def test_the_steps_are_read_from_the_doc_and_a_changed_doc_fails(tmp_path: Path) -> None:
     steps = walkthrough()
     assert "fedge coordinator --bundle fleet/kit/coordinator" in steps["coordinator"]
+    assert steps["resume"] == steps["coordinator"]  # the same command continues the run
     assert commands_of(steps["broker"], Path("/w")) == [["mosquitto", "-c", "/w/fleet/kit/broker/mosquitto.conf"]]
     doc = tmp_path / "deployment.md"
     doc.write_text(DOC.read_text().replace("<!-- walkthrough: status -->\n", ""))  # a step lost its marker
@@ -228,11 +229,19 @@ def test_the_docs_walkthrough_runs_as_printed(who: str, open_dir: Path, shells: 
     status = shell.start(steps["status"], logs / "status.log")
 
     first = wait_for_text(logs / "coordinator.log", r"^round +1  acc", coordinator, 300)
-    assert coordinator.wait(300) == 0, (logs / "coordinator.log").read_text()[-3000:]
+    # Stopped after round 1 (Ctrl-C), the doc's resume step continues the run from its journal.
+    shell.signal(coordinator, signal.SIGINT)
+    assert coordinator.wait(120) == 130, (logs / "coordinator.log").read_text()[-3000:]
+    before = (logs / "coordinator.log").read_text()
+    done_before = len(re.findall(r"^round +\d+  acc", before, re.M))
+    assert 1 <= done_before < ROUNDS, before
+    resumed = shell.start(steps["resume"], logs / "resume.log")
+    assert resumed.wait(300) == 0, (logs / "resume.log").read_text()[-3000:]
     ended = time.monotonic()
-    out = (logs / "coordinator.log").read_text()
-    assert len(re.findall(r"^round +\d+  acc", out, re.M)) == ROUNDS, out
-    assert "SKIPPED" not in out and "final accuracy" in out, out
+    out = (logs / "resume.log").read_text()
+    after = [int(n) for n in re.findall(r"^round +(\d+)  acc", out, re.M)]
+    assert after == list(range(done_before + 1, ROUNDS + 1)), out  # each round once, over both sessions
+    assert "SKIPPED" not in before + out and "final accuracy" in out, out
 
     # The live view saw the rounds and the end; Ctrl-C leaves it with status 0.
     wait_for_text(logs / "status.log", rf"finished after round {ROUNDS} of {ROUNDS}", status, 30)
