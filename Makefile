@@ -48,7 +48,8 @@ typecheck: install
 # --durations: the slowest tests at the end of every run, to keep the suite well under 15 minutes on 2 cores.
 # Two worker processes (pytest-xdist), one test file each at a time (module fixtures such as a fleet's mosquitto stay
 # in one process): many tests wait on brokers, subprocesses and deadlines, so two workers on 2 cores cut the wall
-# time (measured: 17.6 min for 973 tests from a fresh clone, 2026-11-27; 16.1 min for 890 the day before; in one
+# time (measured: 21.1 min for 1017 tests from a fresh clone, quiet machine, 2026-11-27 evening; 17.6 min for 973 that
+# morning; 16.1 min for 890 the day before; in one
 # process 22.6 min for 890, with another job running). Files are taken
 # in collection order, the slowest first (tests/conftest.py), so that no worker finishes a long file alone.
 test: install ort-training mosquitto chromium lint typecheck
@@ -56,7 +57,8 @@ test: install ort-training mosquitto chromium lint typecheck
 
 # The unit tests of the core, the journal, the CLI, the reports and the in-process simulator: no broker, no exported
 # program, no fleet of processes, no venv built (tests/fedge_cli/test_packaging.py) and no Ctrl-C of a subprocess
-# run (test_run_lifecycle.py). Two workers, as `make test`; `make test` stays the full suite.
+# run (test_run_lifecycle.py). Two workers, as `make test` (650 tests in 1 min 50 s, quiet 2-core machine, 2026-11-27);
+# `make test` stays the full suite.
 FAST_TESTS := tests/fedge tests/fedge_io/test_journal.py tests/fedge_cli/test_cli.py tests/fedge_cli/test_help.py \
 	tests/experiments tests/sim/test_report.py tests/sim/test_inprocess.py
 test-fast: install
