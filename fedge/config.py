@@ -161,13 +161,6 @@ class RunConfig:
             raise ConfigError(f"config file {path}: {exc}") from None
 
 
-def _algorithm(name: str) -> Any:
-    # The registry imports every algorithm module, whose settings classes this module must not import at load time.
-    from fedge.registry import get_algorithm
-
-    return get_algorithm(name)
-
-
 def _all_setting_names() -> set[str]:
 
     return {f.name for spec in ALGORITHMS.values() for f in dataclasses.fields(spec.settings)}

@@ -52,16 +52,17 @@ def cache_root() -> Path | None:
 
 
 def cached_splits(
-    sources: Sequence[Path], recipe: str, decode: Callable[[], tuple[Dataset, Dataset]]
+    sources: Sequence[Path], recipe: str, decode: Callable[[], tuple[Dataset, Dataset]], kind: type[Dataset]
 ) -> tuple[Dataset, Dataset]:
     """``decode()``'s (train, test) splits, from the cache when ``sources`` and ``recipe`` (what decoding does, with
-    its version) are those of a cached entry; otherwise decoded and cached."""
+    its version) are those of a cached entry; otherwise decoded and cached. ``kind``: the dataset class, passed by
+    :mod:`fedge.data.datasets` (which imports this module) to rebuild cached splits."""
     root = cache_root()
     if root is None:
         return decode()
     entry = root / _key(sources, recipe)
     if entry.is_dir():
-        cached = _read(entry)
+        cached = _read(entry, kind)
         if cached is not None:
             return cached
     splits = decode()
@@ -80,9 +81,7 @@ def _key(sources: Sequence[Path], recipe: str) -> str:
     return digest.hexdigest()[:32]
 
 
-def _read(entry: Path) -> tuple[Dataset, Dataset] | None:
-    from fedge.data.datasets import Dataset
-
+def _read(entry: Path, kind: type[Dataset]) -> tuple[Dataset, Dataset] | None:
     try:
         meta = json.loads((entry / "meta.json").read_text())
         if meta.get("format") != FORMAT:
@@ -95,7 +94,7 @@ def _read(entry: Path) -> tuple[Dataset, Dataset] | None:
                 raise ValueError(f"{split}: x {x.dtype}{list(x.shape)}, y {y.dtype}{list(y.shape)}")
             if list(x.shape) != meta[f"{split}_shape"]:
                 raise ValueError(f"{split}: shape {list(x.shape)}, meta.json says {meta[f'{split}_shape']}")
-            splits.append(Dataset(x=x, y=y, num_classes=int(meta["num_classes"]), name=str(meta["name"])))
+            splits.append(kind(x=x, y=y, num_classes=int(meta["num_classes"]), name=str(meta["name"])))
     except (OSError, ValueError, KeyError, TypeError, DatasetError) as exc:
         log.warning("ignoring the damaged dataset cache %s (%s): decoding the dataset again", entry, exc)
         shutil.rmtree(entry, ignore_errors=True)

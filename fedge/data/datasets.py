@@ -214,7 +214,7 @@ def load_idx_dir(directory: str | Path, name: str) -> tuple[Dataset, Dataset]:
     directory = Path(directory)
     sources = [_find_idx_file(directory, f) for f in _IDX_FILES]
     recipe = f"idx/1 {name} {_IDX_NORMALIZATION.get(name)}"  # bump the version when decoding changes
-    return cached_splits(sources, recipe, lambda: _decode_idx_dir(directory, name))
+    return cached_splits(sources, recipe, lambda: _decode_idx_dir(directory, name), Dataset)
 
 
 def _decode_idx_dir(directory: Path, name: str) -> tuple[Dataset, Dataset]:
