@@ -9,6 +9,8 @@ directory layout that was expected.
 from __future__ import annotations
 
 import gzip
+import importlib.metadata
+import importlib.util
 import math
 import zlib
 from collections.abc import Callable, Sequence
@@ -325,6 +327,26 @@ def load_digits_dataset(test_fraction: float = 0.25, seed: int = 0) -> tuple[Dat
     """
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError(f"test_fraction must lie in (0, 1), got {test_fraction}")
+    # Importing scikit-learn costs about 2 CPU s, paid by every process that loads the digits (each worker, client and
+    # test subprocess): the split is cached as the decoded datasets are, keyed by scikit-learn's own data file and
+    # version (its split function decides the order), so only the first process imports it.
+    source = _sklearn_digits_file()
+    if source is None:
+        return _split_digits(test_fraction, seed)
+    recipe = f"digits/1 scikit-learn {importlib.metadata.version('scikit-learn')} {test_fraction!r} {seed}"
+    return cached_splits([source], recipe, lambda: _split_digits(test_fraction, seed), Dataset)
+
+
+def _sklearn_digits_file() -> Path | None:
+    """scikit-learn's bundled digits file, found without importing scikit-learn (None: not where expected)."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+    return path if path.is_file() else None
+
+
+def _split_digits(test_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
     from sklearn.datasets import load_digits  # imported here: scikit-learn is slow to import and only needed here
     from sklearn.model_selection import train_test_split
 

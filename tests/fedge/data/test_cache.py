@@ -3,6 +3,10 @@ and an empty FEDGE_CACHE_DIR each lead to decoding the files again."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +16,8 @@ from fedge.data import datasets as data
 from fedge.data.cache import ENV
 from fedge.data.datasets import load_idx_dir
 from tests.fedge.data.test_datasets import idx_images, write_file, write_idx_dir
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -104,3 +110,27 @@ def test_an_unwritable_cache_still_loads(tmp_path: Path, monkeypatch: pytest.Mon
     raw = write_idx_dir(tmp_path / "idx")
     train, _ = load_idx_dir(tmp_path / "idx", "my_digits")
     assert len(train.x) == len(raw["train_x"])
+
+
+def test_the_digits_split_is_cached_per_seed_and_read_without_scikit_learn(tmp_path: Path, cache: Path) -> None:
+    first = _digits_in_a_new_process(cache)  # decodes with scikit-learn and caches
+    second = _digits_in_a_new_process(cache)
+    assert first["sklearn"] and not second["sklearn"]  # the cached load never imports it
+    assert first["digest"] == second["digest"]  # the same split bit for bit
+    assert len(list(cache.iterdir())) == 1
+    data.load_digits_dataset(seed=1)  # another split is another entry
+    assert len(list(cache.iterdir())) == 2
+
+
+def _digits_in_a_new_process(cache: Path) -> dict[str, object]:
+    """load_digits_dataset in a new interpreter (whether scikit-learn was imported is a per-process fact)."""
+    code = (
+        "import hashlib, json, sys\n"
+        "from fedge.data.datasets import load_digits_dataset\n"
+        "h = hashlib.sha256()\n"
+        "for s in load_digits_dataset(): h.update(s.x.tobytes()); h.update(s.y.tobytes())\n"
+        "print(json.dumps({'sklearn': 'sklearn' in sys.modules, 'digest': h.hexdigest()}))\n"
+    )
+    env = {**os.environ, ENV: str(cache), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
