@@ -49,8 +49,10 @@ def run_demo(
     rounds: int = BASE.rounds,
     transport: str = "mqtt",
     on_round: Callable[[RoundRecord], None] | None = None,
+    executor: str = "auto",
 ) -> tuple[list[RunResult], Path]:
-    """Run the three algorithms (over MQTT, or in process) and write their comparison report into ``out``."""
+    """Run the three algorithms (over MQTT, or in process on ``executor``) and write their comparison report into
+    ``out``."""
     from sim.report import write_report
 
     results = []
@@ -63,7 +65,7 @@ def run_demo(
         else:
             from sim.run import run_inprocess
 
-            results.append(run_inprocess(config, run_dir, on_round=on_round, executor="auto"))
+            results.append(run_inprocess(config, run_dir, on_round=on_round, executor=executor))
     report = write_report([r.path for r in results], out / "report")
     return results, report
 
