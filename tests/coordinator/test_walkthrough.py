@@ -6,10 +6,11 @@ the only substitution is a free port for ``8883``. Blocks the doc runs "in a ter
 background, each in a process group of its own that the test stops at the end. A doc that breaks (a command that
 fails, a broker block that is not what ``fedge provision`` prints, a missing step) fails this test.
 
-As root and as an unprivileged user: as root mosquitto drops to user ``mosquitto`` and must still read the kit (the
-bug of issue 31); the unprivileged run is user ``nobody`` when the test runs as root (every step, the broker
-included, as that user), else the test's own user. The test prints the walkthrough's times (``pytest -s``): from
-``fedge provision`` to the coordinator's first aggregated round and to its exit; it asserts no time.
+The whole walkthrough runs as user ``nobody`` when the test runs as root (every step, the broker included), else as
+the test's own user; as root, a shorter test runs the doc's root broker block (mosquitto drops to user ``mosquitto``
+and must still read the kit: the bug of issue 31) and logs in to it with the doc's status command. The test prints
+the walkthrough's times (``pytest -s``): from ``fedge provision`` to the coordinator's first aggregated round and to
+its exit; it asserts no time.
 """
 
 from __future__ import annotations
@@ -180,21 +181,26 @@ def test_the_steps_are_read_from_the_doc_and_a_changed_doc_fails(tmp_path: Path)
         walkthrough(doc)
 
 
-@pytest.mark.broker
-@pytest.mark.parametrize("who", ["root", "unprivileged"])
-def test_the_docs_walkthrough_runs_as_printed(who: str, open_dir: Path, shells: list[Shell]) -> None:  # noqa: F811
-    require_mosquitto()
+@dataclass
+class Walk:
+    """A walkthrough under way: its shell, steps, log folder, broker port and times."""
+
+    shell: Shell
+    steps: dict[str, str]
+    logs: Path
+    port: int
+    user: str | None
+    broker: subprocess.Popen[bytes]
+    started: float
+    provisioned: float
+    listening: float
+
+
+def provision_and_start_broker(folder: Path, shells: list[Shell], user: str | None) -> Walk:
+    """The doc's first two steps as ``user`` (None: this process's user): the kit, then the broker it printed."""
     is_root = os.geteuid() == 0
-    if who == "root" and not is_root:
-        pytest.skip("needs root: mosquitto started as root drops to its own user")
-    user = "nobody" if who == "unprivileged" and is_root else None
-    if user is not None:
-        try:
-            pwd.getpwnam(user)
-        except KeyError:
-            pytest.skip(f"no user {user} to run the walkthrough unprivileged")
     steps = walkthrough()
-    work, logs, bin_dir = open_dir / "walk", open_dir / "logs", open_dir / "bin"
+    work, logs, bin_dir = folder / "walk", folder / "logs", folder / "bin"
     for d in (work, logs, bin_dir):
         d.mkdir()
     if user is not None:  # as if that user had made the directory it works in
@@ -222,7 +228,42 @@ def test_the_docs_walkthrough_runs_as_printed(who: str, open_dir: Path, shells: 
     assert commands_of(broker_block, work) == [shlex.split(c) for c in printed_commands(printed)], printed
     broker = shell.start(broker_block, logs / "broker.log")
     assert wait_for_port("127.0.0.1", port, 20), (logs / "broker.log").read_text()[-2000:]
-    listening = time.monotonic()
+    return Walk(shell, steps, logs, port, user, broker, started, provisioned, time.monotonic())
+
+
+@pytest.mark.broker
+def test_as_root_the_brokers_block_serves_the_kit_after_dropping_to_its_user(
+    open_dir: Path,  # noqa: F811
+    shells: list[Shell],
+) -> None:
+    """Issue 31's bug: mosquitto started as root drops to user ``mosquitto`` and must still read the kit. The doc's
+    root broker block, then the doc's status login over TLS with its password and ACL: it connects and subscribes,
+    and waits for a run status that no coordinator sends (exit 2 with that reason, not a connection error). The whole
+    walkthrough runs unprivileged below (one full run per suite: it starts a dozen processes)."""
+    require_mosquitto()
+    if os.geteuid() != 0:
+        pytest.skip("needs root: mosquitto started as root drops to its own user")
+    walk = provision_and_start_broker(open_dir, shells, None)
+    status = walk.steps["status"].strip() + " --once --timeout 2"
+    proc = walk.shell.start(status, walk.logs / "status.log")
+    assert proc.wait(120) == 2
+    assert "fedge: error: no run status on fedge/lab/run-status" in (walk.logs / "status.log").read_text()
+
+
+@pytest.mark.broker
+def test_the_docs_walkthrough_runs_as_printed(open_dir: Path, shells: list[Shell]) -> None:  # noqa: F811
+    """Every step, as user ``nobody`` when the suite runs as root (the broker included), else as this user."""
+    require_mosquitto()
+    user = "nobody" if os.geteuid() == 0 else None
+    if user is not None:
+        try:
+            pwd.getpwnam(user)
+        except KeyError:
+            pytest.skip(f"no user {user} to run the walkthrough unprivileged")
+    walk = provision_and_start_broker(open_dir, shells, user)
+    shell, steps, logs, broker = walk.shell, walk.steps, walk.logs, walk.broker
+    started, provisioned, listening = walk.started, walk.provisioned, walk.listening
+    is_root = os.geteuid() == 0
 
     coordinator = shell.start(steps["coordinator"], logs / "coordinator.log")
     clients = shell.start(steps["clients"], logs / "clients.log")
