@@ -43,6 +43,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread_per_test_worker() -> object:
+    """Under ``pytest -n N`` each worker process computes on one intra-op thread. The workers (and the processes their
+    tests start) already fill the cores; a worker's second OpenMP thread then waits for a core at every parallel
+    region, and an in-process training loop of small tensors ran 10-50x slower than alone (measured in this suite).
+    Results do not change: the tests that compare thread counts set them explicitly."""
+    import os
+
+    import torch
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _dataset_cache(tmp_path_factory: pytest.TempPathFactory) -> object:
     """Decoded datasets (fedge.data.cache) are cached in this session's temporary directory, not in ~/.cache."""
     from fedge.data.cache import ENV
