@@ -40,7 +40,7 @@ ImageShape: TypeAlias = tuple[int, int, int]
 # ReLU is monotone, so max(relu(a), relu(b)) == relu(max(a, b)) exactly, and the gradient reaches the same element
 # (the first maximum of its window when that is positive, none otherwise): the same function and gradients bit for bit
 # (tests/fedge/learning/test_models.py), with the ReLU, its backward and its saved mask on a quarter of the values.
-# A fedavg_cnn client (600 images, E = 3, B = 50, one thread) trained 1.03-1.14x faster in CPU time in loaded runs
+# A fedavg_cnn client (600 MNIST images, E = 3, B = 50, one thread) trains 1.02-1.03x faster in CPU time
 # (benchmarks/client_profile.py, docs/design.md). The state-dict keys are unchanged: ReLU and pooling hold no tensors.
 
 
