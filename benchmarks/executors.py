@@ -149,20 +149,58 @@ def _soft_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return -(targets * F.log_softmax(logits, dim=1)).sum(dim=1).mean()
 
 
+class PaperCNN(torch.nn.Module):
+    """The setups' CNNs as the papers write them, each ReLU before its pooling (fedge pools first, which gives the
+    same numbers for less work): the plain loop's own models, so it borrows none of fedge's speed-ups."""
+
+    def __init__(self, model: str, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        nn = torch.nn
+        c, h, w = input_shape
+        if model == "fedavg_cnn":  # McMahan et al.: 5x5 'same' convs 32, 64, each ReLU + 2x2 max-pool; fc 512; fc C
+            features = [nn.Conv2d(c, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 5, padding=2)]
+            features += [nn.ReLU(), nn.MaxPool2d(2)]
+            classifier = [nn.Linear(64 * (h // 4) * (w // 4), 512), nn.ReLU(), nn.Linear(512, num_classes)]
+        elif model == "dsfl_mnist_cnn":  # DS-FL 4.1: valid 5x5 convs 32, 64, each BN + ReLU + 2x2 max-pool; fc 512
+            side = ((h - 4) // 2 - 4) // 2
+            features = [nn.Conv2d(c, 32, 5), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 5)]
+            features += [nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2)]
+            classifier = [nn.Linear(64 * side * side, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Linear(512, num_classes)]
+        else:
+            raise ValueError(f"the plain loop has no definition of {model!r}")
+        self.features, self.classifier = nn.Sequential(*features), nn.Sequential(*classifier)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+PAPER_CNNS = ("fedavg_cnn", "dsfl_mnist_cnn")
+
+
+def paper_model(exp: Experiment) -> torch.nn.Module:
+    """The plain loop's model with fedge's initial weights (the same state-dict keys); fedge's own for a model other
+    than the setups' CNNs (the tests' small models, which have no pooling to reorder)."""
+    if exp.model not in PAPER_CNNS:
+        return exp.model_factory()
+    model = PaperCNN(exp.model, exp.input_shape, exp.num_classes)
+    model.load_state_dict(exp.model_factory().state_dict())
+    return model
+
+
 class PlainLoop:
     """One hand-written loop per setup: FedAvg (weighted average of the clients' weights) or DS-FL (own models,
     distillation on the previous round's soft labels, ERA, server distillation)."""
 
     def __init__(self, exp: Experiment) -> None:
         self.exp, self.cfg = exp, exp.config
-        self.model = exp.model_factory()
+        self.model = paper_model(exp)
         self.global_state = {k: v.clone() for k, v in self.model.state_dict().items()}
         self.data = {c: exp.client_data(c) for c in exp.parts}
         self.test_x, self.test_y = exp.test_tensors()
         self.open_x = exp.open_x()
         self.own: dict[str, dict[str, torch.Tensor]] = {}
         self.soft: tuple[torch.Tensor, torch.Tensor] | None = None  # (indices, soft labels) of the previous round
-        self.server = exp.model_factory()
+        self.server = paper_model(exp)
 
     def round(self, rnd: int) -> float:
         started = time.perf_counter()
@@ -209,7 +247,7 @@ class PlainLoop:
         gen = torch.Generator().manual_seed(rnd)
         for c in sampled:
             if c not in self.own:
-                self.own[c] = {k: v.clone() for k, v in self.exp.model_factory().state_dict().items()}
+                self.own[c] = {k: v.clone() for k, v in paper_model(self.exp).state_dict().items()}
             self.model.load_state_dict(self.own[c])
             if self.soft is not None:  # eq. 10: distill on the previous round's global soft labels
                 prev_idx, soft = self.soft
