@@ -11,7 +11,7 @@ All runtimes get the same number of CPU threads (``--threads``, default 1: one c
 portable kernels are single-threaded anyway). Absolute times depend on the machine and its load; the ratios are the
 result: the runtimes run interleaved, one step (or one inference) each in turn, and a ratio is the median of the
 per-turn ratios to eager PyTorch. ONNX Runtime training runs in its own environment, where its worker interleaves it
-pass by pass with eager PyTorch (``export.ort_training.step_times``). The report prints the load average. Every
+pass by pass with eager PyTorch (``export.ort_training.timing.step_times``). The report prints the load average. Every
 export passes its parity check before it is timed.
 
 Usage: python benchmarks/runtimes.py [--models fedavg_cnn dsfl_mnist_cnn] [--batch 50] [--repeats 20]
@@ -38,7 +38,7 @@ from edge_client.backends.runners import OnnxRunner, PteRunner, PteTrainer
 from export.cache import ExportingSource
 from export.executorch import export_inference, export_training
 from export.onnx import export_onnx
-from export.ort_training import step_times_in_env
+from export.ort_training.timing import step_times_in_env
 from export.parity import check_onnx, check_pte, check_training, require
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.algorithms.fedntd import NotTrueDistillation
@@ -150,7 +150,7 @@ def bench_model(spec: ModelSpec, batch: int, repeats: int, threads: int) -> dict
     )
     training["ExecuTorch before lowering"] = slow["before"]
     # ONNX Runtime training lives in its own environment: its worker times it pass by pass against eager PyTorch
-    # in the same process (export.ort_training.step_times), so its ratio is from one run too.
+    # in the same process (export.ort_training.timing.step_times), so its ratio is from one run too.
     ort = step_times_in_env(spec, batch=batch, threads=threads, repeats=max(3, repeats // 4))
     if ort is not None:
         training["ONNX Runtime training"] = {"ms": ort["ort_training_ms"], "ratio": ort["ratio"]}
