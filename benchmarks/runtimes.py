@@ -11,7 +11,7 @@ All runtimes get the same number of CPU threads (``--threads``, default 1: one c
 portable kernels are single-threaded anyway). Absolute times depend on the machine and its load; the ratios are the
 result: the runtimes run interleaved, one step (or one inference) each in turn, and a ratio is the median of the
 per-turn ratios to eager PyTorch. ONNX Runtime training runs in its own environment, where its worker interleaves it
-pass by pass with eager PyTorch (``export.ort_training.step_times``). The report prints the load average. Every
+pass by pass with eager PyTorch (``export.ort_training.timing.step_times``). The report prints the load average. Every
 export passes its parity check before it is timed.
 
 Usage: python benchmarks/runtimes.py [--models fedavg_cnn dsfl_mnist_cnn] [--batch 50] [--repeats 20]
@@ -38,8 +38,9 @@ from edge_client.backends.runners import OnnxRunner, PteRunner, PteTrainer
 from export.cache import ExportingSource
 from export.executorch import export_inference, export_training
 from export.onnx import export_onnx
-from export.ort_training import step_times_in_env
+from export.ort_training.timing import step_times_in_env
 from export.parity import check_onnx, check_pte, check_training, require
+from fedge.accounting.markdown import markdown_table
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.algorithms.fedntd import NotTrueDistillation
 from fedge.config import RunConfig, TrainConfig
@@ -150,7 +151,7 @@ def bench_model(spec: ModelSpec, batch: int, repeats: int, threads: int) -> dict
     )
     training["ExecuTorch before lowering"] = slow["before"]
     # ONNX Runtime training lives in its own environment: its worker times it pass by pass against eager PyTorch
-    # in the same process (export.ort_training.step_times), so its ratio is from one run too.
+    # in the same process (export.ort_training.timing.step_times), so its ratio is from one run too.
     ort = step_times_in_env(spec, batch=batch, threads=threads, repeats=max(3, repeats // 4))
     if ort is not None:
         training["ONNX Runtime training"] = {"ms": ort["ort_training_ms"], "ratio": ort["ratio"]}
@@ -214,32 +215,35 @@ def fl_accuracy(args: argparse.Namespace) -> dict[str, Any]:
 def print_report(results: list[dict[str, Any]], fl: dict[str, Any] | None, batch: int, threads: int) -> None:
     print(f"# On-device runtimes vs eager PyTorch ({threads} thread(s), torch {torch.__version__})\n")
     print("## Export sizes\n")
-    print("| model | parameters | state (float32) | ONNX | .pte XNNPACK | .pte training (ntd) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for r in results:
-        f = r["file_bytes"]
-        print(
-            f"| {r['model']} {r['input_shape']} | {r['parameters']:,} | {r['state_bytes']:,} | {f['onnx']:,} | "
-            f"{f['pte (XNNPACK)']:,} | {f['pte training (ntd)']:,} |"
-        )
+    header = ["model", "parameters", "state (float32)", "ONNX", ".pte XNNPACK", ".pte training (ntd)"]
+    files = ("onnx", "pte (XNNPACK)", "pte training (ntd)")
+    sizes = [
+        [f"{r['model']} {r['input_shape']}", f"{r['parameters']:,}", f"{r['state_bytes']:,}"]
+        + [f"{r['file_bytes'][k]:,}" for k in files]
+        for r in results
+    ]
+    print(markdown_table(header, sizes, "lrrrrr"), end="")
     print("\nEvery ratio is the median of per-repeat ratios, the runtimes interleaved step by step with eager PyTorch.")
     print("Load average while measuring: " + "; ".join(f"{r['model']}: {r['load_average']}" for r in results))
     print("\n## Inference latency (median ms; ratio to eager PyTorch)\n")
-    print(f"| model | runtime | batch 1 | x | batch {batch} | x |")
-    print("|---|---|---:|---:|---:|---:|")
+    inference = []
     for r in results:
         for name, by in r["inference_ms"].items():
             one, big = by[1], by[batch]
-            print(
-                f"| {r['model']} | {name} | {one['ms']:.3f} | {one['ratio']:.2f} | {big['ms']:.2f} | "
-                f"{big['ratio']:.2f} |"
-            )
+            times = [f"{one['ms']:.3f}", f"{one['ratio']:.2f}", f"{big['ms']:.2f}", f"{big['ratio']:.2f}"]
+            inference.append([r["model"], name, *times])
+    header = ["model", "runtime", "batch 1", "x", f"batch {batch}", "x"]
+    print(markdown_table(header, inference, "llrrrr"), end="")
     print(f"\n## Training step, batch {batch}, FedNTD loss, momentum SGD (median ms; ratio to eager PyTorch)\n")
-    print("| model | runtime | ms per step | x eager |")
-    print("|---|---|---:|---:|")
-    for r in results:
-        for name, t in r["train_step"].items():
-            print(f"| {r['model']} | {name} | {t['ms']:.2f} | {t['ratio']:.2f} |")
+    steps = [
+        [r["model"], name, f"{t['ms']:.2f}", f"{t['ratio']:.2f}"]
+        for r in results
+        for name, t in r["train_step"].items()
+    ]
+    print(
+        markdown_table(["model", "runtime", "ms per step", "x eager"], steps, "llrr"),
+        end="",
+    )
     if not any("ONNX Runtime training" in r["train_step"] for r in results):
         print("\n(ONNX Runtime training not measured: its environment is missing; `make ort-training` installs it.)")
     if fl is not None:
@@ -248,11 +252,11 @@ def print_report(results: list[dict[str, Any]], fl: dict[str, Any] | None, batch
             f"\n## FedNTD, {c['clients']} clients, {c['rounds']} rounds of {c['local_epochs']} local epochs on "
             f"{c['dataset']} ({fl['model']}; ExecuTorch export + check {fl['export_and_check_s']:.0f} s, not in wall)\n"
         )
-        print("| clients | accuracy per round | wall s |")
-        print("|---|---|---:|")
-        for name, run in fl["runs"].items():
-            accs = " ".join(f"{a:.4f}" for a in run["accuracy"])
-            print(f"| {name} | {accs} | {run['wall_s']:.1f} |")
+        runs = [
+            [name, " ".join(f"{a:.4f}" for a in run["accuracy"]), f"{run['wall_s']:.1f}"]
+            for name, run in fl["runs"].items()
+        ]
+        print(markdown_table(["clients", "accuracy per round", "wall s"], runs, "llr"), end="")
         print(f"\nlargest difference between the final global models: {fl['max_global_weight_diff']:.3g}")
 
 

@@ -23,11 +23,10 @@ import torch
 from coordinator.transport import Exchange, Transport
 from fedge.accounting.ledger import ByteLedger, RoundBytes
 from fedge.accounting.records import ByteCounts, RoundRecord
-from fedge.algorithms.base import Strategy, derive_seed
+from fedge.algorithms.base import CheckedReply, Strategy, derive_seed
 from fedge.config import RunConfig
 from fedge.learning.metrics import forgetting
 from fedge.types import ClientId
-from fedge.wire.message import Message
 from fedge.wire.protocol import STATE_ROUND
 
 log = logging.getLogger(__name__)
@@ -178,10 +177,10 @@ class RoundEngine:
         self.history.rounds.append(record)
         return record
 
-    def _note_lost_state(self, rnd: int, replies: Mapping[ClientId, Message]) -> None:
+    def _note_lost_state(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> None:
         """Compare the round each stateful client says its state came from with its last accepted reply."""
-        for client, msg in replies.items():
-            said = msg.transport.get(STATE_ROUND)
+        for client, reply in replies.items():
+            said = reply.update.transport.get(STATE_ROUND)
             if said is None or not said.isdigit() or len(said) > 9 or client in self.history.state_lost:
                 continue
             last = max((r.round for r in self.history.rounds if client in r.replied), default=0)

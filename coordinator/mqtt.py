@@ -32,10 +32,10 @@ from dataclasses import dataclass, field, replace
 
 from coordinator.broker_counters import SYS_FILTERS, SYS_TOPICS, BrokerCounters, SysCounterReader
 from coordinator.presence import Admit, Presence
-from coordinator.replies import RoundContext, judge_chunk, judge_reply, reject
+from coordinator.replies import RoundContext, file_reply, judge_chunk, judge_reply, reject
 from coordinator.status_board import StatusBoard
 from coordinator.transport import Exchange, ReplyCheck
-from fedge.accounting.ledger import BROADCAST_CLIENT, LedgerEntry, uncompressed_bytes
+from fedge.accounting.ledger import BROADCAST_CLIENT, LedgerEntry
 from fedge.accounting.records import ClientTiming, Drop
 from fedge.algorithms.base import RoundPlan
 from fedge.errors import CodecError, TransportError
@@ -450,40 +450,28 @@ class MqttTransport:
         """A whole message (one PUBLISH or reassembled chunks): judged, counted, kept if valid."""
         judged = judge_reply(payload, client, state.ctx)
         msg = judged.message
-        state.out.entries.append(
-            LedgerEntry(
-                round=state.rnd,
-                direction="up",
-                client=client,
-                kind=msg.kind if msg is not None else "invalid",
-                recipients=1,
-                tensor_bytes=msg.tensor_bytes if msg is not None else 0,
-                payload_bytes=counted.payload_bytes,
-                wire_bytes=counted.wire_bytes,
-                uncompressed_bytes=uncompressed_bytes(msg) if msg is not None else 0,
-            )
+        said = msg.transport if msg is not None else {}  # the compute times the client reports
+        round_trip = received_at - state.sent_at.get(client, state.started)
+        timing = ClientTiming(client, round_trip, _seconds(said.get(COMPUTE_S)), _seconds(said.get(COMPUTE_CPU_S)))
+        file_reply(
+            state.out,
+            state.rnd,
+            client,
+            judged,
+            timing,
+            payload_bytes=counted.payload_bytes,
+            wire_bytes=counted.wire_bytes,
+            final=False,  # a refused client may still send a valid reply before the deadline
         )
         if judged.rejection is not None:
-            state.out.rejections.append(judged.rejection)
             refused = judged.rejection.category == "invalid" and msg is not None and msg.round == state.rnd
             if refused and client in state.tasks and client not in state.out.replies:
                 state.refused_replies[client] = (time.monotonic(), judged.rejection.reason)
             return
-        assert msg is not None and judged.update is not None
         state.refused_replies.pop(client, None)
-        state.out.replies[client] = judged.update
         self.board.update(replied=sorted(state.out.replies))
         state.offline.pop(client, None)  # e.g. its connection dropped after it published
         state.incomplete.pop(client, None)  # an earlier attempt that was given up does not matter any more
-        sent = state.sent_at.get(client, state.started)
-        state.out.timings.append(
-            ClientTiming(
-                client,
-                received_at - sent,
-                _seconds(msg.transport.get(COMPUTE_S)),
-                _seconds(msg.transport.get(COMPUTE_CPU_S)),
-            )
-        )
 
     # --- the inbox ----------------------------------------------------------------------------------------------
 

@@ -63,7 +63,7 @@ class Judgement:
 
     message: Message | None  # as it arrived (counted in the ledger)
     rejection: Rejection | None
-    update: Message | None = None  # accepted: what the strategy aggregates (decoded when the run compresses)
+    checked: CheckedReply | None = None  # accepted: its report and update, as the strategy aggregates them
 
     @property
     def accepted(self) -> bool:
@@ -93,7 +93,7 @@ def judge_reply(payload: bytes, sender: ClientId, ctx: RoundContext) -> Judgemen
         )
     if isinstance(verdict, CheckedReply):
         ctx.replied.add(sender)
-        return Judgement(msg, None, verdict.update)
+        return Judgement(msg, None, verdict)
     return Judgement(msg, reject(ctx, sender, *verdict))
 
 
@@ -164,20 +164,35 @@ def reject(ctx: RoundContext, sender: ClientId, category: str, detail: object) -
     return Rejection(printable(sender, 64), category, text)
 
 
-def record_reply(
-    out: Exchange, rnd: int, client_id: ClientId, blob: bytes, judged: Judgement, timing: ClientTiming
+def file_reply(
+    out: Exchange,
+    rnd: int,
+    client: ClientId,
+    judged: Judgement,
+    timing: ClientTiming,
+    *,
+    payload_bytes: int,
+    wire_bytes: int = 0,
+    final: bool = True,
 ) -> None:
-    """Count a reply that arrived in one piece without a broker (wire bytes 0) and file it in ``out``: accepted with
-    its timing, or refused with its reason (the in-process and executor transports)."""
+    """Count a whole reply in the round's ledger and file it in ``out``: accepted (its checked report and update, and
+    ``timing``), or refused with its reason. Every transport files a judged reply here.
+
+    ``payload_bytes``: what the sender published (all chunks of a chunked message); ``wire_bytes``: the packets that
+    carried it (0 without a broker). ``final``: no other reply can come from this client this round (in-process and
+    executor transports), so a refusal drops it now; over a broker a refused client may still send a valid reply
+    before the deadline, and the end of the round decides its drop.
+    """
     message = judged.message
     kind = message.kind if message is not None else "invalid"
     tensor_bytes = message.tensor_bytes if message is not None else 0
     raw = uncompressed_bytes(message) if message is not None else 0
-    out.entries.append(LedgerEntry(rnd, "up", client_id, kind, 1, tensor_bytes, len(blob), 0, raw))
-    if judged.accepted and judged.update is not None:
-        out.replies[client_id] = judged.update
+    out.entries.append(LedgerEntry(rnd, "up", client, kind, 1, tensor_bytes, payload_bytes, wire_bytes, raw))
+    if judged.checked is not None:
+        out.replies[client] = judged.checked
         out.timings.append(timing)
-    else:
-        assert judged.rejection is not None
-        out.rejections.append(judged.rejection)
-        out.drops.append(Drop(client_id, judged.rejection.reason))
+        return
+    assert judged.rejection is not None
+    out.rejections.append(judged.rejection)
+    if final:
+        out.drops.append(Drop(client, judged.rejection.reason))

@@ -22,9 +22,7 @@ class Exchange:
     """Everything one round's communication produced: the valid replies, every message counted, every client that
     dropped out and every message refused, with reasons, and the replies' timings."""
 
-    replies: dict[ClientId, Message] = field(
-        default_factory=dict
-    )  # the accepted updates, as the strategy aggregates them
+    replies: dict[ClientId, CheckedReply] = field(default_factory=dict)  # accepted: as the strategy aggregates them
     entries: list[LedgerEntry] = field(default_factory=list)
     drops: list[Drop] = field(default_factory=list)  # sampled, but no valid reply before the deadline
     rejections: list[Rejection] = field(default_factory=list)

@@ -13,6 +13,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from fedge.accounting.markdown import markdown_table
 from fedge.errors import FedgeError
 from sim.report.runs import Run, load_runs
 
@@ -47,14 +48,12 @@ def main() -> None:
     thresholds = [float(t) for t in args.thresholds.split(",")]
     header = ["run", *(f"round {n}" for n in rounds), "best", "mean of the last 5 evaluations"]
     header += [f"rounds to {' / '.join(f'{t:g}' for t in thresholds)}%", "F (last)", "F (mean)", "last round"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
     try:
         # The loader `fedge report` uses: clear errors, and the report's labels (what differs between the runs)
-        for run in load_runs(args.runs):
-            print("| " + " | ".join(table_row(run, rounds, thresholds)) + " |")
+        rows = [table_row(run, rounds, thresholds) for run in load_runs(args.runs)]
     except FedgeError as exc:
         sys.exit(f"error: {exc}")
+    print(markdown_table(header, rows), end="")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file
 
 from coordinator.run import provision_fleet, run_coordinator
+from fedge.accounting.markdown import markdown_table
 from fedge.config import RunConfig, TrainConfig
 from fedge_io.credentials import load_bundle
 from fedge_io.experiment import Experiment, prepare
@@ -155,17 +156,21 @@ def main() -> None:
         f"\nFedNTD, digits, tiny_mlp, 3 client processes over the kit's mosquitto (TLS), {args.rounds} rounds; "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n"
     )
-    print(
-        "| fault | rounds skipped | c002 replied / sampled | max abs weight difference to in-process | "
-        "rounds wall (s) | cost (s) | coordinator wall (s) |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        skipped = ", ".join(map(str, r.skipped)) or "none"
-        print(
-            f"| {DESCRIPTIONS[r.fault]} | {skipped} | {r.flaky_replied} / {r.flaky_sampled} | {r.model_diff:.3g} | "
-            f"{r.rounds_wall_s:.1f} | {r.rounds_wall_s - base:+.1f} | {r.run_wall_s:.1f} |"
-        )
+    header = ["fault", "rounds skipped", "c002 replied / sampled", "max abs weight difference to in-process"]
+    header += ["rounds wall (s)", "cost (s)", "coordinator wall (s)"]
+    table = [
+        [
+            DESCRIPTIONS[r.fault],
+            ", ".join(map(str, r.skipped)) or "none",
+            f"{r.flaky_replied} / {r.flaky_sampled}",
+            f"{r.model_diff:.3g}",
+            f"{r.rounds_wall_s:.1f}",
+            f"{r.rounds_wall_s - base:+.1f}",
+            f"{r.run_wall_s:.1f}",
+        ]
+        for r in rows
+    ]
+    print(markdown_table(header, table), end="")
 
 
 if __name__ == "__main__":

@@ -295,7 +295,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
     if args.runtime == "torch":
         return run_client(args)
     if args.runtime == "onnxruntime-training":  # in .venv-ort-training: makes (and checks) artifacts before the hello
-        from export.ort_training import ArtifactCache
+        from export.ort_training.cache import ArtifactCache
 
         return run_client(args, ort_artifacts=ArtifactCache(args.program_cache))
     # On a workstation the exporters are installed: a missing program is exported (and parity-checked) first.

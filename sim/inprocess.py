@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from coordinator.replies import RoundContext, judge_reply, record_reply
+from coordinator.replies import RoundContext, file_reply, judge_reply
 from coordinator.transport import Exchange, ReplyCheck
 from edge_client.client import EdgeClient
 from fedge.accounting.ledger import BROADCAST_CLIENT, LedgerEntry
@@ -56,5 +56,6 @@ class InProcessTransport:
             compute = time.perf_counter() - started
             reply_blob = encode(reply)
             timing = ClientTiming(client_id, time.perf_counter() - started, compute, compute)
-            record_reply(out, rnd, client_id, reply_blob, judge_reply(reply_blob, client_id, ctx), timing)
+            judged = judge_reply(reply_blob, client_id, ctx)
+            file_reply(out, rnd, client_id, judged, timing, payload_bytes=len(reply_blob))
         return out

@@ -29,6 +29,7 @@ from typing import Literal, TypeAlias, get_args
 
 import torch
 
+from fedge.accounting.markdown import markdown_table
 from fedge.compression import codecs as cz
 from fedge.errors import ConfigError
 from fedge.learning.models import build_model, num_exchanged_values, num_trainable_parameters
@@ -277,7 +278,8 @@ def format_bytes(n: int, decimals: int = 1) -> str:
     """A byte count in decimal units as the paper writes it: ``"176 B"``, ``"40.4 kB"``, ``"236.1 MB"``, ``"1.1 GB"``.
 
     Counts under 1 kB are exact; larger ones are rounded to ``decimals`` places (the paper writes "93 kB" and
-    "88 kB" in Table II, i.e. ``decimals=0``).
+    "88 kB" in Table II, i.e. ``decimals=0``). Not ``humanize.naturalsize``: it writes "176 Bytes", rounds the float
+    half to even and prints "1000.0 kB" for 999,960 B, so the tables would no longer read as the paper's.
     """
     if n < 0:
         raise ConfigError(f"byte count must not be negative, got {n}")
@@ -309,21 +311,19 @@ def cost_table_markdown(rows: Sequence[CostRow], *, layout: Literal["long", "pap
         tasks = list(dict.fromkeys(r.task for r in rows))
         methods = list(dict.fromkeys(r.method for r in rows))
         cells = {(r.task, r.method): format_bytes(r.total) for r in rows}
-        lines = ["| Method | " + " | ".join(tasks) + " |", "|---|" + "---:|" * len(tasks)]
-        for m in methods:
-            lines.append(f"| {method_label(m)} | " + " | ".join(cells.get((t, m), "-") for t in tasks) + " |")
-        return "\n".join(lines) + "\n"
+        table = [[method_label(m), *(cells.get((t, m), "-") for t in tasks)] for m in methods]
+        return markdown_table(["Method", *tasks], table, "l" + "r" * len(tasks))
     if layout != "long":
         raise ConfigError(f"unknown table layout {layout!r}; choose 'long' or 'paper'")
     protocol = any(r.protocol_extra_down for r in rows)
     header = ["Task", "Method", "Upload", "Download", "Total"] + (["Total (fedge)"] if protocol else [])
-    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
+    table = []
     for r in rows:
         cols = [r.task, method_label(r.method), *map(format_bytes, (r.bytes_up, r.bytes_down, r.total))]
         if protocol:
             cols.append(format_bytes(r.protocol_total))
-        lines.append("| " + " | ".join(cols) + " |")
-    return "\n".join(lines) + "\n"
+        table.append(cols)
+    return markdown_table(header, table, "ll" + "r" * (len(header) - 2))
 
 
 # --- compressed transfers --------------------------------------------------------------------------------------------
@@ -387,14 +387,10 @@ def compressed_costs(
 
 def compressed_table_markdown(rows: Sequence[CompressedRow]) -> str:
     """A Markdown table of compressed cost rows with the share of the uncompressed figure."""
-    lines = [
-        "| Task | Method | Upload | Broadcast | Upload bytes | Download bytes | Total | of float32 |",
-        "|---|---|---|---|---:|---:|---:|---:|",
-    ]
+    header = ["Task", "Method", "Upload", "Broadcast", "Upload bytes", "Download bytes", "Total", "of float32"]
+    table = []
     for r in rows:
         share = f"{100.0 * r.total / r.float32_total:.1f}%" if r.float32_total else "-"
-        lines.append(
-            f"| {r.task} | {method_label(r.method)} | {r.upload} | {r.broadcast} | {format_bytes(r.bytes_up)} | "
-            f"{format_bytes(r.bytes_down)} | {format_bytes(r.total)} | {share} |"
-        )
-    return "\n".join(lines) + "\n"
+        sizes = [format_bytes(r.bytes_up), format_bytes(r.bytes_down), format_bytes(r.total)]
+        table.append([r.task, method_label(r.method), r.upload, r.broadcast, *sizes, share])
+    return markdown_table(header, table, "llllrrrr")

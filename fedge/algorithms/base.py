@@ -106,7 +106,8 @@ class UpdateReport:
 
 @dataclass(frozen=True)
 class CheckedReply:
-    """A reply that passed the server half's rules: its parsed report and the update :meth:`Strategy.aggregate` gets."""
+    """A reply that passed the server half's rules: its report, parsed and checked once by :meth:`Strategy.
+    check_reply`, and the update (decoded when the run compresses). What :meth:`Strategy.aggregate` gets per client."""
 
     report: UpdateReport
     update: Message
@@ -188,8 +189,9 @@ class Strategy(ABC, Generic[SettingsT]):
         """Plan round ``rnd`` (1-based) for the sampled ``clients``."""
 
     @abstractmethod
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
-        """Fold the (validated) replies of round ``rnd`` into the global state; return round metrics."""
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
+        """Fold the replies of round ``rnd`` that :meth:`accept` passed into the global state; return round metrics.
+        Each reply's report is the one :meth:`check_reply` parsed (an instance of :attr:`report_type`)."""
 
     @abstractmethod
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
@@ -253,7 +255,8 @@ class Strategy(ABC, Generic[SettingsT]):
         return CheckedReply(self.check_reply(rnd, client, reply), reply)
 
     def report_of(self, reply: Message) -> UpdateReport:
-        """The numbers ``reply`` reports, parsed with their bounds (CodecError when malformed)."""
+        """The numbers ``reply`` reports, parsed with their bounds (CodecError when malformed). Called once per reply,
+        by :meth:`check_reply`; everything later reads :attr:`CheckedReply.report`."""
         report: UpdateReport = wire.from_params(self.report_type, reply.params)
         return report
 

@@ -26,6 +26,7 @@ from fedge.aggregation.robust import check_rule, robust_rows
 from fedge.algorithms.base import (
     Algorithm,
     AlgorithmSettings,
+    CheckedReply,
     ClientData,
     ClientHalf,
     ClientStore,
@@ -192,9 +193,9 @@ class DistillationSemiSupervised(Strategy[DSFLSettings]):
         )
         return RoundPlan(broadcast=broadcast, tasks={c: self.task(rnd, c, task) for c in clients})
 
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
         s = self.settings
-        uploads = [replies[c].tensor("soft_labels") for c in sorted(replies)]
+        uploads = [replies[c].update.tensor("soft_labels") for c in sorted(replies)]
         if s.robust != "mean":
             # Median or trimmed mean per sample and class, rows renormalized: it takes the place of eq. 16's mean,
             # which ERA (eq. 13) then sharpens, so a few confidently wrong uploads cannot set the labels.

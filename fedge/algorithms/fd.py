@@ -24,6 +24,7 @@ from fedge.aggregation.average import fd_global_logits, fd_leave_one_out
 from fedge.algorithms.base import (
     Algorithm,
     AlgorithmSettings,
+    CheckedReply,
     ClientData,
     ClientHalf,
     ClientStore,
@@ -156,15 +157,15 @@ class FederatedDistillation(Strategy[FDSettings]):
         task = FDTask(model_seed=derive_seed(self.config.seed, "model"))
         return RoundPlan(broadcast=broadcast, tasks={c: self.task(rnd, c, task) for c in clients})
 
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
         ordered = [replies[c] for c in sorted(replies)]
-        probs = [r.tensor("class_probs") for r in ordered]
+        probs = [r.update.tensor("class_probs") for r in ordered]
         # A zero row marks a class the client has no sample of (eq. 4): softmax rows are strictly positive.
         counts = [(p.abs().sum(dim=1) > 0).to(torch.int64) for p in probs]
         g, k = fd_global_logits(probs, counts)
         self._global = g.to(torch.float32)
         self._contributors = k.to(torch.int32)
-        self._last_eval = pooled_local_eval([self.report_of(r) for r in ordered], self.num_classes)
+        self._last_eval = pooled_local_eval([r.report for r in ordered], self.num_classes)
         return {}
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:

@@ -26,13 +26,12 @@ from typing import Any
 
 import torch
 
-from fedge.algorithms.base import Algorithm, ServerContext, StrategyState, tensors_like, weights_traffic
+from fedge.algorithms.base import Algorithm, CheckedReply, ServerContext, StrategyState, tensors_like, weights_traffic
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.types import ClientId, StateDict
 from fedge.wire.fields import server_only
-from fedge.wire.message import Message
 
 SERVER_OPTIMIZERS = ("adam", "yogi", "adagrad")
 _FIRST = "server_m."  # m_t in the saved state
@@ -85,7 +84,7 @@ class FedAdam(FedAvg[FedAdamSettings]):
         self._m = tensors_like(tensors, _FIRST, self._m)
         self._v = tensors_like(tensors, _SECOND, self._v)
 
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
         before = self._weights
         metrics = super().aggregate(rnd, replies)  # self._weights = FedAvg's average of the clients' models
         s = self.settings

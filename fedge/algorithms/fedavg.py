@@ -22,6 +22,7 @@ from fedge.aggregation.robust import UpdateNormHistory, check_rule, robust_avera
 from fedge.algorithms.base import (
     Algorithm,
     AlgorithmSettings,
+    CheckedReply,
     ClientData,
     ClientHalf,
     ClientStore,
@@ -152,15 +153,15 @@ class FedAvg(Strategy[FedAvgSettingsT]):
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
         return RoundPlan(broadcast=self.broadcast(rnd, self._weights), tasks={c: self.task(rnd, c) for c in clients})
 
-    def averaging_weights(self, replies: Sequence[Message]) -> list[float]:
+    def averaging_weights(self, replies: Sequence[CheckedReply]) -> list[float]:
         """Each reply's share of the average: its data size (eq. 2), or equal shares."""
         if self.settings.weighting == "uniform":
             return [1.0] * len(replies)
-        return [float(self.report_of(r).num_examples) for r in replies]
+        return [float(r.report.num_examples) for r in replies]
 
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
         ordered = [replies[c] for c in sorted(replies)]  # order-independent result, whatever arrived first
-        states = [{k: r.tensors[k] for k in self._weights} for r in ordered]
+        states = [{k: r.update.tensors[k] for k in self._weights} for r in ordered]
         s = self.settings
         if s.robust == "mean" and s.clip_factor == 0:
             self._weights = weighted_average(states, self.averaging_weights(ordered))
@@ -173,7 +174,7 @@ class FedAvg(Strategy[FedAvgSettingsT]):
                 trim_ratio=s.trim_ratio,
                 clip_factor=s.clip_factor,
             )
-        losses = [loss for r in ordered if (loss := self.report_of(r).loss) is not None]
+        losses = [loss for r in ordered if (loss := r.report.loss) is not None]
         return {"mean_local_loss": sum(losses) / len(losses)} if losses else {}
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation:

@@ -44,6 +44,7 @@ import torch
 
 from fedge.algorithms.base import (
     Algorithm,
+    CheckedReply,
     ClientStore,
     CostInputs,
     RoundPlan,
@@ -154,20 +155,20 @@ class FedCurv(FedAvg[FedCurvSettings]):
                 raise CodecError(f"tensor {FISHER_V + k!r} is not {FISHER_U + k!r} times the update's weights")
         return report
 
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
         """FedAvg's aggregate, then each replying client's terms kept: ``u`` clamped at 0 and, with a clip factor
         (a deployment's default), scaled down to at most that factor times the round's median Fisher norm, so that
         one client cannot make every other client's pull overflow; ``v`` recomputed here as ``u * w`` from the
         update's own (decoded) weights, so that no upload, compressed or not, moves the others' anchor elsewhere."""
         metrics = super().aggregate(rnd, replies)
-        fisher = {c: {k: replies[c].tensors[FISHER_U + k].clamp(min=0) for k in self.trainable} for c in replies}
+        fisher = {c: {k: replies[c].update.tensors[FISHER_U + k].clamp(min=0) for k in self.trainable} for c in replies}
         norms = {c: float(torch.stack([(u * u).sum() for u in f.values()]).sum().sqrt()) for c, f in fisher.items()}
         clip = self.settings.clip_factor
         cap = clip * float(torch.tensor(sorted(norms.values())).median()) if clip > 0 and norms else float("inf")
         for client in sorted(replies):
             scale = min(1.0, cap / norms[client]) if norms[client] > 0 else 1.0
             u = {k: t * scale if scale < 1.0 else t for k, t in fisher[client].items()}
-            self._terms[client] = (u, {k: u[k] * replies[client].tensors[k] for k in self.trainable})
+            self._terms[client] = (u, {k: u[k] * replies[client].update.tensors[k] for k in self.trainable})
         return metrics
 
 

@@ -31,6 +31,7 @@ import torch
 
 from fedge.algorithms.base import (
     Algorithm,
+    CheckedReply,
     ClientStore,
     ServerContext,
     StrategyState,
@@ -43,7 +44,6 @@ from fedge.errors import ConfigError
 from fedge.learning.training import TrainRequest, TrainStats
 from fedge.types import ClientId, StateDict
 from fedge.wire.fields import bounded
-from fedge.wire.message import Message
 
 _H = "feddyn.h."  # the server's h in its saved state
 _OWN_GRAD = "feddyn.g_k."  # the client's g_k in its store
@@ -77,13 +77,13 @@ class FedDyn(FedAvg[FedDynSettings]):
         super().load_state(tensors, values)
         self._h = tensors_like(tensors, _H, self._h)
 
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
         before = self._weights
         metrics = super().aggregate(rnd, replies)  # self._weights = FedAvg's average of theta_k^t
         alpha = self.settings.dyn_alpha
         shifted = dict(self._weights)
         for k, h in self._h.items():
-            drift = torch.stack([replies[c].tensors[k] - before[k] for c in sorted(replies)]).sum(dim=0)
+            drift = torch.stack([replies[c].update.tensors[k] - before[k] for c in sorted(replies)]).sum(dim=0)
             self._h[k] = h - alpha / self.config.num_clients * drift
             shifted[k] = self._weights[k] - self._h[k] / alpha
         self._weights = shifted

@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from fedge.algorithms.base import Algorithm, UpdateReport, weights_traffic
+from fedge.algorithms.base import Algorithm, CheckedReply, UpdateReport, weights_traffic
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.errors import CodecError
 from fedge.learning.training import TrainStats
@@ -68,7 +68,7 @@ class FedNova(FedAvg[FedNovaSettings]):
             )
         return report
 
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
         clients = sorted(replies)
         shares = self.averaging_weights([replies[c] for c in clients])
         total = sum(shares)
@@ -79,18 +79,20 @@ class FedNova(FedAvg[FedNovaSettings]):
         metrics = super().aggregate(rnd, rescaled)
         return {**metrics, "fednova_tau_eff": tau_eff}
 
-    def _steps(self, reply: Message) -> int:
-        report = self.report_of(reply)
-        assert isinstance(report, FedNovaReport)
+    @staticmethod
+    def _steps(reply: CheckedReply) -> int:
+        report = reply.report
+        assert isinstance(report, FedNovaReport)  # check_reply parsed it as report_type
         return report.local_steps
 
-    def _rescaled(self, reply: Message, scale: float) -> Message:
+    def _rescaled(self, reply: CheckedReply, scale: float) -> CheckedReply:
         """``reply`` with its floating-point weights moved to ``x - scale * (x - y)``."""
         x = self._weights
+        update = reply.update
         tensors = {
-            k: (x[k] - scale * (x[k] - y)) if y.is_floating_point() else y for k, y in reply.tensors.items() if k in x
+            k: (x[k] - scale * (x[k] - y)) if y.is_floating_point() else y for k, y in update.tensors.items() if k in x
         }
-        return dataclasses.replace(reply, tensors=tensors)
+        return dataclasses.replace(reply, update=dataclasses.replace(update, tensors=tensors))
 
 
 class FedNovaClient(FedAvgClient[FedNovaSettings]):

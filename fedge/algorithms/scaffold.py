@@ -29,6 +29,7 @@ import torch
 
 from fedge.algorithms.base import (
     Algorithm,
+    CheckedReply,
     ClientStore,
     CostInputs,
     RoundPlan,
@@ -86,7 +87,7 @@ class Scaffold(FedAvg[ScaffoldSettings]):
         tensors = {**self._weights, **{CONTROL + k: v for k, v in self._control.items()}}
         return RoundPlan(broadcast=self.broadcast(rnd, tensors), tasks={c: self.task(rnd, c) for c in clients})
 
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
         before = self._weights
         metrics = super().aggregate(rnd, replies)  # self._weights = avg(y), FedAvg's weighted average
         lr_g = self.settings.server_lr
@@ -94,7 +95,8 @@ class Scaffold(FedAvg[ScaffoldSettings]):
             self._weights = {k: before[k] + lr_g * (self._weights[k] - before[k]) for k in before}
         share = len(replies) / self.config.num_clients  # |S| / N
         for k in self.trainable:
-            mean_delta = torch.stack([replies[c].tensors[CONTROL_DELTA + k] for c in sorted(replies)]).mean(dim=0)
+            deltas = [replies[c].update.tensors[CONTROL_DELTA + k] for c in sorted(replies)]
+            mean_delta = torch.stack(deltas).mean(dim=0)
             self._control[k] = self._control[k] + share * mean_delta
         return metrics
 

@@ -208,8 +208,8 @@ class CompressedStrategy:
     def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
         return self.accept(rnd, client, reply).report
 
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
-        """``replies``: the updates :meth:`accept` returned (decoded)."""
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
+        """``replies``: what :meth:`accept` returned (the updates decoded)."""
         return self.inner.aggregate(rnd, replies)
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:

@@ -87,7 +87,7 @@ def planned_trainings(
     for rnd in range(1, min(rounds, config.rounds) + 1):
         plan = strategy.configure(rnd, [client])
         update: Message = run_client_step(plan.tasks[client], plan.broadcast, data, backend, store)
-        strategy.aggregate(rnd, {client: strategy.accept(rnd, client, update).update})
+        strategy.aggregate(rnd, {client: strategy.accept(rnd, client, update)})
     out: list[PlannedTraining] = []
     for r in backend.requests:
         planned = PlannedTraining(r.objective, r.prox_mu, r.batch_size)

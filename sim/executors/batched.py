@@ -31,17 +31,14 @@ from fedge.learning.training import TrainRequest, TrainStats, predict_logits
 from fedge.types import ClientId, StateDict
 from fedge.wire.message import Message
 from sim.executors.core import (
-    ClientBuilder,
     ClientFactory,
     ClientJob,
     ClientResult,
-    ExecutorBase,
     ExecutorError,
     SimClient,
-    check_threads,
     check_unique,
 )
-from sim.executors.host import ClientHost
+from sim.executors.host import LocalExecutor
 from sim.executors.stacked import INSTEAD, BatchedRefusal, group_key, train_stacked
 
 
@@ -162,11 +159,10 @@ class _DeferringClient:
         return self.inner.handle(task, broadcast, backend)  # type: ignore[call-arg]
 
 
-class BatchedExecutor(ExecutorBase):
+class BatchedExecutor(LocalExecutor):
     """A round's clients in this process, their local training stacked into one model (see the module's doc)."""
 
     name = "batched"
-    workers = 1
 
     def __init__(
         self,
@@ -175,40 +171,18 @@ class BatchedExecutor(ExecutorBase):
         clients: Mapping[ClientId, SimClient] | Iterable[SimClient] | None = None,
         threads_per_worker: int = 1,
     ) -> None:
-        if factory is None and clients is None:
-            raise ConfigError("the batched executor needs clients or a client factory")
-        check_threads(threads_per_worker)
-        self.threads = threads_per_worker
-        self._given = dict(clients.items()) if isinstance(clients, Mapping) else {c.client_id: c for c in clients or ()}
-        self._factory = factory
-        self._builder: ClientBuilder | None = None
-        self._host = ClientHost(self._build)
-        self._batch = 0
+        super().__init__(factory, clients=clients, threads_per_worker=threads_per_worker)
         self._round: _Round | None = None
         self._scratch: dict[int, torch.nn.Module] = {}  # per base backend: its architecture, for the stacked calls
         self._resident: dict[int, torch.Tensor] = {}  # id of a client's data tensor -> its copy on the device
 
     def _build(self, client_id: ClientId) -> SimClient:
-        inner = self._given.get(client_id)
-        if inner is None:
-            if self._factory is None:
-                raise ConfigError(f"{client_id!r} is not a client of this executor")
-            if self._builder is None:
-                self._builder = self._factory()
-            inner = self._builder(client_id)
-        return _DeferringClient(inner, self)
+        return _DeferringClient(self._client(client_id), self)
 
     def current_round(self) -> _Round:
         if self._round is None:
             raise RuntimeError("a batched client stepped outside its executor's round")
         return self._round
-
-    def load_states(self, states: Mapping[ClientId, bytes]) -> None:
-        for client_id, blob in states.items():
-            self._host.load_state(client_id, blob)
-
-    def drain_lost_state(self) -> list[ClientId]:
-        return []  # nothing is ever lost in this process
 
     def run(self, jobs: Sequence[ClientJob]) -> list[ClientResult]:
         check_unique(jobs)

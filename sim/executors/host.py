@@ -1,5 +1,6 @@
 """Where a worker's clients live: the standard client factory, the host that runs one client's job the way the
-in-process transport does, and the memory housekeeping of a worker that keeps hundreds of clients' stores."""
+in-process transport does, what the executors that run clients in this process share, and the memory housekeeping of
+a worker that keeps hundreds of clients' stores."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,18 @@ from fedge.wire.fields import printable
 from fedge.wire.message import Message, decode, encode
 from fedge.wire.protocol import error_message
 from fedge_io.experiment import Experiment, prepare
-from sim.executors.core import ClientBuilder, ClientJob, ClientResult, SimClient, decode_state, describe, encode_state
+from sim.executors.core import (
+    ClientBuilder,
+    ClientFactory,
+    ClientJob,
+    ClientResult,
+    ExecutorBase,
+    SimClient,
+    check_threads,
+    decode_state,
+    describe,
+    encode_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -179,3 +191,52 @@ def warm_up() -> None:
     """Pay torch's one-time lazy imports now, while the coordinator sets up, not in the first round: building the
     first optimizer imports torch.distributed (about 1 s)."""
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
+class LocalExecutor(ExecutorBase):
+    """What the executors that run their clients in this process share (:class:`~sim.executors.sequential.
+    SequentialExecutor`, :class:`~sim.executors.batched.BatchedExecutor`): the clients given at construction, the
+    rest built from ``factory`` on first need, one :class:`ClientHost`, ``threads_per_worker`` intra-op threads."""
+
+    name = "local"
+    workers = 1
+
+    def __init__(
+        self,
+        factory: ClientFactory | None = None,
+        *,
+        clients: Mapping[ClientId, SimClient] | Iterable[SimClient] | None = None,
+        threads_per_worker: int = 1,
+    ) -> None:
+        if factory is None and clients is None:
+            raise ConfigError(f"the {self.name} executor needs clients or a client factory")
+        check_threads(threads_per_worker)
+        self.threads = threads_per_worker
+        self._given = dict(clients.items()) if isinstance(clients, Mapping) else {c.client_id: c for c in clients or ()}
+        self._factory = factory
+        self._builder: ClientBuilder | None = None
+        self._host = ClientHost(self._build)
+        self._batch = 0  # rounds run: with id() of a round's broadcast blob, the key of its decoded copy
+
+    def _client(self, client_id: ClientId) -> SimClient:
+        """The client given at construction, or one from the factory (called once, on first need: given clients
+        need none)."""
+        given = self._given.get(client_id)
+        if given is not None:
+            return given
+        if self._factory is None:
+            raise ConfigError(f"{client_id!r} is not a client of this executor")
+        if self._builder is None:
+            self._builder = self._factory()
+        return self._builder(client_id)
+
+    def _build(self, client_id: ClientId) -> SimClient:
+        """What the host runs for ``client_id`` (an executor may wrap the client)."""
+        return self._client(client_id)
+
+    def load_states(self, states: Mapping[ClientId, bytes]) -> None:
+        for client_id, blob in states.items():
+            self._host.load_state(client_id, blob)
+
+    def drain_lost_state(self) -> list[ClientId]:
+        return []  # nothing is ever lost in this process

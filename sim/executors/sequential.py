@@ -2,63 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from fedge.errors import ConfigError
-from fedge.types import ClientId
-from sim.executors.core import (
-    ClientBuilder,
-    ClientFactory,
-    ClientJob,
-    ClientResult,
-    ExecutorBase,
-    SimClient,
-    check_threads,
-    check_unique,
-)
-from sim.executors.host import ClientHost
+from sim.executors.core import ClientJob, ClientResult, check_unique
+from sim.executors.host import LocalExecutor
 
 
-class SequentialExecutor(ExecutorBase):
+class SequentialExecutor(LocalExecutor):
     """Every client in this process, one after the other, with ``threads_per_worker`` intra-op threads (the
     reference; the thread count is restored after each round, so the coordinator's own work keeps its threads)."""
 
     name = "sequential"
-    workers = 1
-
-    def __init__(
-        self,
-        factory: ClientFactory | None = None,
-        *,
-        clients: Mapping[ClientId, SimClient] | Iterable[SimClient] | None = None,
-        threads_per_worker: int = 1,
-    ) -> None:
-        if factory is None and clients is None:
-            raise ConfigError("the sequential executor needs clients or a client factory")
-        check_threads(threads_per_worker)
-        self.threads = threads_per_worker
-        built = dict(clients.items()) if isinstance(clients, Mapping) else {c.client_id: c for c in clients or ()}
-        self._factory = factory
-        self._builder: ClientBuilder | None = None
-        self._host = ClientHost(self._build, built)
-        self._batch = 0
-
-    def _build(self, client_id: ClientId) -> SimClient:
-        """A client not given at construction, from the factory (called on first need: given clients need none)."""
-        if self._factory is None:
-            raise ConfigError(f"{client_id!r} is not a client of this executor")
-        if self._builder is None:
-            self._builder = self._factory()
-        return self._builder(client_id)
-
-    def load_states(self, states: Mapping[ClientId, bytes]) -> None:
-        for client_id, blob in states.items():
-            self._host.load_state(client_id, blob)
-
-    def drain_lost_state(self) -> list[ClientId]:
-        return []  # nothing is ever lost in this process
 
     def run(self, jobs: Sequence[ClientJob]) -> list[ClientResult]:
         check_unique(jobs)

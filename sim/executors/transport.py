@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from coordinator.replies import RoundContext, judge_reply, record_reply
+from coordinator.replies import RoundContext, file_reply, judge_reply
 from coordinator.transport import Exchange, ReplyCheck
 from fedge.accounting.ledger import BROADCAST_CLIENT, LedgerEntry
 from fedge.accounting.records import ClientTiming
@@ -83,7 +83,8 @@ class ExecutorTransport:
             if reply_blob is None:  # crashed or lost: recorded like a client that reported its failure
                 reply_blob = encode(error_message(task, printable(result.error or "no reply")))
             timing = ClientTiming(client_id, result.compute_s, result.compute_s, result.cpu_s)
-            record_reply(out, rnd, client_id, reply_blob, judge_reply(reply_blob, client_id, ctx), timing)
+            judged = judge_reply(reply_blob, client_id, ctx)
+            file_reply(out, rnd, client_id, judged, timing, payload_bytes=len(reply_blob))
         return out
 
     def _restore_states(self) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from fedge.accounting.cost import format_bytes
 from fedge.accounting.ledger import ACCOUNTING_MODELS
+from fedge.accounting.markdown import markdown_table
 from fedge.accounting.records import RoundRecord
 from fedge.config import RunConfig
 from fedge.registry import get_algorithm
@@ -231,16 +232,11 @@ def _events_table(runs: Sequence[Run]) -> str:
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A Markdown table; columns of numbers, byte counts and percentages are right-aligned, text left-aligned."""
-    align = [
-        "--:" if any(row[i] != _NONE for row in rows) and all(_NUMBER.match(row[i]) for row in rows) else ":--"
+    align = "".join(
+        "r" if any(row[i] != _NONE for row in rows) and all(_NUMBER.match(row[i]) for row in rows) else "l"
         for i in range(len(header))
-    ]
-    lines = [header, align, *rows]
-    return "\n".join("| " + " | ".join(_cell(c) for c in line) + " |" for line in lines) + "\n"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+    )
+    return markdown_table(header, rows, align)
 
 
 def _pct(value: float | None) -> str:

@@ -37,7 +37,7 @@ from edge_client.client import EdgeClient
 from edge_client.data import ClientDataInfo
 from edge_client.mqtt import MqttEdgeClient
 from fedge.accounting.ledger import read_ledger_csv
-from fedge.algorithms.base import Evaluation, RoundPlan, ServerContext, Strategy, TensorSpec
+from fedge.algorithms.base import CheckedReply, Evaluation, RoundPlan, ServerContext, Strategy, TensorSpec
 from fedge.config import RunConfig, TrainConfig
 from fedge.data.datasets import Dataset
 from fedge.errors import ConfigError
@@ -248,7 +248,7 @@ class VectorStrategy(Strategy):
             tasks={c: Message(TASK, rnd, run=self.run_id, client=c, params={"algorithm": "vector"}) for c in clients},
         )
 
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
         return {}
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:

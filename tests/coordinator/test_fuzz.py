@@ -179,7 +179,7 @@ def test_ten_thousand_mutated_updates_never_crash_and_only_valid_ones_pass() -> 
             categories.add(r.category)
             continue
         msg = judged.message
-        assert msg is not None
+        assert msg is not None and judged.checked is not None
         # Accepted only when valid and within bounds, judged independently of the policy's code.
         assert set(msg.tensors) == set(reference)
         for k, v in msg.tensors.items():
@@ -187,7 +187,7 @@ def test_ten_thousand_mutated_updates_never_crash_and_only_valid_ones_pass() -> 
             assert bool(torch.isfinite(v).all())
         assert 0 <= int(msg.params["num_examples"]) <= sizes[sender]
         assert update_norm(dict(msg.tensors), reference) <= bound
-        accepted = [*accepted[-2:], msg]
+        accepted = [*accepted[-2:], judged.checked]
         n_accepted += 1
         if n_accepted % 3 == 0:  # aggregation of accepted updates must not fail either
             batch = {f"c{j}": m for j, m in enumerate(accepted)}

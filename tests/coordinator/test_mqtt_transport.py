@@ -25,7 +25,7 @@ from mqtt_support import (  # noqa: F401 - pytest fixtures
 from coordinator.mqtt import MqttTransport
 from coordinator.replies import CATEGORIES
 from coordinator.transport import Exchange
-from fedge.algorithms.base import Evaluation, RoundPlan, ServerContext, Strategy, TensorSpec
+from fedge.algorithms.base import CheckedReply, Evaluation, RoundPlan, ServerContext, Strategy, TensorSpec
 from fedge.config import RunConfig
 from fedge.errors import TransportError
 from fedge.types import ClientId
@@ -55,7 +55,7 @@ class VectorStrategy(Strategy):
             tasks={c: Message(TASK, rnd, run=self.run_id, client=c, params={"algorithm": "vector"}) for c in clients},
         )
 
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, Message]) -> dict[str, float]:
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
         return {}
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from markdown_support import table_rows
 
 from fedge.config import RunConfig, TrainConfig
 from sim.run import run_inprocess
@@ -37,9 +38,8 @@ def test_the_row_is_made_from_the_runs_metrics(run_dir: Path) -> None:
 
     done = table(run_dir, "--rounds", "2,4,9", "--thresholds", "0,50,101")
     assert done.returncode == 0, done.stderr
-    header, rule, row = done.stdout.splitlines()
-    assert header.startswith("| run | round 2 | round 4 | round 9 | best |") and rule.count("---") == 10
-    cells = [c.strip() for c in row.strip("|").split("|")]
+    header, rule, cells = table_rows(done.stdout)
+    assert header[:5] == ["run", "round 2", "round 4", "round 9", "best"] and len(rule) == len(header) == 10
     assert cells[0] == "FedNTD"  # the label fedge report gives it
     assert cells[1:4] == [f"{100 * accuracies[1]:.2f}", f"{100 * accuracies[3]:.2f}", ""]  # no round 9
     assert cells[4] == f"{100 * max(accuracies):.2f}"

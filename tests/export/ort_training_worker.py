@@ -19,7 +19,10 @@ import torch
 from safetensors.torch import save_file
 
 from edge_client.backends.ort_training import OrtTrainer
-from export.ort_training import ArtifactCache, StatBatchNorm, check_artifacts, generate
+from export.ort_training.artifacts import generate
+from export.ort_training.cache import ArtifactCache
+from export.ort_training.check import check_artifacts
+from export.ort_training.graph import StatBatchNorm
 from export.parity import RETRY_SEEDS, drift_request_for_seed
 from fedge.learning.models import exchanged_state
 from fedge.learning.objectives import make_objective

@@ -117,7 +117,7 @@ def test_onnxruntime_training_matches_eager_momentum_sgd(
     """Weights and BN statistics after free-running steps against eager float64 computed here, within the parity
     gate's float tolerance (10x eager float32's own distance, :func:`export.parity.drift_parity`), on the standard
     samples or else on both retry samples, as the gate accepts: a ReLU or max-pool input within round-off of its kink
-    parts two correct float32 runs by chance (see :func:`export.ort_training.check_artifacts`)."""
+    parts two correct float32 runs by chance (see :func:`export.ort_training.check.check_artifacts`)."""
     out, results = ort_results
     result = results[case["id"]]
     spec = ModelSpec(case["model"], tuple(case["input_shape"]), 10)

@@ -120,7 +120,7 @@ class RecordingTransport(InProcessTransport):
         out = super().exchange(plan, check)
         rnd = next(iter(plan.tasks.values())).round
         self.broadcasts[rnd] = decode(encode(plan.broadcast)) if plan.broadcast is not None else None
-        self.replies[rnd] = dict(out.replies)
+        self.replies[rnd] = {c: r.update for c, r in out.replies.items()}
         return out
 
 

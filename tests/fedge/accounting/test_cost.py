@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from markdown_support import has_row, table_rows
 
 from fedge.accounting.cost import (
     CostRow,
@@ -126,19 +127,19 @@ def test_format_bytes() -> None:
 
 def test_cost_table_markdown() -> None:
     rows = paper_tables()
-    paper = cost_table_markdown(rows, layout="paper").splitlines()
-    assert paper[0] == "| Method | MNIST | Fashion-MNIST | IMDb | Reuters |"
-    assert paper[2] == "| FL | 236.1 MB | 1.1 GB | 28.5 MB | 228.6 MB |"
-    assert paper[3] == "| FD | 40.4 kB | 40.4 kB | 176 B | 93.1 kB |"
-    long = cost_table_markdown(rows).splitlines()
-    assert long[0] == "| Task | Method | Upload | Download | Total | Total (fedge) |"
-    assert long[3] == "| MNIST | FD | 40.0 kB | 400 B | 40.4 kB | 40.4 kB |"
+    paper = table_rows(cost_table_markdown(rows, layout="paper"))
+    assert paper[0] == ["Method", "MNIST", "Fashion-MNIST", "IMDb", "Reuters"]
+    assert paper[2] == ["FL", "236.1 MB", "1.1 GB", "28.5 MB", "228.6 MB"]
+    assert paper[3] == ["FD", "40.4 kB", "40.4 kB", "176 B", "93.1 kB"]
+    long = table_rows(cost_table_markdown(rows))
+    assert long[0] == ["Task", "Method", "Upload", "Download", "Total", "Total (fedge)"]
+    assert long[3] == ["MNIST", "FD", "40.0 kB", "400 B", "40.4 kB", "40.4 kB"]
     assert len(long) == 2 + len(rows)
-    no_extra = cost_table_markdown([CostRow("t", "fl", 8, 4)]).splitlines()
-    assert no_extra == [
-        "| Task | Method | Upload | Download | Total |",
-        "|---|---|---:|---:|---:|",
-        "| t | FL | 8 B | 4 B | 12 B |",
+    # Text columns left-aligned, byte counts right-aligned, columns padded to a width (tabulate's pipe format).
+    assert cost_table_markdown([CostRow("t", "fl", 8, 4)]).splitlines() == [
+        "| Task   | Method   |   Upload |   Download |   Total |",
+        "|:-------|:---------|---------:|-----------:|--------:|",
+        "| t      | FL       |      8 B |        4 B |    12 B |",
     ]
 
 
@@ -157,4 +158,4 @@ def test_compressed_costs_price_the_paper_tables_under_each_scheme() -> None:
         fl.broadcast == "float32" and fl.bytes_down == rows[("MNIST", "fl", "float32")].bytes_down
     )  # weights: no int8 broadcast
     assert len(rows) == 3 * 3 * len(DSFL_PAPER_TASKS)
-    assert "| MNIST | DS-FL | int8:tensor | int8:tensor |" in compressed_table_markdown(list(rows.values()))
+    assert has_row(compressed_table_markdown(list(rows.values())), "MNIST", "DS-FL", "int8:tensor", "int8:tensor")

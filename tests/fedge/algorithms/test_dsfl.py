@@ -134,7 +134,7 @@ def _aggregated_under_attack(robust: str, aggregation: str) -> tuple[torch.Tenso
     replies = {
         c: update_message(plan.tasks[c], {"soft_labels": p}, UpdateReport(num_examples=2)) for c, p in uploads.items()
     }
-    strategy.aggregate(1, replies)
+    strategy.aggregate(1, {c: strategy.accept(1, c, m) for c, m in replies.items()})
     labels = strategy.state()[0]["soft_labels"]
     return labels, strategy.global_weights()["weight"]
 

@@ -62,14 +62,13 @@ def test_an_accepted_attacker_neither_raises_the_bound_nor_locks_honest_clients_
         w_g = strategy.global_weights()["weight"]
         plan = strategy.configure(rnd, [*honest_ids, attacker])
         replies = {c: reply(rnd, plan, c, w_g + s) for c, s in zip(honest_ids, steps, strict=True)}
-        for c, m in replies.items():
-            strategy.check_reply(rnd, c, m)  # honest: accepted in both rounds, whatever the attacker did to w_g
+        # honest: accepted in both rounds, whatever the attacker did to w_g
+        checked = {c: strategy.accept(rnd, c, m) for c, m in replies.items()}
         attack = reply(rnd, plan, attacker, old_bound_attack(w_g))
         if rnd == 1:  # no history yet: the initial model's norm is the reference, and the attack gets in
-            strategy.check_reply(rnd, attacker, attack)
-            replies[attacker] = attack
+            checked[attacker] = strategy.accept(rnd, attacker, attack)
         else:
             with pytest.raises(CodecError, match="reference update norm"):
                 strategy.check_reply(rnd, attacker, attack)
-        strategy.aggregate(rnd, replies)
+        strategy.aggregate(rnd, checked)
     assert state_norm(strategy.global_weights()) > 2 * state_norm({"w": W0})  # round 1's attack did move the model

@@ -8,6 +8,7 @@ import pytest
 import torch
 from algorithm_support import W0, TwoClients, assert_mqtt_run_matches_inprocess, config
 
+from fedge.algorithms.base import Strategy, UpdateReport
 from fedge.algorithms.fednova import FedNovaReport, FedNovaSettings, accumulation_norm
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import CodecError
@@ -38,6 +39,22 @@ def test_one_round_normalizes_each_update_by_its_local_work(momentum: float) -> 
     # FedAvg's average of the same uploads would differ: b's single step would count as much as a's two.
     fedavg = sum(p[c] * y[c] for c in p)
     assert not torch.allclose(expected, fedavg, atol=1e-4)
+
+
+def test_each_reply_report_is_parsed_once_and_travels_checked_to_aggregation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's accept parses a reply's report with its bounds; averaging weights, the loss metric and FedNova's
+    step counts read that parsed report (CheckedReply.report) instead of parsing the reply's strings again."""
+    parsed: list[str] = []
+    report_of = Strategy.report_of
+
+    def counting(self: Strategy, reply: Message) -> UpdateReport:
+        parsed.append(reply.client)
+        return report_of(self, reply)
+
+    monkeypatch.setattr(Strategy, "report_of", counting)
+    run = TwoClients(config("fednova", FedNovaSettings(), batch_size=2), data=DATA)
+    record = run.round(1)
+    assert sorted(parsed) == ["a", "b"] and record.metrics["fednova_tau_eff"] > 0
 
 
 def test_equal_local_work_is_fedavg() -> None:
