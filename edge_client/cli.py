@@ -232,13 +232,19 @@ def run_client(
         idle_warning_s=args.idle_warning,
     )
 
+    signals: list[int] = []
+
     def _stop(signum: int, frame: FrameType | None) -> None:
-        log.info("signal %d: leaving", signum)
+        # No logging here: a signal that lands while the main thread writes a log line to stderr would make the
+        # handler's write a reentrant call (RuntimeError and a traceback on a plain SIGTERM). Logged after serve.
+        signals.append(signum)
         server.stop()
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     server.serve(connect_timeout=args.connect_timeout)
+    if signals:
+        log.info("signal %d: left", signals[0])
     if server.refused is not None:  # the coordinator said why; the error line is logged: exit non-zero for a service
         print(f"fedge: refused by the coordinator of run {args.run}: {server.refused}", file=sys.stderr)
         return 3

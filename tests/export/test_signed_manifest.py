@@ -233,6 +233,13 @@ def test_a_device_that_requires_signatures_loads_only_programs_its_ca_signed(
     code, log = client(unsigned)
     assert code == 0 and "prepared 1 training program(s)" in log and "exporting" not in log, log[-2000:]
 
+    # A predict-only ONNX Runtime client's --model-file: the same rule.
+    onnx = [*base[:-2], "--runtime", "onnxruntime", "--predict-only", *trust]
+    code, log = serve_until_connected([*onnx, "--model-file", str(signed / "tiny_mlp.onnx")], tmp_path)
+    assert code == 0 and "Traceback" not in log, log[-2000:]
+    code, log = serve_until_connected([*onnx, "--model-file", str(unsigned / "tiny_mlp.onnx")], tmp_path)
+    assert code == 2 and f"{unsigned}/manifest.json is not signed" in log and "Traceback" not in log, log[-2000:]
+
 
 def test_the_kit_says_whether_devices_require_signed_programs(kit: Path, tmp_path: Path) -> None:
     bundle = load_bundle(kit / "clients" / "c000")
