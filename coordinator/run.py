@@ -252,6 +252,7 @@ def provision_fleet(
     port: int = 8883,
     tls: bool = True,
     client_certificates: bool = False,
+    signed_programs: bool = False,
     broker_config_dir: Path | None = None,
     max_packet_size: int | None = None,
     bind_address: str | None = None,
@@ -274,6 +275,7 @@ def provision_fleet(
         port=port,
         tls=tls,
         client_certificates=client_certificates,
+        signed_programs=signed_programs,
         chunk_packet_size=max_packet_size,
         bind_address=bind_address,
     )

@@ -18,12 +18,14 @@ from fedge.programs.spec import ModelSpec
 
 if TYPE_CHECKING:
     import torch
+    from cryptography.x509 import Certificate
 
     from edge_client.backends.executorch import ProgramSource
     from edge_client.backends.ort_training import ArtifactSource
     from edge_client.data import ClientDataInfo
     from fedge.algorithms.base import ClientData
     from fedge.learning.backend import TorchBackend
+    from fedge_io.credentials import Bundle
 
 from fedge_io.connection import add_connection_arguments, connection_from_args
 
@@ -86,6 +88,15 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
         help="load exported programs (--model-file, the program directory's .pte files and ONNX Runtime training "
         "artifacts) that have no manifest.json beside them; by default each file must match the SHA-256 that "
         "`fedge export` recorded, since a damaged program can crash the runtime or serve wrong logits",
+    )
+    p.add_argument(
+        "--trust-ca",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="load only programs whose export manifest is signed by this CA (PEM certificate, or a kit bundle "
+        "directory's ca.crt; `fedge export --sign-key`); such a client never exports programs itself. Default: "
+        "the bundle's CA when its signed_programs is true, else no signature is required",
     )
     p.add_argument(
         "--predict-only",
@@ -157,6 +168,11 @@ def run_client(
     if info.client and info.client != args.client_id:
         log.warning("data file %s was written for client %r, serving it as %r", args.data, info.client, args.client_id)
     spec = ModelSpec(info.model, info.input_shape, info.num_classes)
+    trust = program_signer(args, bundle)
+    if trust is not None and (programs is not None or onnx_model is not None or ort_artifacts is not None):
+        raise ConfigError("a client that requires signed programs (--trust-ca) loads them; it never makes its own")
+    if trust is not None and args.runtime == "onnxruntime" and args.model_file is None:
+        raise ConfigError("--trust-ca with --runtime onnxruntime needs --model-file (a signed export's .onnx)")
     model_bytes, model_source = None, "ONNX model"
     if args.runtime == "onnxruntime":
         if onnx_model is not None:
@@ -164,16 +180,16 @@ def run_client(
         elif args.model_file is not None:
             from fedge_io.manifest import verified_read
 
-            model_bytes = verified_read(args.model_file, required=not args.unverified_programs)
+            model_bytes = verified_read(args.model_file, required=not args.unverified_programs, trust=trust)
             model_source = str(args.model_file)
     if args.runtime == "executorch" and programs is None:
         from edge_client.backends.executorch import ProgramDirectory
 
-        programs = ProgramDirectory(args.program_cache, unverified=args.unverified_programs)
+        programs = ProgramDirectory(args.program_cache, unverified=args.unverified_programs, trust=trust)
     if args.runtime == "onnxruntime-training" and ort_artifacts is None:
         from edge_client.backends.ort_training import ArtifactDirectory
 
-        ort_artifacts = ArtifactDirectory(args.program_cache, unverified=args.unverified_programs)
+        ort_artifacts = ArtifactDirectory(args.program_cache, unverified=args.unverified_programs, trust=trust)
     backend = make_backend(
         args.runtime,
         info.model,
@@ -216,17 +232,45 @@ def run_client(
         idle_warning_s=args.idle_warning,
     )
 
+    signals: list[int] = []
+
     def _stop(signum: int, frame: FrameType | None) -> None:
-        log.info("signal %d: leaving", signum)
+        # No logging here: a signal that lands while the main thread writes a log line to stderr would make the
+        # handler's write a reentrant call (RuntimeError and a traceback on a plain SIGTERM). Logged after serve.
+        signals.append(signum)
         server.stop()
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     server.serve(connect_timeout=args.connect_timeout)
+    if signals:
+        log.info("signal %d: left", signals[0])
     if server.refused is not None:  # the coordinator said why; the error line is logged: exit non-zero for a service
         print(f"fedge: refused by the coordinator of run {args.run}: {server.refused}", file=sys.stderr)
         return 3
     return 0
+
+
+def requires_signed_programs(args: argparse.Namespace) -> bool:
+    """Whether this client accepts only signed programs (--trust-ca, or its bundle's signed_programs)."""
+    if args.trust_ca is not None:
+        return True
+    if getattr(args, "bundle", None) is None:
+        return False
+    from fedge_io.credentials import load_bundle
+
+    return load_bundle(args.bundle).program_ca is not None
+
+
+def program_signer(args: argparse.Namespace, bundle: Bundle | None) -> Certificate | None:
+    """The CA whose signature every program's manifest must carry: --trust-ca, else the bundle's (None: none)."""
+    from fedge_io.signing import load_trusted_ca
+
+    if args.trust_ca is not None:
+        return load_trusted_ca(args.trust_ca)
+    if bundle is not None and bundle.program_ca is not None:
+        return load_trusted_ca(Path(bundle.program_ca))
+    return None
 
 
 def state_files(args: argparse.Namespace) -> ClientStateFiles | None:

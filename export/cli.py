@@ -13,9 +13,10 @@ from export.onnx import DEFAULT_OPSET, MIN_OPSET, ONNXRUNTIME_RELEASES, onnx_tar
 from fedge.errors import ConfigError, ExportError
 from fedge.learning.objectives import objective_kinds
 from fedge.types import StateDict
-from fedge_io import manifest
+from fedge_io import manifest, signing
 
 if TYPE_CHECKING:
+    from cryptography.x509 import Certificate
     from torch import nn
 
     from fedge.programs.spec import ModelSpec, TrainingLoss
@@ -75,7 +76,15 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-xnnpack", action="store_true", help="inference .pte on portable kernels only")
     p.add_argument("--out", type=Path, default=Path("exports"), help="output directory")
-    sub = p.add_subparsers(dest="export_command", metavar="check")
+    p.add_argument(
+        "--sign-key",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="sign the output directory's manifest with this private key (PEM), or with the CA key of the fleet kit "
+        "at PATH (ca/ca.key), so devices started with --trust-ca can check who produced the programs",
+    )
+    sub = p.add_subparsers(dest="export_command", metavar="check | sign")
     c = sub.add_parser("check", help="re-run the parity checks of existing exports")
     c.add_argument("files", nargs="+", type=Path, help=".onnx / .pte files")
     c.add_argument(
@@ -84,6 +93,20 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help=f"reference weights (none: {WEIGHTS_FILE} beside each file, if present)",
+    )
+    c.add_argument(
+        "--trust-ca",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="accept only files whose manifest is signed by this CA certificate (PEM, or a kit bundle's ca.crt)",
+    )
+    s = sub.add_parser(
+        "sign", help="sign the manifests of existing export directories (e.g. ONNX Runtime training artifacts)"
+    )
+    s.add_argument("directories", nargs="+", type=Path, help="directories holding a manifest.json")
+    s.add_argument(
+        "--sign-key", dest="sign_with", type=Path, required=True, metavar="PATH", help="as fedge export --sign-key"
     )
 
 
@@ -104,7 +127,13 @@ def default_batch_bounds() -> tuple[int, ...]:
 def run_export_cli(args: argparse.Namespace) -> int:
     """Dispatch ``fedge export`` / ``fedge export check``."""
     if args.export_command == "check":
-        return _check(args.files, args.check_weights)
+        trust = None if args.trust_ca is None else signing.load_trusted_ca(args.trust_ca)
+        return _check(args.files, args.check_weights, trust)
+    if args.export_command == "sign":
+        key = signing.load_signing_key(args.sign_with)
+        for directory in args.directories:
+            print(f"signed {manifest.sign(directory, key)}")
+        return 0
     return _export(args)
 
 
@@ -173,6 +202,7 @@ def _export(args: argparse.Namespace) -> int:
     from fedge.learning.models import exchanged_state, load_exchanged_state
 
     spec, jobs = export_jobs(args)
+    key = None if args.sign_key is None else signing.load_signing_key(args.sign_key)  # refused before any work
     model = spec.build(seed=args.seed)
     if args.weights is not None:
         load_exchanged_state(model, _load_weights(args.weights))
@@ -208,6 +238,8 @@ def _export(args: argparse.Namespace) -> int:
             continue
         manifest.write_file(out, name, data, job.format)
         print(f"{out / name}  {format_bytes(len(data))} ({len(data):,} bytes)")
+    if key is not None:  # the whole directory as it is now: the files of earlier exports into it included
+        print(f"{manifest.sign(out, key)}  signature of {out / manifest.MANIFEST_FILE}")
     return 1 if refused else 0
 
 
@@ -243,7 +275,7 @@ def _make(job: ExportJob, model: nn.Module, spec: ModelSpec, args: argparse.Name
     return export_training(model, spec, job.loss, max_batch=job.max_batch)
 
 
-def _check(files: list[Path], weights_path: Path | None) -> int:
+def _check(files: list[Path], weights_path: Path | None, trust: Certificate | None = None) -> int:
     from export.parity import check_file
 
     failed = 0
@@ -252,9 +284,9 @@ def _check(files: list[Path], weights_path: Path | None) -> int:
             raise ConfigError(f"{path} does not exist")
         # The digests first: a damaged .pte can crash the runtime that loads it, and damaged weights mislead.
         try:
-            manifest.verified_read(path, required=False)
+            manifest.verified_read(path, required=False, trust=trust)
             if weights_path is None and (path.parent / WEIGHTS_FILE).is_file():
-                manifest.verified_read(path.parent / WEIGHTS_FILE, required=False)
+                manifest.verified_read(path.parent / WEIGHTS_FILE, required=False, trust=trust)
         except manifest.ManifestError as exc:
             print(f"{path}: FAILED: {exc}")
             failed += 1

@@ -52,7 +52,11 @@ TRAIN_SGD = SGDSettings(lr=0.02, momentum=0.9, weight_decay=5e-4)
 #   by eps32, JITTER_RUNS times; computed only for a step that some element fails without it). The jitter term excuses
 #   ties: from the same weights a max-pool window tied to float64's precision can still break the other way in
 #   float32 (fedavg_cnn's ce program from fresh seed-0 weights at 28x28: 1.2e-4 of the step's largest update on
-#   features.0.weight, as eager float32 channels-last; 1.2e-6 with the term). What it does not excuse: a wrong
+#   features.0.weight, as eager float32 channels-last; 1.2e-6 with the term), and a ReLU whose pre-activation float32
+#   cannot tell from zero: a linear or convolution output also moves by eps32 of the sum of its terms' magnitudes, up
+#   in one jittered run and down in another (fedavg_cnn's fd program from a trained FedAvg model, step 6: one of 512
+#   hidden units at 7.5e-9 of its terms' magnitude flips, 1.0e-2 of the step's largest update on one row of
+#   classifier.0.weight; eager float32 happened not to flip it; 1.3e-6 with the term). What it does not excuse: a wrong
 #   gradient (ExecuTorch 1.4.1's max-pool backward, O(1)) or a kernel that loses precision inside one op (the
 #   portable kernels of the unlowered dsfl_mnist_cnn: 1.7e-5, as eager channels-last on one thread; the jitter spread
 #   there is ~1e-8), while correct programs measure <= 2.1e-7 without the term.
@@ -387,18 +391,26 @@ def _one_batch(request: TrainRequest, idx: torch.Tensor, step: int) -> TrainRequ
 
 
 def _float64_run(
-    spec: ModelSpec, begin: Mapping[str, torch.Tensor], request: TrainRequest, *, jitter: torch.Generator | None = None
+    spec: ModelSpec,
+    begin: Mapping[str, torch.Tensor],
+    request: TrainRequest,
+    *,
+    jitter: torch.Generator | None = None,
+    push: float | None = None,
 ) -> nn.Module:
     """The eager float64 model after ``request`` from ``begin``, on one intra-op thread (see drift_parity).
 
     With ``jitter``, every layer's output on the way forward, every gradient on the way back through a layer and every
     parameter's gradient moves by up to eps32 of itself plus eps32 of its tensor's mean magnitude (uniform, drawn from
     ``jitter``): a float32 computation that rounds each layer's result once and is exact within it (see
-    :func:`stepwise_parity`).
+    :func:`stepwise_parity`). A linear or convolution output also moves by eps32 of the sum of its terms' magnitudes
+    (``|W| |x| + |b|``), where float32 rounds a sum that cancels: ``push`` +1 or -1 moves every such output that far
+    up or down (so a pre-activation float32 cannot tell from zero lands on either side in one of the runs), None by a
+    uniform draw within it.
     """
     model = reference_model(spec, {k: v.float() for k, v in begin.items()}).double()
     load_exchanged_state(model, {k: v.double() for k, v in begin.items()})
-    handles = _add_jitter(model, jitter) if jitter is not None else []
+    handles = _add_jitter(model, jitter, push) if jitter is not None else []
     try:
         with _threads(1):
             fedge_train(model, _as_float64(request))
@@ -429,9 +441,37 @@ class _Jitter(torch.autograd.Function):
         return _jittered(g, ctx.gen), None  # type: ignore[attr-defined]
 
 
-def _add_jitter(model: nn.Module, gen: torch.Generator) -> list[torch.utils.hooks.RemovableHandle]:
-    def on_output(module: nn.Module, inputs: object, output: object) -> object:
+def _terms_magnitude(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """``|W| |x| + |b|`` of a linear or 2-D convolution layer (the scale of its sums' float32 rounding), else None."""
+    bias = getattr(module, "bias", None)
+    with torch.no_grad():
+        if isinstance(module, nn.Linear):
+            return nn.functional.linear(x.abs(), module.weight.abs(), None if bias is None else bias.abs())
+        if isinstance(module, nn.Conv2d) and isinstance(module.padding, tuple):
+            return nn.functional.conv2d(
+                x.abs(),
+                module.weight.abs(),
+                None if bias is None else bias.abs(),
+                module.stride,
+                module.padding,
+                module.dilation,
+                module.groups,
+            )
+    return None
+
+
+def _add_jitter(
+    model: nn.Module, gen: torch.Generator, push: float | None = None
+) -> list[torch.utils.hooks.RemovableHandle]:
+    eps = torch.finfo(torch.float32).eps
+
+    def on_output(module: nn.Module, inputs: tuple[object, ...], output: object) -> object:
         if isinstance(output, torch.Tensor) and output.is_floating_point():
+            x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+            terms = _terms_magnitude(module, x) if x is not None else None
+            if terms is not None and terms.shape == output.shape:
+                way = push if push is not None else torch.rand(terms.shape, generator=gen, dtype=terms.dtype) * 2 - 1
+                output = output + eps * way * terms  # a constant offset: the gradient passes unchanged
             return _Jitter.apply(output, gen)
         return output  # an LSTM's (output, state) tuple: its input and parameter gradients are still jittered
 
@@ -473,7 +513,8 @@ def _jitter_spread(
     must refuse.
     """
     gen = torch.Generator().manual_seed(seed)
-    runs = [exchanged_state(_float64_run(spec, begin, request, jitter=gen)) for _ in range(JITTER_RUNS)]
+    pushes = [1.0, -1.0, *[None] * (JITTER_RUNS - 2)]
+    runs = [exchanged_state(_float64_run(spec, begin, request, jitter=gen, push=p)) for p in pushes]
     runs += float32_runs(spec, begin, request, layouts=(torch.contiguous_format,))
     return {k: torch.stack([(r[k].double() - v).abs() for r in runs]).amax(0) for k, v in expected.items()}
 

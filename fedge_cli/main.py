@@ -290,9 +290,9 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def _cmd_client(args: argparse.Namespace) -> int:
-    from edge_client.cli import run_client
+    from edge_client.cli import requires_signed_programs, run_client
 
-    if args.runtime == "torch":
+    if args.runtime == "torch" or requires_signed_programs(args):  # a device that needs signatures makes no program
         return run_client(args)
     if args.runtime == "onnxruntime-training":  # in .venv-ort-training: makes (and checks) artifacts before the hello
         from export.ort_training.cache import ArtifactCache
@@ -329,6 +329,7 @@ def _cmd_provision(args: argparse.Namespace) -> int:
             port=args.fleet_port or (8883 if not args.no_tls else 1883),
             tls=not args.no_tls,
             client_certificates=args.client_certificates,
+            signed_programs=args.signed_programs,
             broker_config_dir=plan.conf_dir,
             max_packet_size=args.fleet_max_packet_size,
             bind_address=args.fleet_bind,
@@ -624,6 +625,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--client-certificates",
         action="store_true",
         help="mutual TLS: a certificate for every device, and the broker takes its login from the certificate",
+    )
+    p.add_argument(
+        "--signed-programs",
+        action="store_true",
+        help="device bundles require on-device programs signed by the kit's CA (fedge export --sign-key KIT); "
+        "such a client never exports programs itself",
     )
     p.add_argument(
         "--fleet-bind",

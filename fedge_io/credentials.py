@@ -86,6 +86,7 @@ class Bundle:
     client_id: str | None = None  # this client's fedge id; None for the coordinator
     clients: tuple[str, ...] = ()  # for the coordinator: the ids provisioned in this run
     made_for_tls: bool = False  # the kit gave this device a CA: it must never connect without TLS unless told to
+    program_ca: str | None = None  # the CA certificate every program's manifest must be signed by (None: unsigned ok)
 
     def __repr__(self) -> str:
         return f"Bundle({self.role} {self.client_id or ''} of run {self.run!r} at {self.address}, user {self.username})"
@@ -139,4 +140,9 @@ def load_bundle(directory: str | os.PathLike[str], *, broker: str | None = None)
     password_file = local("password_file")
     password = read_secret(password_file) if password_file else None
     made_for_tls = data.get("ca_file") is not None
-    return Bundle(role, run, username, address.with_login(username, password), client_id, clients, made_for_tls)
+    signed = data.get("signed_programs", False)
+    if not isinstance(signed, bool) or (signed and not made_for_tls):
+        raise ConfigError(f"fleet bundle {path}: signed_programs must be true or false, and true needs its ca_file")
+    program_ca = local("ca_file") if signed else None
+    login = address.with_login(username, password)
+    return Bundle(role, run, username, login, client_id, clients, made_for_tls, program_ca)

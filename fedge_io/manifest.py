@@ -14,6 +14,9 @@ a mismatch or a file the manifest does not list is one line naming the file and 
 Writers update the manifest under an exclusive lock on the directory and replace it atomically, so client
 processes sharing one program cache never lose each other's entries or read half a manifest. The manifest is as
 trustworthy as the directory it lives in: it detects damage and stale files, not an attacker who can rewrite both.
+Against that, ``fedge export --sign-key`` signs the manifest with the fleet kit's CA (``manifest.json.sig``, see
+:mod:`fedge_io.signing`), and a reader given the CA certificate (``trust``) accepts only a manifest with a good
+signature. Any change to a manifest removes its signature: a signature covers the manifest it was made for, no other.
 """
 
 from __future__ import annotations
@@ -27,11 +30,18 @@ import re
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedge import __version__
 from fedge.errors import ConfigError
 
+if TYPE_CHECKING:
+    from cryptography.x509 import Certificate
+
+    from fedge_io.signing import SigningKey
+
 MANIFEST_FILE = "manifest.json"
+SIGNATURE_FILE = MANIFEST_FILE + ".sig"
 FORMAT = "fedge-export-manifest/1"
 MAX_MANIFEST_BYTES = 1 << 20  # a few hundred entries; a larger file is not one of ours
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -61,19 +71,19 @@ def entry(data_or_path: bytes | Path, kind: str) -> dict[str, object]:
     return {"sha256": sha256_bytes(data_or_path), "bytes": len(data_or_path), "kind": kind}
 
 
-def read_manifest(directory: Path) -> dict[str, dict[str, object]] | None:
+def read_manifest(directory: Path, trust: Certificate | None = None) -> dict[str, dict[str, object]] | None:
     """The entries of ``directory/manifest.json`` by file name; None when there is none. Validated: names are plain
-    file names, digests 64 hex digits, sizes non-negative integers."""
+    file names, digests 64 hex digits, sizes non-negative integers.
+
+    ``trust``: a CA certificate whose signature the manifest must carry (``manifest.json.sig``): an unsigned, edited or
+    foreign-signed manifest is refused, and so is a missing one (a program must then come with a signed manifest).
+    """
     path = directory / MANIFEST_FILE
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
+    raw = _read_bounded(path, MAX_MANIFEST_BYTES, "a fedge manifest")
+    if trust is not None:
+        _check_signature(directory, raw, trust)
+    if raw is None:
         return None
-    except OSError as exc:
-        raise ManifestError(f"cannot read {path}: {exc}") from exc
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes: not a fedge manifest")
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -85,7 +95,7 @@ def read_manifest(directory: Path) -> dict[str, dict[str, object]] | None:
         ok = (
             isinstance(name, str)
             and name == Path(name).name
-            and name not in ("", ".", "..", MANIFEST_FILE)
+            and name not in ("", ".", "..", MANIFEST_FILE, SIGNATURE_FILE)
             and isinstance(e, dict)
             and isinstance(e.get("sha256"), str)
             and _SHA256.fullmatch(e["sha256"]) is not None
@@ -98,6 +108,72 @@ def read_manifest(directory: Path) -> dict[str, dict[str, object]] | None:
             raise ManifestError(f"{path}: malformed entry {str(name)[:80]!r}; re-export into a fresh directory")
         files[name] = e
     return files
+
+
+def _read_bounded(path: Path, limit: int, what: str) -> bytes | None:
+    """At most ``limit`` bytes of ``path`` (None if absent); a larger file is refused, never read whole."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(limit + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ManifestError(f"cannot read {path}: {exc}") from exc
+    if len(raw) > limit:
+        raise ManifestError(f"{path} is larger than {limit} bytes: not {what}")
+    return raw
+
+
+def _check_signature(directory: Path, raw: bytes | None, trust: Certificate) -> None:
+    """Raise ManifestError unless ``raw`` (the bytes of ``directory``'s manifest) carries ``trust``'s signature.
+
+    Checked on the very bytes that are then parsed, so a manifest swapped in between cannot slip through."""
+    from fedge_io.signing import MAX_SIGNATURE_BYTES, signed_by
+
+    path = directory / MANIFEST_FILE
+    issuer = trust.subject.rfc4514_string()[:120]
+    if raw is None:
+        raise ManifestError(
+            f"{path}: missing, and this device accepts only programs whose manifest is signed by {issuer}; copy the "
+            "whole signed export directory (`fedge export --sign-key`)"
+        )
+    sig = _read_bounded(directory / SIGNATURE_FILE, MAX_SIGNATURE_BYTES, "a manifest signature")
+    if sig is None:
+        raise ManifestError(
+            f"{path} is not signed ({SIGNATURE_FILE} missing) and this device accepts only programs signed by "
+            f"{issuer}; sign the export with `fedge export --sign-key`"
+        )
+    if not signed_by(trust, raw, sig):
+        raise ManifestError(
+            f"{path}: the signature in {SIGNATURE_FILE} is not {issuer}'s over this manifest (edited after signing, "
+            "or signed by another CA); re-export and sign with that fleet's CA"
+        )
+
+
+def sign(directory: Path, key: SigningKey) -> Path:
+    """Sign ``directory``'s manifest as it is now with ``key`` (under the lock); the signature file's path."""
+    from fedge_io.signing import sign as sign_bytes
+
+    path = directory / MANIFEST_FILE
+    with _locked(directory):
+        raw = _read_bounded(path, MAX_MANIFEST_BYTES, "a fedge manifest")
+        if raw is None:
+            raise ManifestError(f"{path} does not exist: nothing to sign")
+        read_manifest(directory)  # sign only a well-formed manifest
+        _replace(directory, SIGNATURE_FILE, sign_bytes(key, raw))
+    return directory / SIGNATURE_FILE
+
+
+def _replace(directory: Path, name: str, data: bytes) -> None:
+    """Write ``directory/name`` through a temporary file and an atomic rename."""
+    fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, directory / name)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 @contextlib.contextmanager
@@ -114,15 +190,9 @@ def _locked(directory: Path) -> Iterator[None]:
 
 def _write(directory: Path, files: Mapping[str, Mapping[str, object]]) -> None:
     doc = {"format": FORMAT, "fedge_version": __version__, "files": dict(sorted(files.items()))}
-    fd, tmp = tempfile.mkstemp(prefix=MANIFEST_FILE + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh, indent=1)
-            fh.write("\n")
-        os.replace(tmp, directory / MANIFEST_FILE)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # The old signature covers the old manifest only: dropped first, so it never stands beside another manifest.
+    (directory / SIGNATURE_FILE).unlink(missing_ok=True)
+    _replace(directory, MANIFEST_FILE, (json.dumps(doc, indent=1) + "\n").encode())
 
 
 def record(directory: Path, entries: Mapping[str, Mapping[str, object]]) -> None:
@@ -138,14 +208,7 @@ def write_file(directory: Path, name: str, data: bytes, kind: str) -> Path:
     never sees a file whose entry is missing or stale."""
     path = directory / name
     with _locked(directory):
-        fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _replace(directory, name, data)
         files = read_manifest(directory) or {}
         files[name] = entry(data, kind)
         _write(directory, files)
@@ -170,25 +233,27 @@ def verify_bytes(data: bytes, path: Path, files: Mapping[str, Mapping[str, objec
         )
 
 
-def verified_read(path: Path, *, required: bool = True) -> bytes:
+def verified_read(path: Path, *, required: bool = True, trust: Certificate | None = None) -> bytes:
     """The bytes of ``path``, checked against the manifest beside it before they are returned.
 
-    ``required=False`` accepts a file with no manifest beside it (a listed file must still match).
+    ``required=False`` accepts a file with no manifest beside it (a listed file must still match). ``trust``: the
+    manifest must also be signed by that CA (then a manifest is required whatever ``required`` says).
     """
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc}") from exc
-    files = read_manifest(path.parent)
+    files = read_manifest(path.parent, trust)
     if files is None and not required:
         return data
     verify_bytes(data, path, files)
     return data
 
 
-def verify_files(directory: Path, names: list[str], *, required: bool = True) -> None:
-    """Check files that a runtime opens by path (ONNX Runtime training artifacts) against the manifest."""
-    files = read_manifest(directory)
+def verify_files(directory: Path, names: list[str], *, required: bool = True, trust: Certificate | None = None) -> None:
+    """Check files that a runtime opens by path (ONNX Runtime training artifacts) against the manifest (signed by
+    ``trust`` when given)."""
+    files = read_manifest(directory, trust)
     if files is None and not required:
         return
     for name in names:

@@ -54,6 +54,7 @@ class FleetSpec:
     bind_address: str | None = None  # None: every interface of the broker host
     tls: bool = True  # False only for a loopback laptop run: passwords would cross the network in clear
     client_certificates: bool = False  # mutual TLS: every device also needs its certificate
+    signed_programs: bool = False  # devices load only programs whose manifest the kit's CA signed
     cert_days: int = 365
     headroom: float = 0.10  # on top of the largest message: metadata varies by a few bytes per round
     sys_interval: int = 10  # seconds between the broker's $SYS counter updates
@@ -86,6 +87,8 @@ class FleetSpec:
             raise ConfigError(f"bind address {self.bind_address!r} is neither an IP address nor a host name")
         if self.client_certificates and not self.tls:
             raise ConfigError("client certificates need TLS")
+        if self.signed_programs and not self.tls:
+            raise ConfigError("signed programs need the kit's CA, which only a TLS kit has")
         if self.chunk_packet_size is not None and self.chunk_packet_size < MIN_PACKET_SIZE:
             raise ConfigError(f"a chunk packet size must be >= {MIN_PACKET_SIZE} bytes, got {self.chunk_packet_size}")
         if self.cert_days < 1 or self.headroom < 0 or self.sys_interval < 1:

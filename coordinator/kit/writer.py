@@ -114,6 +114,8 @@ def generate_fleet_kit(
         if ca is not None:
             _write(folder / "ca.crt", ca.cert_pem)
             bundle.update(ca_file="ca.crt", verify_hostname=True)
+            if role == "client":  # true: the device loads only programs whose manifest this CA signed
+                bundle["signed_programs"] = spec.signed_programs
             if spec.client_certificates:
                 leaf = issue(ca, username, hosts=(), server=False, now=now, days=spec.cert_days)
                 _write(folder / "client.crt", leaf.cert_pem)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -28,6 +28,9 @@ from fedge.learning.training import TrainRequest, TrainStats, check_hooks
 from fedge.programs.spec import ModelSpec, TrainingLoss, export_command, program_file_name
 from fedge.types import StateDict
 from fedge_io import manifest
+
+if TYPE_CHECKING:
+    from cryptography.x509 import Certificate
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +57,12 @@ class ProgramSource(Protocol):
 class ProgramDirectory:
     """Training programs exported beforehand into ``directory`` under :func:`fedge.programs.spec.program_file_name`."""
 
-    def __init__(self, directory: Path | None = None, *, unverified: bool = False) -> None:
+    def __init__(
+        self, directory: Path | None = None, *, unverified: bool = False, trust: Certificate | None = None
+    ) -> None:
         self.directory = directory if directory is not None else default_cache_dir()
         self.unverified = unverified
+        self.trust = trust  # a CA whose signature the directory's manifest must carry
 
     def program(self, spec: ModelSpec, loss: TrainingLoss, max_batch: int) -> bytes:
         path = self.directory / program_file_name(spec, loss, max_batch)
@@ -66,7 +72,7 @@ class ProgramDirectory:
                 f"`{export_command(spec, loss, max_batch, str(self.directory))}`"
             )
         # Checked against the export's manifest before ExecuTorch sees a byte: a damaged .pte can crash the runtime.
-        return manifest.verified_read(path, required=not self.unverified)
+        return manifest.verified_read(path, required=not self.unverified, trust=self.trust)
 
 
 class ExecuTorchBackend:

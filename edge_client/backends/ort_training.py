@@ -28,6 +28,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,6 +42,9 @@ from fedge.learning.training import EpochMeter, SGDSettings, TrainRequest, Train
 from fedge.programs.spec import WRAPPER_PREFIX, ModelSpec, ProgramMeta, TrainingLoss, program_file_name
 from fedge.types import StateDict
 from fedge_io import manifest
+
+if TYPE_CHECKING:
+    from cryptography.x509 import Certificate
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +83,15 @@ def read_artifact_meta(directory: Path) -> ProgramMeta:
 class ArtifactDirectory:
     """Artifacts made beforehand under ``root`` (default: the program cache), named by :func:`artifact_dir_name`."""
 
-    def __init__(self, root: Path | None = None, *, unverified: bool = False) -> None:
+    def __init__(self, root: Path | None = None, *, unverified: bool = False, trust: Certificate | None = None) -> None:
         self.root = root if root is not None else default_cache_dir()
         self.unverified = unverified
+        self.trust = trust  # a CA whose signature each artifact directory's manifest must carry
 
     def __call__(self, spec: ModelSpec, loss: TrainingLoss) -> Path:
         directory = self.root / artifact_dir_name(spec, loss)
         if has_artifacts(directory):
-            manifest.verify_files(directory, list(ARTIFACT_FILES), required=not self.unverified)
+            manifest.verify_files(directory, list(ARTIFACT_FILES), required=not self.unverified, trust=self.trust)
         else:
             flags = [f"--{k} {v}" for k, v in loss.objective.params.items()]
             flags += [f"--prox-mu {loss.prox_mu:g}"] if loss.prox_mu else []

@@ -1,0 +1,42 @@
+"""The stepwise gate's jitter spread covers a ReLU whose pre-activation float32 cannot tell from zero.
+
+fedavg_cnn's fd program from a trained FedAvg model was refused (1.0e-2 of the step's largest update on one row of
+classifier.0.weight): one hidden unit's pre-activation was 7.5e-9 of the sum of its terms' magnitudes, below float32's
+rounding of that sum, and the program's matmul rounded it to the other side of zero. The jittered float64 runs now
+move every linear/convolution output by eps32 of its terms' magnitude, up in one run and down in another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from export import parity
+from fedge.learning.models import exchanged_state
+from fedge.learning.objectives import make_objective
+from fedge.programs.spec import ModelSpec, TrainingLoss
+
+
+def test_a_pre_activation_within_float32s_rounding_of_its_sum_lands_on_both_sides_of_zero() -> None:
+    spec = ModelSpec("tiny_mlp", (1, 8, 8), 10)
+    begin = exchanged_state(spec.build(seed=0))
+    # Hidden unit 0 on an all-ones sample: 32 terms of +1 and 32 of -1 cancel, the bias leaves 1e-9 of 64 (float32
+    # resolves about 1.2e-7 of it): float64 sees the unit active, float32 may round it either way.
+    begin["layers.0.weight"][0] = torch.tensor([1.0, -1.0] * 32)
+    begin["layers.0.bias"][0] = 1e-9 * 64
+    request = parity.training_request(spec, TrainingLoss(make_objective("ce", {})), samples=1)
+    request = dataclasses.replace(request, x=torch.ones(1, 1, 8, 8), batch_size=1)
+    expected = exchanged_state(parity._float64_run(spec, begin, request))
+    row_update = float((expected["layers.0.weight"][0] - begin["layers.0.weight"][0].double()).abs().max())
+    assert row_update > 0  # the unit is active in float64: its row moves
+
+    spread = parity._jitter_spread(spec, begin, request, expected, seed=1)
+    # One of the pushed runs switches the unit off, so its row does not move: the spread is that row's whole update.
+    assert float(spread["layers.0.weight"][0].max()) > 0.5 * row_update
+    # Elsewhere the spread stays at rounding: the term excuses ties, not imprecise kernels.
+    other = (
+        spread["layers.0.weight"][1:].max()
+        / (expected["layers.0.weight"][1:] - begin["layers.0.weight"][1:]).abs().max()
+    )
+    assert float(other) < 1e-5
