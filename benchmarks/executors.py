@@ -150,8 +150,8 @@ def _soft_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class PaperCNN(torch.nn.Module):
-    """The setups' CNNs as the papers write them, each ReLU before its pooling (fedge pools first, which gives the
-    same numbers for less work): the plain loop's own models, so it borrows none of fedge's speed-ups."""
+    """The setups' CNNs as the papers write them, each ReLU before its pooling: the plain loop's own models, so that it
+    borrows none of fedge's choices (fedge's models are the same layers today)."""
 
     def __init__(self, model: str, input_shape: tuple[int, ...], num_classes: int) -> None:
         super().__init__()

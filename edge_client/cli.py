@@ -264,13 +264,19 @@ def requires_signed_programs(args: argparse.Namespace) -> bool:
 
 def program_signer(args: argparse.Namespace, bundle: Bundle | None) -> Certificate | None:
     """The CA whose signature every program's manifest must carry: --trust-ca, else the bundle's (None: none)."""
-    from fedge_io.signing import load_trusted_ca
-
     if args.trust_ca is not None:
-        return load_trusted_ca(args.trust_ca)
-    if bundle is not None and bundle.program_ca is not None:
-        return load_trusted_ca(Path(bundle.program_ca))
-    return None
+        path = args.trust_ca
+    elif bundle is not None and bundle.program_ca is not None:
+        path = Path(bundle.program_ca)
+    else:
+        return None  # a device that checks no signatures needs no cryptography package
+    try:
+        from fedge_io.signing import load_trusted_ca
+    except ImportError as exc:
+        raise ConfigError(
+            f"checking signed programs needs the cryptography package ({exc}): pip install cryptography"
+        ) from None
+    return load_trusted_ca(path)
 
 
 def state_files(args: argparse.Namespace) -> ClientStateFiles | None:

@@ -13,7 +13,7 @@ from export.onnx import DEFAULT_OPSET, MIN_OPSET, ONNXRUNTIME_RELEASES, onnx_tar
 from fedge.errors import ConfigError, ExportError
 from fedge.learning.objectives import objective_kinds
 from fedge.types import StateDict
-from fedge_io import manifest, signing
+from fedge_io import manifest
 
 if TYPE_CHECKING:
     from cryptography.x509 import Certificate
@@ -126,6 +126,8 @@ def default_batch_bounds() -> tuple[int, ...]:
 
 def run_export_cli(args: argparse.Namespace) -> int:
     """Dispatch ``fedge export`` / ``fedge export check``."""
+    from fedge_io import signing  # the cryptography package: not on a client-only device that never signs or checks
+
     if args.export_command == "check":
         trust = None if args.trust_ca is None else signing.load_trusted_ca(args.trust_ca)
         return _check(args.files, args.check_weights, trust)
@@ -200,6 +202,7 @@ def _export(args: argparse.Namespace) -> int:
     from export.parity import check_bytes, require
     from fedge.accounting.cost import format_bytes
     from fedge.learning.models import exchanged_state, load_exchanged_state
+    from fedge_io import signing
 
     spec, jobs = export_jobs(args)
     key = None if args.sign_key is None else signing.load_signing_key(args.sign_key)  # refused before any work

@@ -36,14 +36,6 @@ ImageShape: TypeAlias = tuple[int, int, int]
 """Per-sample image shape ``(channels, height, width)``."""
 
 
-# Pooling before ReLU: the convolutional models apply 2x2 max pooling before the ReLU that the papers write after it.
-# ReLU is monotone, so max(relu(a), relu(b)) == relu(max(a, b)) exactly, and the gradient reaches the same element
-# (the first maximum of its window when that is positive, none otherwise): the same function and gradients bit for bit
-# (tests/fedge/learning/test_models.py), with the ReLU, its backward and its saved mask on a quarter of the values.
-# A fedavg_cnn client (600 MNIST images, E = 3, B = 50, one thread) trains 1.02-1.03x faster in CPU time
-# (benchmarks/client_profile.py, docs/design.md). The state-dict keys are unchanged: ReLU and pooling hold no tensors.
-
-
 def _pool(size: int) -> int:
     """Output size of ``nn.MaxPool2d(2, 2)`` along one axis (floor division, no padding)."""
     return size // 2
@@ -68,12 +60,12 @@ class DSFLMnistCNN(nn.Module):
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, 32, kernel_size=5),
             nn.BatchNorm2d(32),
-            nn.MaxPool2d(2, 2),  # before the ReLU: see 'Pooling before ReLU' above
             nn.ReLU(),
+            nn.MaxPool2d(2, 2),
             nn.Conv2d(32, 64, kernel_size=5),
             nn.BatchNorm2d(64),
-            nn.MaxPool2d(2, 2),
             nn.ReLU(),
+            nn.MaxPool2d(2, 2),
         )
         self.classifier = nn.Sequential(
             nn.Linear(64 * side * side, 512),  # 1024 -> 512 on 28x28 inputs
@@ -114,10 +106,9 @@ class DSFLFashionCNN(nn.Module):
         layers: list[nn.Module] = []
         channels = [in_channels, 32, 32, 64, 64, 128, 128]
         for i, (c_in, c_out) in enumerate(itertools.pairwise(channels)):
-            layers += [nn.Conv2d(c_in, c_out, kernel_size=3, padding=1), nn.BatchNorm2d(c_out)]
+            layers += [nn.Conv2d(c_in, c_out, kernel_size=3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU()]
             if i in (1, 3):
-                layers.append(nn.MaxPool2d(2, 2))  # before the ReLU: see 'Pooling before ReLU'
-            layers.append(nn.ReLU())
+                layers.append(nn.MaxPool2d(2, 2))
         self.features = nn.Sequential(*layers)
         self.classifier = nn.Sequential(
             nn.Linear(128 * side * side, 382),  # 6272 -> 382 on 28x28 inputs
@@ -159,11 +150,11 @@ class FedAvgCNN(nn.Module):
         self.input_shape: ImageShape = (in_channels, height, width)
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, 32, kernel_size=5, padding=2),
-            nn.MaxPool2d(2, 2),  # before the ReLU: see 'Pooling before ReLU' above
             nn.ReLU(),
-            nn.Conv2d(32, 64, kernel_size=5, padding=2),
             nn.MaxPool2d(2, 2),
+            nn.Conv2d(32, 64, kernel_size=5, padding=2),
             nn.ReLU(),
+            nn.MaxPool2d(2, 2),
         )
         self.classifier = nn.Sequential(
             nn.Linear(64 * out_h * out_w, 512),

@@ -218,6 +218,7 @@ def test_kit_layout_secrets_and_modes(tmp_path: Path) -> None:
         "verify_hostname": True,
         "cert_file": "client.crt",
         "key_file": "client.key",
+        "signed_programs": False,  # fedge provision --signed-programs: the device loads only programs the CA signed
     }
     coordinator = load_bundle(kit.coordinator_dir)
     assert coordinator.role == "coordinator" and coordinator.clients == CLIENTS

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -201,57 +199,3 @@ def test_head_of_the_representation_is_the_forward(name: str, input_shape: tuple
     last = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
     assert z.shape == (3, last.in_features)
     assert torch.equal(model.head(z), model(x))  # type: ignore[operator]
-
-
-def _paper_order(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with every (MaxPool2d, ReLU) pair of its features back in the papers' order, ReLU first."""
-    paper = copy.deepcopy(model)
-    layers = list(paper.features)  # type: ignore[arg-type]
-    for i in range(len(layers) - 1):
-        if isinstance(layers[i], nn.MaxPool2d) and isinstance(layers[i + 1], nn.ReLU):
-            layers[i], layers[i + 1] = layers[i + 1], layers[i]
-    assert layers != list(paper.features)  # type: ignore[arg-type]
-    paper.features = nn.Sequential(*layers)
-    return paper
-
-
-@pytest.mark.parametrize(
-    ("name", "input_shape", "layout"),
-    [
-        ("fedavg_cnn", (1, 28, 28), torch.contiguous_format),
-        ("fedavg_cnn", (1, 28, 28), torch.channels_last),
-        ("fedavg_cnn", (3, 12, 12), torch.channels_last),
-        ("dsfl_mnist_cnn", (1, 16, 16), torch.contiguous_format),
-        ("dsfl_fmnist_cnn", (1, 8, 8), torch.channels_last),
-    ],
-)
-def test_pooling_before_relu_trains_bit_for_bit_like_the_papers_order(
-    name: str, input_shape: tuple[int, int, int], layout: torch.memory_format
-) -> None:
-    """The models pool before the ReLU (cheaper); momentum SGD from the same weights on images with blank borders
-    (windows of equal values: ties) and negative pixels gives the same losses, weights and batch-norm statistics bit
-    for bit as the papers' ReLU-then-pool order."""
-    ours = build_model(name, input_shape=input_shape, num_classes=10, seed=3).to(memory_format=layout)  # type: ignore[call-overload]
-    paper = _paper_order(ours)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn((24, *input_shape), generator=gen)
-    x[:, :, :2] = 0.0  # blank rows: every window there holds one value (ties), as on MNIST's borders
-    x = x.contiguous(memory_format=layout)
-    y = torch.randint(0, 10, (24,), generator=gen)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, paper)]
-    for step in range(4):
-        idx = torch.arange(step * 6, step * 6 + 6)
-        losses = []
-        for model, opt in zip((ours, paper), opts, strict=True):
-            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        assert torch.equal(losses[0], losses[1])
-    ours_state, paper_state = ours.state_dict(), paper.state_dict()
-    assert ours_state.keys() == paper_state.keys()
-    for key, value in ours_state.items():
-        assert torch.equal(value, paper_state[key]), key
-    ours.eval(), paper.eval()
-    assert torch.equal(ours(x), paper(x))
