@@ -57,7 +57,7 @@ test: install ort-training mosquitto chromium lint typecheck
 
 # The unit tests of the core, the journal, the CLI, the reports and the in-process simulator: no broker, no exported
 # program, no fleet of processes, no venv built (tests/fedge_cli/test_packaging.py) and no Ctrl-C of a subprocess
-# run (test_run_lifecycle.py). Two workers, as `make test` (650 tests in 1 min 50 s, quiet 2-core machine, 2026-11-27);
+# run (test_run_lifecycle.py). Two workers, as `make test` (654 tests in 58 s, quiet 2-core machine, 2026-11-27);
 # `make test` stays the full suite.
 FAST_TESTS := tests/fedge tests/fedge_io/test_journal.py tests/fedge_cli/test_cli.py tests/fedge_cli/test_help.py \
 	tests/experiments tests/sim/test_report.py tests/sim/test_inprocess.py
