@@ -25,15 +25,13 @@ from mqtt_support import mosquitto_url  # noqa: F401 - a pytest fixture
 from coordinator.kit.accounts import FleetSpec
 from coordinator.kit.pki import make_ca
 from coordinator.kit.writer import generate_fleet_kit
-from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError
 from fedge.learning.objectives import make_objective
 from fedge.programs.spec import ModelSpec, TrainingLoss, program_file_name
 from fedge_cli.main import main
 from fedge_io import manifest, signing
 from fedge_io.credentials import load_bundle
-from fedge_io.experiment import prepare
-from sim.provision import write_client_files
+from tests.export.test_manifest import client_files, run_device_side
 
 FEDGE = [sys.executable, "-m", "fedge_cli.main"]
 SPEC = ModelSpec("tiny_mlp", (1, 8, 8), 10)
@@ -73,28 +71,6 @@ def signed(kit: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def copy_of(directory: Path, to: Path) -> Path:
     shutil.copytree(directory, to)
     return to
-
-
-def run_device_side(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """A fedge command in its own process: its exit status and output, as a device's service manager sees them."""
-    root = Path(__file__).resolve().parents[2]
-    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "HOME": str(cwd)}
-    return subprocess.run([*FEDGE, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-
-
-def client_files(tmp_path: Path) -> tuple[Path, Path]:
-    """The run config and a data file of a FedAvg digits client on tiny_mlp (what a device is given)."""
-    config = RunConfig(
-        algorithm="fedavg",
-        dataset="digits",
-        model="tiny_mlp",
-        num_clients=2,
-        rounds=1,
-        train=TrainConfig(batch_size=50),
-    )
-    files = write_client_files(prepare(config), tmp_path / "data")
-    (tmp_path / "config.json").write_text(config.to_json() + "\n")
-    return tmp_path / "config.json", files["c000"]
 
 
 def test_the_signature_covers_the_manifest_it_was_made_for_and_every_key_type_signs(tmp_path: Path) -> None:
