@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from export.onnx import DEFAULT_OPSET, MIN_OPSET, ONNXRUNTIME_RELEASES, onnx_target
@@ -126,17 +127,27 @@ def default_batch_bounds() -> tuple[int, ...]:
 
 def run_export_cli(args: argparse.Namespace) -> int:
     """Dispatch ``fedge export`` / ``fedge export check``."""
-    from fedge_io import signing  # the cryptography package: not on a client-only device that never signs or checks
-
     if args.export_command == "check":
-        trust = None if args.trust_ca is None else signing.load_trusted_ca(args.trust_ca)
+        trust = None if args.trust_ca is None else _signing().load_trusted_ca(args.trust_ca)
         return _check(args.files, args.check_weights, trust)
     if args.export_command == "sign":
-        key = signing.load_signing_key(args.sign_with)
+        key = _signing().load_signing_key(args.sign_with)
         for directory in args.directories:
             print(f"signed {manifest.sign(directory, key)}")
         return 0
     return _export(args)
+
+
+def _signing() -> ModuleType:
+    """fedge_io.signing, imported only to sign or check signatures: it needs the cryptography package, which a
+    client-only device that does neither may not have."""
+    try:
+        from fedge_io import signing
+    except ImportError as exc:
+        raise ConfigError(
+            f"signing and checking signatures need the cryptography package ({exc}): pip install cryptography"
+        ) from None
+    return signing
 
 
 def _load_weights(path: Path) -> StateDict:
@@ -202,10 +213,9 @@ def _export(args: argparse.Namespace) -> int:
     from export.parity import check_bytes, require
     from fedge.accounting.cost import format_bytes
     from fedge.learning.models import exchanged_state, load_exchanged_state
-    from fedge_io import signing
 
     spec, jobs = export_jobs(args)
-    key = None if args.sign_key is None else signing.load_signing_key(args.sign_key)  # refused before any work
+    key = None if args.sign_key is None else _signing().load_signing_key(args.sign_key)  # refused before any work
     model = spec.build(seed=args.seed)
     if args.weights is not None:
         load_exchanged_state(model, _load_weights(args.weights))

@@ -112,3 +112,23 @@ def test_another_roles_command_names_the_extra_it_needs(client_python: Path, tmp
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert "pip install 'fedge[coordinator]'" in done.stderr, done.stderr
+
+
+def test_a_client_asked_to_check_signed_programs_without_cryptography_says_what_to_install(
+    client_python: Path, tmp_path: Path
+) -> None:
+    from tests.export.test_manifest import client_files
+
+    _, data = client_files(tmp_path)
+    args = ["--broker", "mqtt://127.0.0.1:1", "--run", "r", "--client-id", "c000", "--data", str(data)]
+    done = subprocess.run(
+        [str(client_python), "-m", "fedge_cli.main", "client", *args, "--trust-ca", str(tmp_path / "ca.crt")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "checking signed programs needs the cryptography package" in done.stderr, done.stderr
+    assert "pip install cryptography" in done.stderr, done.stderr
