@@ -92,26 +92,21 @@ def test_a_client_only_environment_trains_a_run_over_the_broker(client_python: P
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
 
 
-def test_another_roles_command_names_the_extra_it_needs(client_python: Path, tmp_path: Path) -> None:
+def refused_in_client_env(client_python: Path, cwd: Path, *args: str) -> str:
+    """``fedge ARGS`` in the client-only environment: refused with exit 2 and no traceback; its stderr."""
     done = subprocess.run(
-        [
-            str(client_python),
-            "-m",
-            "fedge_cli.main",
-            "provision",
-            "--out",
-            str(tmp_path / "fleet"),
-            "--dataset",
-            "digits",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
+        [str(client_python), "-m", "fedge_cli.main", *args], capture_output=True, text=True, cwd=cwd, timeout=120
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
-    assert "pip install 'fedge[coordinator]'" in done.stderr, done.stderr
+    return done.stderr
+
+
+def test_another_roles_command_names_the_extra_it_needs(client_python: Path, tmp_path: Path) -> None:
+    err = refused_in_client_env(
+        client_python, tmp_path, "provision", "--out", str(tmp_path / "fleet"), "--dataset", "digits"
+    )
+    assert "pip install 'fedge[coordinator]'" in err, err
 
 
 def test_a_client_asked_to_check_signed_programs_without_cryptography_says_what_to_install(
@@ -121,14 +116,6 @@ def test_a_client_asked_to_check_signed_programs_without_cryptography_says_what_
 
     _, data = client_files(tmp_path)
     args = ["--broker", "mqtt://127.0.0.1:1", "--run", "r", "--client-id", "c000", "--data", str(data)]
-    done = subprocess.run(
-        [str(client_python), "-m", "fedge_cli.main", "client", *args, "--trust-ca", str(tmp_path / "ca.crt")],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "Traceback" not in done.stderr
-    assert "checking signed programs needs the cryptography package" in done.stderr, done.stderr
-    assert "pip install cryptography" in done.stderr, done.stderr
+    err = refused_in_client_env(client_python, tmp_path, "client", *args, "--trust-ca", str(tmp_path / "ca.crt"))
+    assert "checking signed programs needs the cryptography package" in err, err
+    assert "pip install cryptography" in err, err
