@@ -46,8 +46,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _one_torch_thread_per_test_worker() -> object:
     """Under ``pytest -n N`` each worker process computes on one intra-op thread. The workers (and the processes their
     tests start) already fill the cores; a worker's second OpenMP thread then waits for a core at every parallel
-    region, and an in-process training loop of small tensors ran 10-50x slower than alone (measured in this suite).
-    Results do not change: the tests that compare thread counts set them explicitly."""
+    region, and an in-process training loop of small tensors ran tens of times slower than alone (measured in
+    this suite). Results do not change: the tests that compare thread counts set them explicitly."""
     import os
 
     import torch
