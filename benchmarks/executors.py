@@ -18,7 +18,8 @@ Paths, each a full round (client work, aggregation, evaluation on the 10,000 tes
   it refuses models with batch norm, so the DS-FL setup (dsfl_mnist_cnn) skips it and says why.
 GPU mode, ``--device cuda``: fedge's clients compute on the GPU and the default paths are the plain CPU loop, the
 sequential executor on the GPU and the batched executor on the GPU, alternated in one run (it stops with a one-line
-message where CUDA is missing).
+message where CUDA is missing); fedge's server evaluates on the GPU as ``fedge sim --device cuda`` does, and the
+table's last column shows how much of a round that evaluation took.
 Rounds alternate between paths (round r of every path, then round r + 1), so a slow stretch of a shared machine hits
 every path alike; each path's first round (worker start-up, warm-up) is reported apart and not counted; the table
 shows medians of the other rounds and throughput as a ratio to the plain loop's (higher is faster).
@@ -282,10 +283,22 @@ class PlainLoop:
 class EnginePath:
     """fedge's round engine over an executor."""
 
-    def __init__(self, exp: Experiment, executor: ClientExecutor) -> None:
+    def __init__(self, exp: Experiment, executor: ClientExecutor, device: str = "cpu") -> None:
         self.executor = executor
         transport = ExecutorTransport(executor, sorted(exp.parts))
-        self.engine = RoundEngine(exp.config, exp.strategy("bench"), transport, *exp.test_tensors())
+        strategy = exp.strategy("bench", evaluation_device=device)  # as fedge sim --device: the server evaluates there
+        self.evaluation_s: list[float] = []  # the server's evaluation, part of each round's time
+        evaluate = strategy.evaluate
+
+        def timed_evaluate(x: torch.Tensor, y: torch.Tensor) -> Any:
+            started = time.perf_counter()
+            try:
+                return evaluate(x, y)
+            finally:
+                self.evaluation_s.append(time.perf_counter() - started)
+
+        strategy.evaluate = timed_evaluate  # type: ignore[method-assign]
+        self.engine = RoundEngine(exp.config, strategy, transport, *exp.test_tensors())
 
     def round(self, rnd: int) -> float:
         started = time.perf_counter()
@@ -328,7 +341,7 @@ def bench_setup(
     def engine(executor: str, n: int, threads: int) -> Callable[[], EnginePath]:
         gpus = 1.0 / n if executor == "ray" and device != "cpu" else 0.0  # ray: the workers share the GPU
         return lambda: EnginePath(
-            exp, make_executor(executor, n, factory, threads_per_worker=threads, gpus_per_worker=gpus)
+            exp, make_executor(executor, n, factory, threads_per_worker=threads, gpus_per_worker=gpus), device
         )
 
     todo: list[Timed] = []
@@ -367,18 +380,21 @@ def bench_setup(
 def report(name: str, done: list[Timed]) -> dict[str, Any]:
     base = statistics.median(done[0].times[1:]) if done and done[0].name.startswith("plain") else None
     print(f"\n{name}: median of rounds 2..{len(done[0].times)} (round 1 = start-up and warm-up, shown apart)")
-    print(f"{'path':<34} {'round s':>8} {'x plain':>8} {'round 1 s':>10} {'set-up s':>9}")
+    print(f"{'path':<34} {'round s':>8} {'x plain':>8} {'round 1 s':>10} {'set-up s':>9} {'of it eval s':>13}")
     out = {}
     for p in done:
         med = statistics.median(p.times[1:])
         ratio = base / med if base else float("nan")
-        print(f"{p.name:<34} {med:>8.2f} {ratio:>7.2f}x {p.times[0]:>10.2f} {p.start_s:>9.2f}")
+        evals = getattr(p.runner, "evaluation_s", [])[1:]  # the server's evaluation within each round (fedge's paths)
+        eval_med = statistics.median(evals) if evals else float("nan")
+        print(f"{p.name:<34} {med:>8.2f} {ratio:>7.2f}x {p.times[0]:>10.2f} {p.start_s:>9.2f} {eval_med:>13.2f}")
         out[p.name] = {
             "median_round_s": med,
             "vs_plain": ratio,
             "first_round_s": p.times[0],
             "setup_s": p.start_s,
             "rounds_s": p.times,
+            "median_evaluation_s": eval_med,
         }
     return out
 

@@ -88,8 +88,14 @@ class Experiment:
             seed=derive_seed(self.config.seed, "model"),
         )
 
-    def strategy(self, run_id: str = "") -> Strategy:
-        context = ServerContext(self.model_factory, self.num_classes, run_id=run_id, open_x=self.open_x())
+    def strategy(self, run_id: str = "", *, evaluation_device: str = "cpu") -> Strategy:
+        context = ServerContext(
+            self.model_factory,
+            self.num_classes,
+            run_id=run_id,
+            open_x=self.open_x(),
+            evaluation_device=evaluation_device,
+        )
         return make_strategy(self.config, context)
 
     def partition_summary(self) -> dict[str, object]:

@@ -63,7 +63,7 @@ def run_inprocess(
         factory = ExperimentClients(
             config, device, experiment=exp if experiment is not None or executor == "ray" else None
         )
-    strategy = exp.strategy(run_id)
+    strategy = exp.strategy(run_id, evaluation_device=device)  # a GPU run evaluates there too
     test_x, test_y = exp.test_tensors()
     sizes = {c: len(idx) for c, idx in exp.parts.items()}
     with make_executor(

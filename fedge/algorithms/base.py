@@ -12,6 +12,7 @@ half, its client half and its local objective, and exposes them as one :class:`A
 
 from __future__ import annotations
 
+import copy
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
@@ -165,6 +166,7 @@ class ServerContext:
     num_classes: int
     run_id: str = ""
     open_x: torch.Tensor | None = None  # DS-FL's unlabeled open set
+    evaluation_device: str = "cpu"  # where the server evaluates the global model (a GPU simulation: "cuda")
 
 
 class Strategy(ABC, Generic[SettingsT]):
@@ -183,6 +185,7 @@ class Strategy(ABC, Generic[SettingsT]):
         self.model_factory = context.model_factory
         self.num_classes = context.num_classes
         self.run_id = context.run_id
+        self.evaluation_device = context.evaluation_device
 
     @abstractmethod
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
@@ -301,8 +304,17 @@ def tensors_like(tensors: Mapping[str, torch.Tensor], prefix: str, like: Mapping
     return out
 
 
-def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int) -> Evaluation:
-    """Accuracy and per-class accuracy of ``model`` on (x, y)."""
+def evaluate_model(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int, *, device: str = "cpu"
+) -> Evaluation:
+    """Accuracy and per-class accuracy of ``model`` on (x, y), computed on ``device``.
+
+    On another device than the model's, a copy of the model runs there (``model`` itself is not moved: the strategy
+    aggregates into it on the CPU). A GPU simulation evaluates there: on the CPU the server's evaluation of the
+    10,000 MNIST test images would take longer than the batched clients' whole round (``benchmarks/executors.py``).
+    """
+    if torch.device(device) != next(model.parameters()).device:
+        model = copy.deepcopy(model).to(device)
     preds = predict_logits(model, x).argmax(dim=1).numpy()
     labels = y.numpy()
     return Evaluation(

@@ -222,7 +222,7 @@ class DistillationSemiSupervised(Strategy[DSFLSettings]):
         return {"global_logit_entropy": float(mean_entropy(self._soft_labels.numpy()))}
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
-        return evaluate_model(self._model, x, y, self.num_classes)
+        return evaluate_model(self._model, x, y, self.num_classes, device=self.evaluation_device)
 
 
 class DSFLClient(ClientHalf[DSFLSettings]):

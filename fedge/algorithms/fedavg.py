@@ -179,7 +179,7 @@ class FedAvg(Strategy[FedAvgSettingsT]):
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
         load_exchanged_state(self._model, self._weights)
-        return evaluate_model(self._model, x, y, self.num_classes)
+        return evaluate_model(self._model, x, y, self.num_classes, device=self.evaluation_device)
 
 
 @dataclass(frozen=True)

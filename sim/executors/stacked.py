@@ -144,32 +144,24 @@ def train_stacked(
         # torch has no batching rule for kl_div (FedNTD's loss) and loops over the clients for that one op, correctly;
         # its "performance drop" warning would be printed once per run and says nothing the user can act on.
         warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
-        everyone = list(range(len(requests)))
-        for t in range(steps):
-            by_size: dict[int, list[int]] = {}
-            for k, order in enumerate(orders):
-                if t < len(order):
-                    by_size.setdefault(len(order[t]), []).append(k)
-            for _, clients in sorted(by_size.items()):  # one vmap per batch size: every batch loss is its own mean
-                idx = torch.stack([orders[k][t] + offsets[k] for k in clients]).to(device)  # (G, size) rows of x_all
-                sel = None if clients == everyone else torch.tensor(clients, device=device)
-                p = params if sel is None else {n: v[sel] for n, v in params.items()}
-                inputs = {k: v[idx] for k, v in rows.items()}
-                inputs |= {k: v if sel is None else v[sel] for k, v in whole.items()}
-                anchor = {n: v if sel is None else v[sel] for n, v in (anchors or {}).items()}
-                grads, loss = step_fn(p, x_all[idx], y_all[idx], inputs, anchor)
-                new_p, new_m = _sgd(p, grads, momentum, sel, corrections, sgd.lr, sgd.momentum, sgd.weight_decay)
-                for n in names:
-                    if sel is None:
-                        params[n] = new_p[n]
-                        if momentum:
-                            momentum[n] = new_m[n]
-                    else:  # only the clients of this group move; masked clients keep their weights and momentum
-                        params[n] = params[n].index_copy(0, sel, new_p[n])
-                        if momentum:
-                            momentum[n] = momentum[n].index_copy(0, sel, new_m[n])
-                for j, k in enumerate(clients):
-                    losses[k].append(loss[j])
+        for clients, idx, sel in _schedule(orders, offsets, steps, device):
+            p = params if sel is None else {n: v[sel] for n, v in params.items()}
+            inputs = {k: v[idx] for k, v in rows.items()}
+            inputs |= {k: v if sel is None else v[sel] for k, v in whole.items()}
+            anchor = {n: v if sel is None else v[sel] for n, v in (anchors or {}).items()}
+            grads, loss = step_fn(p, x_all[idx], y_all[idx], inputs, anchor)
+            new_p, new_m = _sgd(p, grads, momentum, sel, corrections, sgd.lr, sgd.momentum, sgd.weight_decay)
+            for n in names:
+                if sel is None:
+                    params[n] = new_p[n]
+                    if momentum:
+                        momentum[n] = new_m[n]
+                else:  # only the clients of this group move; masked clients keep their weights and momentum
+                    params[n] = params[n].index_copy(0, sel, new_p[n])
+                    if momentum:
+                        momentum[n] = momentum[n].index_copy(0, sel, new_m[n])
+            for j, k in enumerate(clients):
+                losses[k].append(loss[j])
 
     out = []
     for k in range(len(requests)):
@@ -182,6 +174,39 @@ def train_stacked(
             else 0.0,  # summed in step order, as fedge.learning.training.train
         )
         out.append(({n: params[n][k].detach().cpu() for n in names}, stats))
+    return out
+
+
+def _schedule(
+    orders: Sequence[Sequence[torch.Tensor]], offsets: Sequence[int], steps: int, device: torch.device
+) -> list[tuple[list[int], torch.Tensor, torch.Tensor | None]]:
+    """Every stacked step of the training, in order: (its clients, their batches as rows of the stacked data (G,
+    size), the clients' positions or None for all of them). One vmap per step and batch size, so that every batch
+    loss is its own mean. All indices reach the device in one copy: a copy from the host per step would wait for
+    the GPU's queued work each time (measured on an H100: the CPU could no longer run ahead of the kernels)."""
+    everyone = list(range(len(orders)))
+    plan: list[tuple[list[int], torch.Tensor, list[int] | None]] = []
+    for t in range(steps):
+        by_size: dict[int, list[int]] = {}
+        for k, order in enumerate(orders):
+            if t < len(order):
+                by_size.setdefault(len(order[t]), []).append(k)
+        for _, clients in sorted(by_size.items()):
+            idx = torch.stack([orders[k][t] + offsets[k] for k in clients])
+            plan.append((clients, idx, None if clients == everyone else clients))
+    if not plan:
+        return []
+    flat = torch.cat([idx.flatten() for _, idx, _ in plan] + [torch.tensor(s) for _, _, s in plan if s is not None])
+    flat = flat.to(device)
+    out: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
+    at = 0
+    for clients, idx, _ in plan:
+        out.append((clients, flat[at : at + idx.numel()].view(idx.shape), None))
+        at += idx.numel()
+    for i, (clients, _, s) in enumerate(plan):
+        if s is not None:
+            out[i] = (clients, out[i][1], flat[at : at + len(s)])
+            at += len(s)
     return out
 
 

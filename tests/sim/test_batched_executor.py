@@ -46,11 +46,11 @@ def _config(algorithm: str = "fedavg", train: TrainConfig = FAST) -> RunConfig:
     )
 
 
-def _run(config: RunConfig, name: str) -> tuple[dict[str, torch.Tensor], list, dict[str, dict]]:
+def _run(config: RunConfig, name: str, device: str = "cpu") -> tuple[dict[str, torch.Tensor], list, dict[str, dict]]:
     exp = prepare(config)
-    with make_executor(name, 1, ExperimentClients(exp.config)) as exe:
+    with make_executor(name, 1, ExperimentClients(exp.config, device=device)) as exe:
         assert exe.name == name
-        strategy = exp.strategy("batched-test")
+        strategy = exp.strategy("batched-test", evaluation_device=device)
         transport = ExecutorTransport(exe, sorted(exp.parts))
         engine = RoundEngine(exp.config, strategy, transport, *exp.test_tensors(), initial_bytes=exp.initial_bytes())
         history = engine.run()
@@ -183,3 +183,43 @@ def test_client_data_stays_resident_while_its_tensor_lives():
     assert first.device == meta and exe.resident(x, meta) is first
     del x, first
     assert exe._resident == {}  # freed with the client's tensor: the cache cannot grow without bound
+
+
+# --- on a GPU (skipped without one; run on a lent GPU machine) -----------------------------------------------------
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+ATOL_CUDA = 1e-3
+"""A GPU's convolutions may run in TF32 (cuDNN's default in PyTorch) and add in other orders: further from the CPU
+than the CPU's stacked kernels are."""
+
+
+@CUDA
+@pytest.mark.parametrize("kind", ["ce", "ntd"])
+def test_on_cuda_each_clients_update_matches_its_sequential_training_on_the_cpu(kind: str):
+    teacher = lambda n: {"teacher": torch.randn(n, 10, generator=torch.Generator().manual_seed(n))}  # noqa: E731
+    model, requests = _requests() if kind == "ce" else _requests(NotTrueDistillation(tau=2.0, beta=1.0), teacher)
+    start = exchanged_state(model)
+    stacked = train_stacked(model.cuda(), [start] * len(requests), requests, torch.device("cuda"))
+    diffs = []
+    for request, (weights, stats) in zip(requests, stacked, strict=True):
+        alone = build_model("fedavg_cnn", input_shape=(1, 8, 8), num_classes=10, seed=0)
+        ref = train(alone, request)
+        assert (stats.steps, stats.samples) == (ref.steps, ref.samples)
+        expected = exchanged_state(alone)
+        diffs.append(max(float((weights[k].cpu() - expected[k]).abs().max()) for k in expected))
+    print(f"{kind}: stacked on cuda vs train on the cpu, max weight difference per client {diffs}")
+    assert max(diffs) < ATOL_CUDA, diffs
+
+
+@CUDA
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedntd"])
+def test_on_cuda_two_batched_rounds_match_the_sequential_executor_on_the_cpu(algorithm: str):
+    config = _config(algorithm)
+    ref_weights, ref_rounds, _ = _run(config, "sequential")
+    weights, rounds, _ = _run(config, "batched", device="cuda")
+    diff = max(float((weights[k].cpu() - ref_weights[k]).abs().max()) for k in ref_weights)
+    print(f"{algorithm}: batched on cuda (evaluated there) vs sequential on the cpu, max weight difference {diff}")
+    assert diff < ATOL_CUDA, diff
+    for a, b in zip(rounds, ref_rounds, strict=True):
+        assert (a.sampled, a.aggregated) == (b.sampled, b.aggregated)
+        assert a.accuracy == pytest.approx(b.accuracy, abs=2e-3)
