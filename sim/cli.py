@@ -125,7 +125,13 @@ def _run(
 
 
 def run_cost(args: argparse.Namespace) -> int:
-    from fedge.accounting.cost import CostRow, algorithm_round_cost, cost_table_markdown, paper_tables
+    from fedge.accounting.cost import (
+        CostRow,
+        algorithm_round_cost,
+        cost_table_markdown,
+        open_dataset_table,
+        paper_tables,
+    )
     from fedge.learning.models import build_model, num_exchanged_values
     from fedge.registry import ALGORITHMS
 
@@ -160,6 +166,10 @@ def run_cost(args: argparse.Namespace) -> int:
             out.append(
                 f"## DS-FL Tables I and II from fedge's models ({acc})\n\n"
                 f"{cost_table_markdown(rows, layout='paper')}\n{cost_table_markdown(rows)}"
+            )
+            out.append(
+                f"## DS-FL Table III's ComU@I: the open dataset sent to the clients once, before round 1 ({acc})\n\n"
+                f"{open_dataset_table(acc)}"
             )
         if getattr(args, "compress", None):
             from fedge.accounting.cost import compressed_costs, compressed_table_markdown

@@ -124,15 +124,17 @@ class PaperTask:
     num_classes: int
     num_clients: int
     open_per_round: int = 1000  # |o_r|, "the amount of unlabeled data used in each round"
+    open_sizes: tuple[int, ...] = ()  # the open set sizes I^o of Table III
+    open_bits_per_value: int = 32  # what Table III's ComU@I implies per value of an open sample
 
 
 DSFL_PAPER_TASKS: tuple[PaperTask, ...] = (
-    PaperTask("MNIST", "dsfl_mnist_cnn", (1, 28, 28), num_classes=10, num_clients=100),
-    PaperTask("Fashion-MNIST", "dsfl_fmnist_cnn", (1, 28, 28), num_classes=10, num_clients=100),
-    PaperTask("IMDb", "imdb_lstm", (200,), num_classes=2, num_clients=10),
-    PaperTask("Reuters", "reuters_mlp", (10000,), num_classes=46, num_clients=10),
+    PaperTask("MNIST", "dsfl_mnist_cnn", (1, 28, 28), 10, 100, open_sizes=(5000, 10000, 20000, 40000)),
+    PaperTask("Fashion-MNIST", "dsfl_fmnist_cnn", (1, 28, 28), 10, 100, open_sizes=(5000, 10000, 20000, 40000)),
+    PaperTask("IMDb", "imdb_lstm", (200,), 2, 10, open_sizes=(10000,), open_bits_per_value=16),  # token ids
+    PaperTask("Reuters", "reuters_mlp", (10000,), 46, 10, open_sizes=(5000,), open_bits_per_value=1),  # binary words
 )
-"""Tables I (image) and II (text) of the DS-FL paper, in the paper's column order."""
+"""Tables I (image) and II (text) of the DS-FL paper, in the paper's column order, with Table III's open sets."""
 
 
 def _positive(name: str, value: int) -> None:
@@ -235,6 +237,24 @@ def open_dataset_cost(
     _positive("bits_per_value", bits_per_value)
     _positive("num_clients", num_clients)
     return _copies(accounting, num_clients) * math.ceil(num_open * sample_numel * bits_per_value / 8)
+
+
+def open_dataset_table(accounting: str = "multicast") -> str:
+    """DS-FL Table III's ComU@I for every paper task and open set size, as a Markdown table: what DS-FL pays once,
+    before its first round, and what its per-round saving must repay."""
+    rows = []
+    for task in DSFL_PAPER_TASKS:
+        numel = math.prod(task.input_shape)
+        for size in task.open_sizes:
+            cost = open_dataset_cost(
+                size,
+                numel,
+                num_clients=task.num_clients,
+                accounting=accounting,
+                bits_per_value=task.open_bits_per_value,
+            )
+            rows.append([task.name, f"{size:,}", f"{numel:,} x {task.open_bits_per_value} bit", format_bytes(cost)])
+    return markdown_table(["Task", "Open samples (I^o)", "Per sample", "ComU@I"], rows, "lrrr")
 
 
 def task_costs(task: PaperTask, accounting: str = "multicast") -> list[CostRow]:

@@ -102,19 +102,6 @@ def largest_payload(topic: str, max_packet_size: int, *, qos: int = 1, propertie
     return best
 
 
-def chunk_sizes(total: int, max_chunk_bytes: int) -> list[int]:
-    """Payload bytes of each PUBLISH a payload of ``total`` bytes travels as (``[total]`` when it fits).
-
-    For the ledger: the sum minus ``total`` is the headers' payload-level overhead; wire bytes are
-    :func:`fedge.wire.protocol.delivery_wire_bytes` summed over these sizes.
-    """
-    if total <= max_chunk_bytes:
-        return [total]
-    slice_bytes = _slice_bytes(max_chunk_bytes)
-    count = -(-total // slice_bytes)
-    return [HEADER_BYTES + slice_bytes] * (count - 1) + [HEADER_BYTES + total - (count - 1) * slice_bytes]
-
-
 def _slice_bytes(max_chunk_bytes: int) -> int:
     if max_chunk_bytes <= HEADER_BYTES:
         raise ConfigError(

@@ -106,6 +106,11 @@ def test_cost_reproduces_the_dsfl_tables(capsys):
     out = capsys.readouterr().out
     for figure in ("236.1 MB", "1.1 GB", "40.4 kB", "4.0 MB", "176 B"):
         assert figure in out
+    # Table III's ComU@I (0.016, 0.031, 0.063 and 0.13 GB for MNIST; IMDb 4.0 MB; Reuters 6.3 MB), one line each.
+    comu = out[out.index("ComU@I") :]
+    for figure in ("15.7 MB", "31.4 MB", "62.7 MB", "125.4 MB", "4.0 MB", "6.3 MB"):
+        assert figure in comu
+    assert comu.count("| MNIST ") == 4 and comu.count("| IMDb ") == 1 and comu.count("| Reuters ") == 1
 
 
 def test_missing_dataset_is_a_clear_error_not_a_traceback(tmp_path: Path, capsys):

@@ -18,7 +18,6 @@ from fedge.wire.chunking import (
     MAGIC,
     MAX_CHUNKS,
     Reassembler,
-    chunk_sizes,
     is_chunk,
     largest_payload,
     parse_header,
@@ -61,11 +60,21 @@ def test_split_and_reassemble_is_the_identity_around_the_boundary(size: int) -> 
     assert (r.pending, r.held_bytes) == (0, 0)
 
 
+def chunk_sizes(total: int, max_chunk_bytes: int) -> list[int]:
+    """What split's chunks must measure, written out from the format: a header and a full slice each, the last
+    one the rest."""
+    if total <= max_chunk_bytes:
+        return [total]
+    slice_bytes = max_chunk_bytes - HEADER_BYTES
+    count = -(-total // slice_bytes)
+    return [HEADER_BYTES + slice_bytes] * (count - 1) + [HEADER_BYTES + total - (count - 1) * slice_bytes]
+
+
 def test_hand_computed_chunk_sizes() -> None:
-    assert chunk_sizes(100, 100) == [100]
-    assert chunk_sizes(101, 100) == [100, 100, 100, 68 + 5]  # slices 32 + 32 + 32 + 5
+    assert [len(c) for c in split(_payload(100), 100, message_id=1)] == [100]
+    assert [len(c) for c in split(_payload(101), 100, message_id=1)] == [100, 100, 100, 68 + 5]  # 32 + 32 + 32 + 5
     with pytest.raises(ConfigError, match="no room after the 68-byte header"):
-        chunk_sizes(101, HEADER_BYTES)
+        split(_payload(101), HEADER_BYTES, message_id=1)
 
 
 def test_out_of_order_arrival_reassembles() -> None:
