@@ -231,3 +231,32 @@ def test_the_kit_says_whether_devices_require_signed_programs(kit: Path, tmp_pat
     assert raw["signed_programs"] is False and load_bundle(plain / "clients" / "c000").program_ca is None
     with pytest.raises(ConfigError, match="signed programs need the kit's CA"):
         FleetSpec("r", ["c000"], ["127.0.0.1"], 1 << 20, tls=False, signed_programs=True)
+
+
+def test_an_onnxruntime_training_artifact_directory_needs_the_cas_signature_too(
+    kit: Path, other_ca: Path, tmp_path: Path
+) -> None:
+    """``ArtifactDirectory(trust=...)`` (``fedge client --runtime onnxruntime-training --trust-ca``) checks the set's
+    manifest before any file reaches ONNX Runtime, so placeholder bytes stand in for the artifacts here."""
+    from edge_client.backends.ort_training import ARTIFACT_FILES, ArtifactDirectory, artifact_dir_name
+
+    loss = TrainingLoss(make_objective("ce", {}))
+    ca = signing.load_trusted_ca(kit / "ca" / "ca.crt")
+    sets = {}
+    for name, key in (("kit", kit), ("foreign", other_ca / "ca.key"), ("unsigned", None)):
+        directory = tmp_path / name / artifact_dir_name(SPEC, loss)
+        for file in ARTIFACT_FILES:
+            manifest.write_file(directory, file, f"{file} of the {name} set".encode(), "ort-training")
+        if key is not None:
+            manifest.sign(directory, signing.load_signing_key(key))
+        sets[name] = directory
+    assert ArtifactDirectory(tmp_path / "kit", trust=ca)(SPEC, loss) == sets["kit"]
+    assert ArtifactDirectory(tmp_path / "unsigned")(SPEC, loss) == sets["unsigned"]  # signatures not required
+    for name, reason in (("foreign", "the signature"), ("unsigned", "is not signed")):
+        with pytest.raises(ConfigError, match=f"{sets[name]}/manifest.json") as refused:
+            ArtifactDirectory(tmp_path / name, trust=ca)(SPEC, loss)
+        assert reason in str(refused.value)
+    # An artifact changed after signing: its digest no longer matches, named with its file.
+    (sets["kit"] / ARTIFACT_FILES[1]).write_bytes(b"swapped")
+    with pytest.raises(ConfigError, match=f"{ARTIFACT_FILES[1]}: SHA-256 does not match"):
+        ArtifactDirectory(tmp_path / "kit", trust=ca)(SPEC, loss)
