@@ -182,8 +182,8 @@ def _schedule(
 ) -> list[tuple[list[int], torch.Tensor, torch.Tensor | None]]:
     """Every stacked step of the training, in order: (its clients, their batches as rows of the stacked data (G,
     size), the clients' positions or None for all of them). One vmap per step and batch size, so that every batch
-    loss is its own mean. All indices reach the device in one copy: a copy from the host per step would wait for
-    the GPU's queued work each time (measured on an H100: the CPU could no longer run ahead of the kernels)."""
+    loss is its own mean. All indices reach the device in one copy: a copy from pageable host memory waits for the
+    GPU's queued kernels, and one per step would keep the host from running ahead of them."""
     everyone = list(range(len(orders)))
     plan: list[tuple[list[int], torch.Tensor, list[int] | None]] = []
     for t in range(steps):
@@ -196,18 +196,13 @@ def _schedule(
             plan.append((clients, idx, None if clients == everyone else clients))
     if not plan:
         return []
-    flat = torch.cat([idx.flatten() for _, idx, _ in plan] + [torch.tensor(s) for _, _, s in plan if s is not None])
-    flat = flat.to(device)
-    out: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
-    at = 0
-    for clients, idx, _ in plan:
-        out.append((clients, flat[at : at + idx.numel()].view(idx.shape), None))
-        at += idx.numel()
-    for i, (clients, _, s) in enumerate(plan):
-        if s is not None:
-            out[i] = (clients, out[i][1], flat[at : at + len(s)])
-            at += len(s)
-    return out
+    # One tensor: every step's batch rows, then the positions of every step that moves only some clients.
+    parts = [idx.flatten() for _, idx, _ in plan] + [torch.tensor(sel) for _, _, sel in plan if sel is not None]
+    pieces = iter(torch.cat(parts).to(device).split([len(part) for part in parts]))
+    rows = [next(pieces).view(idx.shape) for _, idx, _ in plan]
+    return [
+        (clients, r, None if sel is None else next(pieces)) for (clients, _, sel), r in zip(plan, rows, strict=True)
+    ]
 
 
 def _sgd(
