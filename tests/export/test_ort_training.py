@@ -178,23 +178,23 @@ def test_damaged_artifacts_are_refused_before_onnx_runtime_opens_them(
     (made,) = [d for d in (ort_results[0] / "cache").iterdir() if d.name.startswith("tiny_mlp-")]
     for i, name in enumerate(ARTIFACT_FILES):
         size = (made / name).stat().st_size
-        for offset in (0 if i % 2 == 0 else size // 2,):
-            damaged = tmp_path / f"{name}-{offset}" / made.name
-            shutil.copytree(made, damaged)
-            data = bytearray((damaged / name).read_bytes())
-            data[offset] ^= 0x01
-            (damaged / name).write_bytes(bytes(data))
-            check = ["check", "--model", "tiny_mlp", "--input-shape", "1,8,8", "--objective", "ntd", "--tau", "2"]
-            done = subprocess.run(
-                [str(ORT_PYTHON), "-m", "export.ort_training", *check, "--out", str(damaged.parent)],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=False,
-            )
-            assert done.returncode == 1, (name, offset, done.returncode, done.stderr[-2000:])
-            assert f"{name}: SHA-256 does not match" in done.stderr and "Traceback" not in done.stderr
+        offset = 0 if i % 2 == 0 else size // 2
+        damaged = tmp_path / f"{name}-{offset}" / made.name
+        shutil.copytree(made, damaged)
+        data = bytearray((damaged / name).read_bytes())
+        data[offset] ^= 0x01
+        (damaged / name).write_bytes(bytes(data))
+        check = ["check", "--model", "tiny_mlp", "--input-shape", "1,8,8", "--objective", "ntd", "--tau", "2"]
+        done = subprocess.run(
+            [str(ORT_PYTHON), "-m", "export.ort_training", *check, "--out", str(damaged.parent)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 1, (name, offset, done.returncode, done.stderr[-2000:])
+        assert f"{name}: SHA-256 does not match" in done.stderr and "Traceback" not in done.stderr
     assert manifest.read_manifest(made) is not None
 
 

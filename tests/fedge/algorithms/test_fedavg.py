@@ -72,3 +72,28 @@ def test_an_accepted_attacker_neither_raises_the_bound_nor_locks_honest_clients_
                 strategy.check_reply(rnd, attacker, attack)
         strategy.aggregate(rnd, checked)
     assert state_norm(strategy.global_weights()) > 2 * state_norm({"w": W0})  # round 1's attack did move the model
+
+
+def test_the_server_evaluates_on_its_evaluation_device_without_moving_its_model(monkeypatch):
+    """``evaluation_device`` (``fedge sim --device cuda``): the evaluation runs on a copy of the global model there;
+    the model the strategy aggregates into stays put. Here the "device" is ``meta`` (no GPU on CI machines), so the
+    logits themselves are stubbed: what is checked is where the model that computes them lives."""
+    from algorithm_support import NUM_CLASSES, linear
+
+    from fedge.algorithms import base
+    from fedge.algorithms.base import ServerContext
+    from fedge.algorithms.fedavg import FedAvg
+
+    seen: list[torch.device] = []
+
+    def logits_on(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        seen.append(next(model.parameters()).device)
+        return torch.zeros(len(x), NUM_CLASSES)
+
+    monkeypatch.setattr(base, "predict_logits", logits_on)
+    x, y = torch.randn(4, *X_A.shape[1:]), torch.zeros(4, dtype=torch.long)
+    for device in ("cpu", "meta"):
+        strategy = FedAvg(config("fedavg"), ServerContext(linear, NUM_CLASSES, run_id="t", evaluation_device=device))
+        assert strategy.evaluate(x, y).accuracy == 1.0  # every stubbed prediction is class 0, every label too
+        assert next(strategy._model.parameters()).device.type == "cpu"
+    assert [d.type for d in seen] == ["cpu", "meta"]
