@@ -3,7 +3,8 @@
 For each model: the size of each export (ONNX, ExecuTorch inference .pte with XNNPACK, ExecuTorch training program),
 inference latency (eager PyTorch, ONNX Runtime, ExecuTorch XNNPACK, ExecuTorch portable = the training program's
 eval method that the ExecuTorch client uses) and training-step latency (eager PyTorch step vs an ExecuTorch
-training-program step, FedNTD loss, momentum SGD), each as a ratio to eager PyTorch. Then a short FedNTD run with
+training-program step, FedNTD loss, momentum SGD; beside it the same lowering with plain copies, ``export_training(...,
+faster_copies=False)``, the baseline of the cheaper copies), each as a ratio to eager PyTorch. Then a short FedNTD run with
 every client on ExecuTorch against the same run with every client on PyTorch (in process): accuracy per round and
 the largest difference between the two final global models.
 
@@ -142,8 +143,17 @@ def bench_model(spec: ModelSpec, batch: int, repeats: int, threads: int) -> dict
     inputs = trainer.step_inputs(request, idx)
     before_opt = before.optimizer(sgd)
     before_inputs = before.step_inputs(request, idx)
+    plain_copies = PteTrainer(export_training(model, spec, ntd, max_batch=max(batch, 64), faster_copies=False))
+    plain_copies.set_weights(weights)
+    plain_opt = plain_copies.optimizer(sgd)
+    plain_inputs = plain_copies.step_inputs(request, idx)
     training = interleaved(
-        {"eager PyTorch": eager_step, "ExecuTorch training program": lambda: trainer.step(et_opt, inputs)}, repeats
+        {
+            "eager PyTorch": eager_step,
+            "ExecuTorch training program": lambda: trainer.step(et_opt, inputs),
+            "ExecuTorch lowered, plain copies": lambda: plain_copies.step(plain_opt, plain_inputs),
+        },
+        repeats,
     )
     # Seconds per step: a few repeats are enough, each beside an eager step for its ratio.
     slow = interleaved(

@@ -34,7 +34,8 @@ from torch import nn
 from torch.export import Dim, ExportedProgram
 from torch.func import functional_call
 
-from export.lowering import lower_for_training
+from export.edge_passes import alias_copies_removed, permutes_as_strided_copies
+from export.lowering import CUSTOM_OP_DECOMPOSITIONS, lower_for_training
 from fedge.errors import ExportError
 from fedge.programs.spec import (
     EVAL_METHOD,
@@ -170,7 +171,7 @@ def _decompose_for_training(ep: ExportedProgram, *, max_pool_workaround: bool) -
     ops = [torch.ops.aten._native_batch_norm_legit_functional.default]
     if max_pool_workaround:
         ops.append(torch.ops.aten.max_pool2d_with_indices_backward.default)
-    return ep.run_decompositions({op: table[op] for op in ops})
+    return ep.run_decompositions({**{op: table[op] for op in ops}, **CUSTOM_OP_DECOMPOSITIONS})
 
 
 def export_training(
@@ -181,13 +182,16 @@ def export_training(
     max_batch: int = DEFAULT_MAX_BATCH,
     max_pool_workaround: bool = True,
     lower: bool = True,
+    faster_copies: bool = True,
 ) -> bytes:
     """A training ``.pte`` for ``loss`` (portable kernels) holding ``model``'s current weights.
 
     The program computes ``model`` rewritten by :func:`export.lowering.lower_for_training` (convolutions as im2col +
     ``mm``, linear layers as ``mm``, ...): same function, same weight names, but ops that reach ExecuTorch's optimized
     kernels, 20-35x faster per step than the portable convolution loops. ``lower=False`` exports the model as it is
-    (the benchmark's "before"). ``max_pool_workaround=False`` skips the max-pool backward decomposition; it exists to
+    (the benchmark's "before"). ``faster_copies=False`` exports the lowering without its cheaper copies
+    (:func:`export.lowering.patch_conv`, the ReLU after pooling, and the edge passes of :mod:`export.edge_passes`): the
+    benchmark's baseline for them. ``max_pool_workaround=False`` skips the max-pool backward decomposition; it exists to
     show that the parity check catches the upstream gradient bug, never use it for a real export.
     """
     from executorch.exir import EdgeCompileConfig, to_edge
@@ -195,7 +199,8 @@ def export_training(
 
     was_training = model.training
     model.train()
-    program_model = lower_for_training(model) if lower else model  # shares model's parameters and buffers
+    # The lowered model shares model's parameters and buffers.
+    program_model = lower_for_training(model, faster_copies=faster_copies) if lower else model
     step = TrainingStep(program_model, loss)
     eval_step = EvalStep(program_model)
     params = tuple(k for k, _ in model.named_parameters())
@@ -222,7 +227,7 @@ def export_training(
             eval_step,
             (spec.example(2), *weights),
             dynamic_shapes={"x": {0: batch}, "weights": tuple(None for _ in weights)},
-        )
+        ).run_decompositions(dict(CUSTOM_OP_DECOMPOSITIONS))
         meta = ProgramMeta(
             "pte-train",
             spec,
@@ -237,7 +242,10 @@ def export_training(
             {TRAIN_METHOD: ep, EVAL_METHOD: ep_eval},
             constant_methods={META_METHOD: meta.to_json()},
             compile_config=EdgeCompileConfig(_check_ir_validity=False),
-        ).to_executorch()
+        )
+        if lower and faster_copies:
+            manager = manager.transform([permutes_as_strided_copies, alias_copies_removed])
+        manager = manager.to_executorch()
     except Exception as exc:  # see export_inference
         raise ExportError(
             f"ExecuTorch training export of {spec.name} ({loss.tag}) failed: {type(exc).__name__}: {exc}"

@@ -17,11 +17,16 @@ long the runs are, not on how many elements move.
   is then ``(N*Ho*Wo, kh*kw*C)`` with runs of ``C`` floats, and the product is written as ``P @ W2d.t()`` so that
   autograd forms the weight gradient as ``(g.t() @ P).t()`` (the patch matrix is never transposed; only the small
   weight and the output gradient are). A convolution outside such a run is lowered on its own, with its own permutes.
+  Where its input needs a gradient and its output is about as large as its input (stride 1, 'same' padding), it is
+  the custom operator :func:`patch_conv`, whose backward is written out: the input gradient as one more im2col +
+  ``mm`` (a convolution of the padded output gradient with the flipped kernel), instead of autograd's scatter of
+  kh * kw patch-gradient slices into zero-filled copies of the input. Its im2col is one ``as_strided_copy``.
 - **Linear layers** become ``mm(W, x.t()).t()``: the weight is never transposed, forward or backward (autograd's
   layout-aware ``mm`` backward transposes only batch-sized tensors), where ``nn.Linear``'s ``addmm`` transposes it
   three times.
 - **ReLU** becomes ``x * sign(relu(x))`` with the mask detached: its backward is one ``mul`` instead of
-  ``threshold_backward``'s ``le`` + ``where``.
+  ``threshold_backward``'s ``le`` + ``where``. A ReLU right before a 2x2 max pooling moves after it (the same values
+  and gradients, on a quarter of the elements).
 - **MaxPool2d(2, 2)** becomes pairwise maxima with 0/1 masks (``sign(relu(b - a))``), first along the width, then
   along the height. The values are exactly ``max_pool2d``'s and the gradient goes to the first maximum of each window
   in row-major order, as ``max_pool2d``'s indices do (ties included: after a ReLU they are frequent).
@@ -39,12 +44,13 @@ programs only: XNNPACK-delegated inference programs lower convolutions much bett
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["lower_for_training"]
+__all__ = ["CUSTOM_OP_DECOMPOSITIONS", "lower_for_training"]
 
 
 # --- elementwise building blocks -----------------------------------------------------------------------------------
@@ -113,14 +119,135 @@ def _batch_norm(
     return out + module.bias if module.bias is not None else out
 
 
+# --- convolution with a hand-written backward ------------------------------------------------------------------------
+#
+# Autograd's backward of a sliced im2col adds each of the kh * kw patch-gradient slices into a zero-filled copy of the
+# input (``full`` + ``slice_scatter`` + ``add``: about three input-sized passes per slice, most of a fedavg_cnn step's
+# copying). A stride-1 convolution has a cheaper backward: the input gradient is the convolution of the output
+# gradient, zero-padded by ``k - 1 - p``, with the kernel flipped and its channel axes swapped (one more im2col and
+# ``mm``), and the weight gradient is ``g^T @ patches``. torch.export differentiates what an autograd.Function's
+# forward does and ignores its backward, so the convolution is a custom operator with a registered backward:
+# ``_export_forward_backward`` writes that backward into the joint graph, and :data:`CUSTOM_OP_DECOMPOSITIONS` then
+# replaces the operators with the aten ops below, which the runtime has kernels for.
+
+
+def _fresh(t: torch.Tensor, pad_h: int, pad_w: int) -> torch.Tensor:
+    """``t`` (NHWC) zero-padded: always a tensor of its own, never a view (see :func:`_patches`)."""
+    return F.pad(t, (0, 0, pad_w, pad_w, pad_h, pad_h)) if pad_h or pad_w else t.clone()
+
+
+def _patches(padded: torch.Tensor, kh: int, kw: int) -> torch.Tensor:
+    """im2col of a contiguous NHWC tensor for a stride-1 ``kh x kw`` kernel: ``(N*Ho*Wo, kh*kw*C)``, K ordered
+    ``(i, j, c)``, as one strided copy (``as_strided_copy`` walks fixed strides, 0.8 ns per element here, where the
+    sliced im2col's slices and stacks took twice as long).
+
+    ``padded`` must be a tensor of its own, not a view: a strided read of a view is exported relative to the view's
+    base, through an ``as_strided_scatter`` the runtime has no kernel for.
+    """
+    n, hp, wp, c = padded.shape
+    ho, wo = hp - kh + 1, wp - kw + 1
+    row = wp * c  # the stride of one step down; one step right is c
+    windows = torch.ops.aten.as_strided_copy(padded, (n, ho, wo, kh, kw, c), (hp * row, row, c, row, c, 1))
+    return windows.reshape(n * ho * wo, kh * kw * c)
+
+
+def _conv_forward(x: torch.Tensor, weight: torch.Tensor, pad_h: int, pad_w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, h, w, c = x.shape
+    c_out, _, kh, kw = weight.shape
+    patches = _patches(_fresh(x, pad_h, pad_w), kh, kw)
+    w2d = weight.permute(0, 2, 3, 1).reshape(c_out, kh * kw * c)  # (C_out, K), K ordered (i, j, c)
+    out = torch.mm(patches, w2d.t()).reshape(n, h + 2 * pad_h - kh + 1, w + 2 * pad_w - kw + 1, c_out)
+    return out, patches
+
+
+def _conv_input_grad(grad: torch.Tensor, weight: torch.Tensor, pad_h: int, pad_w: int) -> torch.Tensor:
+    # dx[u, v] = sum_{i, j} gp[u + i, v + j] @ W[:, :, kh-1-i, kw-1-j], gp = grad zero-padded by k - 1 - p.
+    c_out, c, kh, kw = weight.shape
+    n, ho, wo, _ = grad.shape
+    qh, qw = kh - 1 - pad_h, kw - 1 - pad_w
+    flipped = weight.flip(2, 3).permute(2, 3, 0, 1).reshape(kh * kw * c_out, c)  # rows ordered (i, j, o)
+    grad_x = torch.mm(_patches(_fresh(grad, qh, qw), kh, kw), flipped)
+    return grad_x.reshape(n, ho + 2 * qh - kh + 1, wo + 2 * qw - kw + 1, c)
+
+
+def _conv_weight_grad(grad: torch.Tensor, patches: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    c_out, c, kh, kw = weight.shape
+    grad_w2d = torch.mm(grad.reshape(-1, c_out).t(), patches)  # (C_out, K)
+    return grad_w2d.reshape(c_out, kh, kw, c).permute(0, 3, 1, 2).contiguous()
+
+
+@torch.library.custom_op("fedge::patch_conv", mutates_args=())
+def patch_conv(x: torch.Tensor, weight: torch.Tensor, pad_h: int, pad_w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stride-1 convolution of NHWC ``x`` by ``weight`` (no bias): the NHWC output and the im2col patches."""
+    return _conv_forward(x, weight, pad_h, pad_w)
+
+
+@patch_conv.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, pad_h: int, pad_w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, h, w, c = x.shape
+    c_out, _, kh, kw = weight.shape
+    ho, wo = h + 2 * pad_h - kh + 1, w + 2 * pad_w - kw + 1
+    return x.new_empty((n, ho, wo, c_out)), x.new_empty((n * ho * wo, kh * kw * c))
+
+
+@torch.library.custom_op("fedge::patch_conv_input_grad", mutates_args=())
+def patch_conv_input_grad(grad: torch.Tensor, weight: torch.Tensor, pad_h: int, pad_w: int) -> torch.Tensor:
+    """The input gradient of :func:`patch_conv` for the output gradient ``grad``."""
+    return _conv_input_grad(grad, weight, pad_h, pad_w)
+
+
+@patch_conv_input_grad.register_fake
+def _(grad: torch.Tensor, weight: torch.Tensor, pad_h: int, pad_w: int) -> torch.Tensor:
+    n, ho, wo, _ = grad.shape
+    _, c, kh, kw = weight.shape
+    return grad.new_empty((n, ho - 2 * pad_h + kh - 1, wo - 2 * pad_w + kw - 1, c))
+
+
+@torch.library.custom_op("fedge::patch_conv_weight_grad", mutates_args=())
+def patch_conv_weight_grad(grad: torch.Tensor, patches: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The weight gradient of :func:`patch_conv` for the output gradient ``grad``."""
+    return _conv_weight_grad(grad, patches, weight)
+
+
+@patch_conv_weight_grad.register_fake
+def _(grad: torch.Tensor, patches: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return weight.new_empty(weight.shape)
+
+
+def _patch_conv_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, weight, pad_h, pad_w = inputs
+    ctx.save_for_backward(weight, output[1])
+    ctx.padding = (pad_h, pad_w)
+    ctx.input_grad = x.requires_grad
+
+
+def _patch_conv_backward(
+    ctx: Any, grad: torch.Tensor, _grad_patches: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor, None, None]:
+    weight, patches = ctx.saved_tensors
+    grad_x = patch_conv_input_grad(grad, weight, *ctx.padding) if ctx.input_grad else None
+    return grad_x, patch_conv_weight_grad(grad, patches, weight), None, None
+
+
+patch_conv.register_autograd(_patch_conv_backward, setup_context=_patch_conv_setup)
+
+#: What ``ExportedProgram.run_decompositions`` needs to turn the custom operators above into aten ops.
+CUSTOM_OP_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
+    torch.ops.fedge.patch_conv.default: _conv_forward,
+    torch.ops.fedge.patch_conv_input_grad.default: _conv_input_grad,
+    torch.ops.fedge.patch_conv_weight_grad.default: _conv_weight_grad,
+}
+
+
 # --- channels-last (NHWC) layers ----------------------------------------------------------------------------------
 
 
 class ChannelsLastConv2d(nn.Module):
     """``nn.Conv2d`` (groups 1, zero padding) on NHWC input as im2col + ``mm``; same ``weight`` and ``bias``."""
 
-    def __init__(self, conv: nn.Conv2d) -> None:
+    def __init__(self, conv: nn.Conv2d, *, use_patch_conv: bool = True) -> None:
         super().__init__()
+        self.use_patch_conv = use_patch_conv
         self.weight = conv.weight  # (C_out, C_in, kh, kw): the very same Parameter
         self.bias = conv.bias
         self.kernel_size = _pair(conv.kernel_size)
@@ -129,6 +256,22 @@ class ChannelsLastConv2d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """NHWC ``(N, H, W, C_in)`` -> NHWC ``(N, Ho, Wo, C_out)``."""
+        (kh, kw), (ph, pw) = self.kernel_size, self.padding
+        _, h, w, _ = x.shape
+        if self.use_patch_conv and self.stride == (1, 1) and ph < kh and pw < kw and kh * kw > 1:
+            # patch_conv's input gradient convolves the whole padded output gradient: as cheap as the sliced
+            # backward's matrix product when the output is about as large as the input ('same' padding), up to
+            # 2.25x its multiplications for a valid 5x5 convolution of a 12x12 input (dsfl_mnist_cnn), which
+            # then keeps the sliced path. A first layer (no input gradient) keeps it too: measured interleaved,
+            # patch_conv made fedavg_cnn's and dsfl_mnist_cnn's one-channel first layers slower, not faster.
+            area_in, area_out = h * w, (h + 2 * ph - kh + 1) * (w + 2 * pw - kw + 1)
+            if x.requires_grad and 4 * area_in <= 5 * area_out:
+                out, _ = patch_conv(x.contiguous(), self.weight, ph, pw)
+                return out + self.bias if self.bias is not None else out
+        return self._sliced_forward(x)
+
+    def _sliced_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Any stride: im2col from slices, differentiated by autograd (a slower backward than :func:`patch_conv`)."""
         n, h, w, c = x.shape
         (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
         # Zero padding as a concatenation: its backward is a slice (the portable constant_pad_nd refuses the
@@ -288,11 +431,11 @@ def _is_pool_2x2(pool: nn.Module) -> bool:
     )
 
 
-def _channels_last(layer: nn.Module) -> nn.Module | None:
+def _channels_last(layer: nn.Module, faster: bool) -> nn.Module | None:
     """The channels-last version of one layer of a convolutional block, or None if it has none."""
     if _can_lower_conv(layer):
         assert isinstance(layer, nn.Conv2d)
-        return ChannelsLastConv2d(layer)
+        return ChannelsLastConv2d(layer, use_patch_conv=faster)
     if _can_lower_batch_norm(layer, nn.BatchNorm2d):
         assert isinstance(layer, nn.BatchNorm2d)
         return ChannelsLastBatchNorm2d(layer)
@@ -303,27 +446,34 @@ def _channels_last(layer: nn.Module) -> nn.Module | None:
     return None
 
 
-def _lower_sequential(seq: nn.Sequential) -> nn.Module | None:
+def _lower_sequential(seq: nn.Sequential, faster: bool) -> nn.Module | None:
     """A channels-last copy of a convolutional block whose every layer has a channels-last version, else None."""
     if not any(_can_lower_conv(m) for m in seq):
         return None
-    layers = [_channels_last(m) for m in seq]
+    layers = [_channels_last(m, faster) for m in seq]
     if any(m is None for m in layers):
         return None
+    named = list(zip(seq._modules, layers, strict=True))
+    # ReLU then 2x2 max pooling == the pooling then the ReLU, values and gradients (a positive maximum is kept by
+    # both and routed to the same first maximum; a window whose maximum is <= 0 gives 0 and no gradient either
+    # way), and the ReLU then masks a quarter of the elements.
+    for k in range(len(named) - 1 if faster else 0):
+        if isinstance(named[k][1], MaskReLU) and isinstance(named[k + 1][1], ChannelsLastMaxPool2d):
+            named[k], named[k + 1] = named[k + 1], named[k]
     lowered = ChannelsLastSequential()
-    for name, layer in zip(seq._modules, layers, strict=True):
-        lowered.add_module(name, layer)  # same child names: same state-dict keys
+    for name, layer in named:
+        lowered.add_module(name, layer)  # same child names: same state-dict keys (these two layers have none)
     lowered.train(seq.training)
     return lowered
 
 
-def _lower_module(module: nn.Module) -> nn.Module | None:
+def _lower_module(module: nn.Module, faster: bool) -> nn.Module | None:
     """The lowered replacement of ``module`` itself, or None to keep it (and lower its children)."""
     if type(module) is nn.Sequential:
-        return _lower_sequential(module)
+        return _lower_sequential(module, faster)
     if _can_lower_conv(module):
         assert isinstance(module, nn.Conv2d)
-        return Conv2dAsMatmul(module)
+        return Conv2dAsMatmul(module, use_patch_conv=faster)
     if type(module) is nn.Linear:
         return MatmulLinear(module)
     if type(module) is nn.ReLU:
@@ -334,29 +484,31 @@ def _lower_module(module: nn.Module) -> nn.Module | None:
     return None
 
 
-def _lower_children(module: nn.Module) -> None:
+def _lower_children(module: nn.Module, faster: bool) -> None:
     for name, child in list(module.named_children()):
-        replacement = _lower_module(child)
+        replacement = _lower_module(child, faster)
         if replacement is None:
-            _lower_children(child)
+            _lower_children(child, faster)
         else:
             replacement.train(child.training)
             setattr(module, name, replacement)
 
 
-def lower_for_training(model: nn.Module) -> nn.Module:
+def lower_for_training(model: nn.Module, *, faster_copies: bool = True) -> nn.Module:
     """A model computing what ``model`` computes, with ops that reach ExecuTorch's optimized kernels.
 
     The result shares ``model``'s parameters and buffers (same tensors, same state-dict names, shapes and order), so
     weights map one to one and an exported training program takes the same weights. ``model`` itself is not changed:
     the rewrite works on a shallow copy of its module tree. See the module docstring for what is rewritten and why.
+    ``faster_copies=False`` leaves out :func:`patch_conv` and the ReLU-after-pooling order: the lowering as it was
+    before them, kept as the benchmark's baseline (``benchmarks/runtimes.py``).
     """
     lowered = _shallow_copy_tree(model)
-    replacement = _lower_module(lowered)
+    replacement = _lower_module(lowered, faster_copies)
     if replacement is not None:
         replacement.train(model.training)
         return replacement
-    _lower_children(lowered)
+    _lower_children(lowered, faster_copies)
     return lowered
 
 

@@ -13,6 +13,7 @@ from export.lowering import (
     Conv2dAsMatmul,
     MatmulLinear,
     lower_for_training,
+    patch_conv,
 )
 from fedge.learning.models import exchanged_state
 from fedge.programs.spec import ModelSpec
@@ -87,3 +88,48 @@ def test_lowering_leaves_the_input_model_as_it_was() -> None:
     before = [type(m) for m in model.modules()]
     lower_for_training(model)
     assert [type(m) for m in model.modules()] == before
+
+
+@pytest.mark.parametrize(("kernel", "padding", "size"), [(5, 2, 9), (5, 0, 12), (3, 1, 6), ((3, 5), (0, 2), 7)])
+def test_patch_conv_computes_conv2d_and_its_gradients(
+    kernel: int | tuple[int, int], padding: int | tuple[int, int], size: int
+) -> None:
+    # The custom operator's hand-written backward (the input gradient as a convolution of the padded output
+    # gradient with the flipped kernel) against autograd through F.conv2d, in float64.
+    conv = nn.Conv2d(4, 6, kernel, padding=padding, bias=False).double()
+    ph, pw = conv.padding  # type: ignore[misc]
+    x = torch.randn(3, 4, size, size, dtype=torch.float64, requires_grad=True)
+    expected = nn.functional.conv2d(x, conv.weight, padding=conv.padding)
+    x_nhwc = x.detach().permute(0, 2, 3, 1).contiguous().requires_grad_()
+    got, _ = patch_conv(x_nhwc, conv.weight, ph, pw)
+    torch.testing.assert_close(got.permute(0, 3, 1, 2), expected, rtol=0, atol=1e-12)
+    r = torch.randn_like(expected)
+    (expected * r).sum().backward()
+    grad_w = conv.weight.grad
+    conv.weight.grad = None
+    (got * r.permute(0, 2, 3, 1)).sum().backward()
+    assert x_nhwc.grad is not None and x.grad is not None and conv.weight.grad is not None and grad_w is not None
+    torch.testing.assert_close(x_nhwc.grad.permute(0, 3, 1, 2), x.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(conv.weight.grad, grad_w, rtol=0, atol=1e-12)
+
+
+def test_a_block_pools_before_its_relu_and_convolves_with_patch_conv_where_that_is_cheaper() -> None:
+    block = lower_for_training(MNIST_SHAPED["fedavg_cnn"].build(seed=0)).get_submodule("features")
+    kinds = [type(m).__name__ for m in block]
+    assert kinds == ["ChannelsLastConv2d", "ChannelsLastMaxPool2d", "MaskReLU"] * 2  # ReLU after the pool
+    calls: list[tuple[int, ...]] = []
+    original = torch.ops.fedge.patch_conv.default
+
+    def spy(x: torch.Tensor, *args: object) -> object:
+        calls.append(tuple(x.shape))
+        return original(x, *args)
+
+    import export.lowering as lowering
+
+    lowering.patch_conv, saved = spy, lowering.patch_conv  # type: ignore[assignment]
+    try:
+        block(torch.randn(2, 3, 32, 32))
+    finally:
+        lowering.patch_conv = saved
+    # Only the second convolution: the first one's input needs no gradient (its sliced path measured faster).
+    assert calls == [(2, 16, 16, 32)]
