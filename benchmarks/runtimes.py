@@ -3,10 +3,10 @@
 For each model: the size of each export (ONNX, ExecuTorch inference .pte with XNNPACK, ExecuTorch training program),
 inference latency (eager PyTorch, ONNX Runtime, ExecuTorch XNNPACK, ExecuTorch portable = the training program's
 eval method that the ExecuTorch client uses) and training-step latency (eager PyTorch step vs an ExecuTorch
-training-program step, FedNTD loss, momentum SGD; beside it the same lowering with plain copies, ``export_training(...,
-faster_copies=False)``, the baseline of the cheaper copies), each as a ratio to eager PyTorch. Then a short FedNTD run with
-every client on ExecuTorch against the same run with every client on PyTorch (in process): accuracy per round and
-the largest difference between the two final global models.
+training-program step, FedNTD loss, momentum SGD; beside it the same lowering with plain copies,
+``export_training(..., faster_copies=False)``, the baseline of the cheaper copies), each as a ratio to eager PyTorch.
+Then a short FedNTD run with every client on ExecuTorch against the same run with every client on PyTorch (in
+process): accuracy per round and the largest difference between the two final global models.
 
 All runtimes get the same number of CPU threads (``--threads``, default 1: one core of a small device; ExecuTorch's
 portable kernels are single-threaded anyway). Absolute times depend on the machine and its load; the ratios are the

@@ -11,10 +11,10 @@ from torch.export import Dim
 
 pytest.importorskip("executorch")
 
-from executorch.exir import EdgeCompileConfig, to_edge  # noqa: E402
-from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer  # noqa: E402
+from executorch.exir import EdgeCompileConfig, to_edge
+from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
 
-from export.edge_passes import alias_copies_removed, permutes_as_strided_copies  # noqa: E402
+from export.edge_passes import alias_copies_removed, permutes_as_strided_copies
 
 
 class _Permutes(nn.Module):
