@@ -231,11 +231,78 @@ def _patch_conv_backward(
 
 patch_conv.register_autograd(_patch_conv_backward, setup_context=_patch_conv_setup)
 
+def _pool_forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, h, w, c = x.shape
+    ho, wo = h // 2, w // 2
+    if h != 2 * ho or w != 2 * wo:
+        x = x[:, : 2 * ho, : 2 * wo, :]  # floor mode drops the last row / column
+    pairs = x.reshape(n * 2 * ho, wo, 2 * c)  # neighbours along the width side by side
+    a, b = pairs[:, :, :c], pairs[:, :, c:]
+    take_w = _positive_mask(b - a)  # 1 where the right one is larger: ties go to the left, as max_pool2d's
+    rows = (a * (1.0 - take_w) + b * take_w).reshape(n * ho, 2 * wo * c)  # neighbouring rows side by side
+    a, b = rows[:, : wo * c], rows[:, wo * c :]
+    take_h = _positive_mask(b - a)
+    return (a * (1.0 - take_h) + b * take_h).reshape(n, ho, wo, c), take_w, take_h
+
+
+def _pool_input_grad(grad: torch.Tensor, take_w: torch.Tensor, take_h: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    # Each stage's gradient goes to the element its mask chose, the two halves put side by side again by one cat
+    # (autograd's backward of the two slices fills a zero buffer and scatters into it, once per slice).
+    n, ho, wo, c = grad.shape
+    g = grad.reshape(n * ho, wo * c)
+    rows = torch.cat([g * (1.0 - take_h), g * take_h], dim=1).reshape(n * 2 * ho, wo, c)
+    pairs = torch.cat([rows * (1.0 - take_w), rows * take_w], dim=2).reshape(n, 2 * ho, 2 * wo, c)
+    if h != 2 * ho or w != 2 * wo:
+        pairs = F.pad(pairs, (0, 0, 0, w - 2 * wo, 0, h - 2 * ho))
+    return pairs
+
+
+@torch.library.custom_op("fedge::max_pool_2x2", mutates_args=())
+def max_pool_2x2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``nn.MaxPool2d(2, 2)`` of NHWC ``x`` (values and ties as ``max_pool2d``), and the 0/1 masks its backward uses."""
+    return _pool_forward(x)
+
+
+@max_pool_2x2.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, h, w, c = x.shape
+    ho, wo = h // 2, w // 2
+    return x.new_empty((n, ho, wo, c)), x.new_empty((n * 2 * ho, wo, c)), x.new_empty((n * ho, wo * c))
+
+
+@torch.library.custom_op("fedge::max_pool_2x2_input_grad", mutates_args=())
+def max_pool_2x2_input_grad(
+    grad: torch.Tensor, take_w: torch.Tensor, take_h: torch.Tensor, h: int, w: int
+) -> torch.Tensor:
+    """The input gradient of :func:`max_pool_2x2` for the output gradient ``grad``."""
+    return _pool_input_grad(grad, take_w, take_h, h, w)
+
+
+@max_pool_2x2_input_grad.register_fake
+def _(grad: torch.Tensor, take_w: torch.Tensor, take_h: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    return grad.new_empty((grad.shape[0], h, w, grad.shape[3]))
+
+
+def _max_pool_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    (x,) = inputs
+    ctx.save_for_backward(output[1], output[2])
+    ctx.size = (x.shape[1], x.shape[2])
+
+
+def _max_pool_backward(ctx: Any, grad: torch.Tensor, *_mask_grads: torch.Tensor | None) -> torch.Tensor:
+    take_w, take_h = ctx.saved_tensors
+    return max_pool_2x2_input_grad(grad, take_w, take_h, *ctx.size)
+
+
+max_pool_2x2.register_autograd(_max_pool_backward, setup_context=_max_pool_setup)
+
 #: What ``ExportedProgram.run_decompositions`` needs to turn the custom operators above into aten ops.
 CUSTOM_OP_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
     torch.ops.fedge.patch_conv.default: _conv_forward,
     torch.ops.fedge.patch_conv_input_grad.default: _conv_input_grad,
     torch.ops.fedge.patch_conv_weight_grad.default: _conv_weight_grad,
+    torch.ops.fedge.max_pool_2x2.default: _pool_forward,
+    torch.ops.fedge.max_pool_2x2_input_grad.default: _pool_input_grad,
 }
 
 
@@ -323,8 +390,14 @@ class ChannelsLastBatchNorm2d(_BatchNormState):
 class ChannelsLastMaxPool2d(nn.Module):
     """``nn.MaxPool2d(2, 2)`` on NHWC input: pairwise maxima with max_pool2d's values and gradient routing."""
 
+    def __init__(self, *, use_custom_op: bool = True) -> None:
+        super().__init__()
+        self.use_custom_op = use_custom_op
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """NHWC ``(N, H, W, C)`` -> ``(N, H // 2, W // 2, C)``."""
+        if self.use_custom_op:
+            return max_pool_2x2(x.contiguous())[0]  # the same values, a backward with one cat per stage
         n, h, w, c = x.shape
         ho, wo = h // 2, w // 2
         if h != 2 * ho or w != 2 * wo:
@@ -442,7 +515,7 @@ def _channels_last(layer: nn.Module, faster: bool) -> nn.Module | None:
     if type(layer) is nn.ReLU:
         return MaskReLU()
     if _is_pool_2x2(layer):
-        return ChannelsLastMaxPool2d()
+        return ChannelsLastMaxPool2d(use_custom_op=faster)
     return None
 
 

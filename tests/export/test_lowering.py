@@ -69,12 +69,13 @@ def test_convolutions_and_linear_layers_become_matrix_multiplies() -> None:
     assert type(kept.get_submodule("0")) is nn.Conv2d  # grouped convolutions are kept as they are
 
 
-def test_max_pooling_routes_gradients_of_ties_to_the_first_element_like_max_pool2d() -> None:
+@pytest.mark.parametrize("custom_op", [True, False])
+def test_max_pooling_routes_gradients_of_ties_to_the_first_element_like_max_pool2d(custom_op: bool) -> None:
     x = torch.tensor([[1.0, 1.0, 0.0, 2.0], [1.0, 0.5, 2.0, 2.0], [0.0, 0.0, 3.0, -1.0], [0.0, 0.0, 3.0, 3.0]])
     a = x[None, None].clone().requires_grad_()
     b = x[None, :, :, None].clone().requires_grad_()  # NHWC, one channel
     out_a = nn.functional.max_pool2d(a, 2, 2)
-    out_b = ChannelsLastMaxPool2d()(b)
+    out_b = ChannelsLastMaxPool2d(use_custom_op=custom_op)(b)
     torch.testing.assert_close(out_b[..., 0], out_a[0], rtol=0, atol=0)
     weights = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     (out_a[0, 0] * weights).sum().backward()
