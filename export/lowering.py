@@ -29,7 +29,9 @@ long the runs are, not on how many elements move.
   and gradients, on a quarter of the elements).
 - **MaxPool2d(2, 2)** becomes pairwise maxima with 0/1 masks (``sign(relu(b - a))``), first along the width, then
   along the height. The values are exactly ``max_pool2d``'s and the gradient goes to the first maximum of each window
-  in row-major order, as ``max_pool2d``'s indices do (ties included: after a ReLU they are frequent).
+  in row-major order, as ``max_pool2d``'s indices do (ties included: after a ReLU they are frequent). It is the
+  custom operator :func:`max_pool_2x2`, whose backward puts the two halves of each stage back together with one
+  ``cat`` (autograd's backward of the slices fills a zero buffer and scatters into it once per slice).
 - **Batch norm** (1d on ``(N, F)``, 2d channels-last) computes the batch statistics in two passes (mean, then the mean
   of squared deviations) with short partial sums, and updates the running statistics as ``nn.BatchNorm`` does
   (momentum, unbiased variance). This is also more accurate than the portable ``var`` kernel, whose single pass
@@ -573,8 +575,8 @@ def lower_for_training(model: nn.Module, *, faster_copies: bool = True) -> nn.Mo
     The result shares ``model``'s parameters and buffers (same tensors, same state-dict names, shapes and order), so
     weights map one to one and an exported training program takes the same weights. ``model`` itself is not changed:
     the rewrite works on a shallow copy of its module tree. See the module docstring for what is rewritten and why.
-    ``faster_copies=False`` leaves out :func:`patch_conv` and the ReLU-after-pooling order: the lowering as it was
-    before them, kept as the benchmark's baseline (``benchmarks/runtimes.py``).
+    ``faster_copies=False`` leaves out :func:`patch_conv`, :func:`max_pool_2x2` and the ReLU-after-pooling order:
+    the lowering as it was before them, kept as the benchmark's baseline (``benchmarks/runtimes.py``).
     """
     lowered = _shallow_copy_tree(model)
     replacement = _lower_module(lowered, faster_copies)
