@@ -191,8 +191,9 @@ def export_training(
     kernels, 20-35x faster per step than the portable convolution loops. ``lower=False`` exports the model as it is
     (the benchmark's "before"). ``faster_copies=False`` exports the lowering without its cheaper copies
     (:func:`export.lowering.patch_conv` and ``max_pool_2x2``, the ReLU after pooling, the edge passes of
-    :mod:`export.edge_passes`): the benchmark's baseline for them. ``max_pool_workaround=False`` skips the max-pool backward decomposition; it exists to
-    show that the parity check catches the upstream gradient bug, never use it for a real export.
+    :mod:`export.edge_passes`): the benchmark's baseline for them. ``max_pool_workaround=False`` skips the max-pool
+    backward decomposition; it exists to show that the parity check catches the upstream gradient bug, never use it
+    for a real export.
     """
     from executorch.exir import EdgeCompileConfig, to_edge
     from torch.export.experimental import _export_forward_backward

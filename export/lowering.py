@@ -233,6 +233,7 @@ def _patch_conv_backward(
 
 patch_conv.register_autograd(_patch_conv_backward, setup_context=_patch_conv_setup)
 
+
 def _pool_forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, h, w, c = x.shape
     ho, wo = h // 2, w // 2
