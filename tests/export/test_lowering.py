@@ -8,6 +8,7 @@ from export_support import SPECS
 from torch import nn
 
 from export.lowering import (
+    ChannelsLastConv2d,
     ChannelsLastMaxPool2d,
     ChannelsLastSequential,
     Conv2dAsMatmul,
@@ -134,3 +135,16 @@ def test_a_block_pools_before_its_relu_and_convolves_with_patch_conv_where_that_
         lowering.patch_conv = saved
     # Only the second convolution: the first one's input needs no gradient (its sliced path measured faster).
     assert calls == [(2, 16, 16, 32)]
+
+
+def test_faster_copies_off_gives_the_earlier_lowering() -> None:
+    # The benchmark's baseline (export_training(..., faster_copies=False)): no custom operators, ReLU before pooling.
+    model = MNIST_SHAPED["fedavg_cnn"].build(seed=0)
+    plain = lower_for_training(model, faster_copies=False).get_submodule("features")
+    assert [type(m).__name__ for m in plain] == ["ChannelsLastConv2d", "MaskReLU", "ChannelsLastMaxPool2d"] * 2
+    assert not any(getattr(m, "use_patch_conv", False) or getattr(m, "use_custom_op", False) for m in plain)
+    fast = lower_for_training(model).get_submodule("features")
+    assert all(m.use_patch_conv for m in fast if isinstance(m, ChannelsLastConv2d))
+    assert all(m.use_custom_op for m in fast if isinstance(m, ChannelsLastMaxPool2d))
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-6)  # the same function either way
