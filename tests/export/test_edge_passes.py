@@ -58,3 +58,31 @@ def test_the_passes_remove_permute_and_alias_copies_and_keep_every_output_bit_fo
         for e, g, ref in zip(expected, got, eager, strict=True):
             torch.testing.assert_close(g, e, rtol=0, atol=0)  # copies are exact: the same bits
             torch.testing.assert_close(g, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_export_training_faster_copies_changes_the_program_and_not_its_step() -> None:
+    # tiny_mlp: its linear layers' transposes are permutes; quick to export twice (the convolution and pooling
+    # operators behind the flag are tested in test_lowering.py).
+    from edge_client.backends.runners import PteTrainer
+    from export.executorch import export_training
+    from fedge.algorithms.fedavg import CrossEntropy
+    from fedge.learning.models import exchanged_state
+    from fedge.learning.training import SGDSettings, TrainRequest
+    from fedge.programs.spec import ModelSpec, TrainingLoss
+
+    spec = ModelSpec("tiny_mlp", (1, 8, 8), 10)
+    model = spec.build(seed=0)
+    weights = exchanged_state(model)
+    loss = TrainingLoss(CrossEntropy())
+    programs = {fast: export_training(model, spec, loss, max_batch=16, faster_copies=fast) for fast in (True, False)}
+    assert programs[True] != programs[False]
+    x, y = spec.example(12, seed=1), torch.arange(12) % 10
+    request = TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.05), 1, 12, 0)
+    after = {}
+    for fast, data in programs.items():
+        trainer = PteTrainer(data)
+        trainer.set_weights(weights)
+        trainer.step(trainer.optimizer(request.sgd), trainer.step_inputs(request, torch.arange(12)))
+        after[fast] = trainer.get_weights()
+    for k, v in after[False].items():
+        torch.testing.assert_close(after[True][k], v, rtol=1e-5, atol=1e-6, msg=k)
