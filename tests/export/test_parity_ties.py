@@ -9,12 +9,14 @@ move every linear/convolution output by eps32 of its terms' magnitude, up in one
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 
 from export import parity
 from fedge.learning.models import exchanged_state
 from fedge.learning.objectives import make_objective
+from fedge.learning.training import TrainRequest
 from fedge.programs.spec import ModelSpec, TrainingLoss
 
 
@@ -69,3 +71,31 @@ def test_the_tie_runs_break_each_tie_its_own_way() -> None:
     # Each unit is switched on in some runs and off in others, independently: more than the two all-up/all-down
     # patterns.
     assert len(set(active)) >= 3, active
+
+
+def test_the_report_says_when_a_figure_is_after_the_tie_allowance() -> None:
+    """A step figure under the tolerance may be raw, or what is left after the allowance; the report says which."""
+    spec = ModelSpec("tiny_mlp", (1, 8, 8), 10)
+    start = exchanged_state(spec.build(seed=0))
+    request = parity.drift_request(spec, TrainingLoss(make_objective("ce")), batch_size=parity.DRIFT_BATCH)
+
+    def float32_step(begin: Mapping[str, torch.Tensor], one: TrainRequest) -> dict[str, torch.Tensor]:
+        return {k: v.float() for k, v in exchanged_state(parity._float64_run(spec, begin, one)).items()}
+
+    steps: list[int] = []
+
+    def one_element_off_at_step_2(begin: Mapping[str, torch.Tensor], one: TrainRequest) -> dict[str, torch.Tensor]:
+        got = float32_step(begin, one)
+        steps.append(len(steps) + 1)
+        if steps[-1] == 2:
+            scale = max(float((got[k].double() - begin[k].double()).abs().max()) for k in got)
+            got["layers.0.weight"][0, 0] += 1e-3 * scale  # 200x the tolerance; no tie of tiny_mlp excuses it
+        return got
+
+    clean = parity.stepwise_parity(float32_step, spec, start, request, source="t", runtime="torch")
+    assert clean.passed and "allowance" not in clean.worst, clean
+    off = parity.stepwise_parity(one_element_off_at_step_2, spec, start, request, source="t", runtime="torch")
+    assert not off.passed, off
+    assert "layers.0.weight at step 2 of" in off.worst and "before the tie allowance" in off.worst, off
+    raw = float(off.worst.split("(raw ")[1].split(" ")[0])
+    assert 0.9e-3 < raw < 1.1e-3 and off.max_scaled_diff <= raw, off
