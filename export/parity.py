@@ -74,11 +74,13 @@ RETRY_SEEDS = (8, 9)  # data seeds of the drift runs repeated when the first (se
 JITTER_RUNS = 3  # jittered float64 steps that measure a suspect step's spread (see stepwise_parity)
 TIE_RUNS = 4
 """Further jittered float64 steps of a suspect step in which only the sums float32 cannot tell from zero (a ReLU at
-its kink) move, each by eps32 of its terms up or down at random: where several such ties fall in one step, float32
-breaks each its own way, a combination the all-up and all-down runs do not give (measured: fedavg_cnn's lsd program
-from a trained model, three first-layer ties in one step, was refused at 4.14e-5 without these runs and passes at
-1.21e-6 with them). Moving every sum at random instead (uniform draws in more runs) also excused the unlowered
-program's imprecise batch-norm statistics, which the gate must refuse."""
+its kink; behind a batch norm, the normalized outputs) move, each by eps32 of its terms up or down at random: where
+several such ties fall in one step, float32 breaks each its own way, a combination the all-up and all-down runs do not
+give (measured: fedavg_cnn's lsd program from a trained model, three first-layer ties in one step, was refused at
+4.14e-5 without these runs and passes at 1.21e-6 with them; dsfl_fmnist_cnn's ce and ntd programs from fresh seed-2
+weights, refused at 1.5e-4 and 1.85e-5 before batch-norm outputs were pushed too, pass). Moving every sum at random
+instead (uniform draws in more runs) also excused the unlowered program's imprecise batch-norm statistics, which the
+gate must refuse."""
 JITTER_FACTOR = 4.0
 
 
@@ -414,7 +416,8 @@ def _float64_run(
     (``|W| |x| + |b|``), where float32 rounds a sum that cancels: ``push`` +1 or -1 moves every such output that far
     up or down (so a pre-activation float32 cannot tell from zero lands on either side in one of the runs), None by a
     uniform draw within it, ``"ties"`` only the outputs within that distance of zero, each up or down at random
-    (:data:`TIE_RUNS`).
+    (:data:`TIE_RUNS`). The tie runs push batch-norm outputs the same way, by their own rounding
+    (:func:`_normalized_terms`): a ReLU behind a batch norm is tied at the normalized output's zero.
     """
     model = reference_model(spec, {k: v.float() for k, v in begin.items()}).double()
     load_exchanged_state(model, {k: v.double() for k, v in begin.items()})
@@ -468,15 +471,45 @@ def _terms_magnitude(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def _normalized_terms(module: nn.Module, x: torch.Tensor, x_terms: torch.Tensor | None) -> torch.Tensor | None:
+    """The scale of a batch-norm output's float32 rounding, else None.
+
+    ``gamma (x - mean) / std + beta`` rounds ``x - mean`` at eps32 of ``|x| + |mean|``, and carries the rounding of
+    ``x`` itself (``x_terms``: the terms of the linear or convolution sum that produced it, when it did), both scaled
+    by ``|gamma| / std``; a ReLU after it sees a tie where the output is within eps32 of these of zero. The layer
+    before cannot tell: its output's zero is not the ReLU's.
+    """
+    if not isinstance(module, nn.modules.batchnorm._BatchNorm) or x.dim() < 2:
+        return None
+    dims = [0, *range(2, x.dim())]
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    with torch.no_grad():
+        if module.training or module.running_mean is None or module.running_var is None:
+            mean, var = x.mean(dims, keepdim=True), x.var(dims, unbiased=False, keepdim=True)
+        else:
+            mean, var = module.running_mean.view(shape), module.running_var.view(shape)
+        scale = torch.rsqrt(var + module.eps)
+        if module.weight is not None:
+            scale = scale * module.weight.abs().view(shape)
+        magnitude = x.abs() + mean.abs() + (x_terms if x_terms is not None else 0.0)
+        return scale * magnitude + (module.bias.abs().view(shape) if module.bias is not None else 0.0)
+
+
 def _add_jitter(
     model: nn.Module, gen: torch.Generator, push: float | str | None = None
 ) -> list[torch.utils.hooks.RemovableHandle]:
     eps = torch.finfo(torch.float32).eps
+    last: dict[str, torch.Tensor] = {}  # the last linear/convolution output and its terms, for a batch norm after it
 
     def on_output(module: nn.Module, inputs: tuple[object, ...], output: object) -> object:
         if isinstance(output, torch.Tensor) and output.is_floating_point():
             x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
             terms = _terms_magnitude(module, x) if x is not None else None
+            normalized = False
+            if terms is None and x is not None and push == "ties":
+                # Ties of a ReLU after batch norm sit at the normalized output's zero (only the tie runs push them).
+                x_terms = last["terms"] if last.get("output") is x else None
+                terms, normalized = _normalized_terms(module, x, x_terms), True
             if terms is not None and terms.shape == output.shape:
                 if push == "ties":
                     sign = torch.randint(0, 2, terms.shape, generator=gen).to(terms.dtype) * 2 - 1
@@ -486,7 +519,10 @@ def _add_jitter(
                 else:
                     way = torch.full_like(terms, float(push))
                 output = output + eps * way * terms  # a constant offset: the gradient passes unchanged
-            return _Jitter.apply(output, gen)
+            jittered: torch.Tensor = _Jitter.apply(output, gen)
+            if terms is not None and not normalized:
+                last["output"], last["terms"] = jittered, terms
+            return jittered
         return output  # an LSTM's (output, state) tuple: its input and parameter gradients are still jittered
 
     handles = [m.register_forward_hook(on_output) for m in model.modules() if not list(m.children())]
