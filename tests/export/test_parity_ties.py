@@ -104,9 +104,9 @@ def test_the_report_says_when_a_figure_is_after_the_tie_allowance() -> None:
 def test_a_relu_after_batch_norm_is_tied_at_the_normalized_outputs_zero() -> None:
     """Behind a batch norm a ReLU's tie is not at the linear layer's zero: ``gamma (h - mean) / std + beta`` rounds
     ``h - mean`` at eps32 of ``|h| + |mean|``, scaled by ``gamma / std``. dsfl_fmnist_cnn's ntd program from fresh
-    seed-2 weights was refused for such ties (1.85e-5 after the allowance; 4.83e-6 now): the tie runs push these
-    outputs too. (That the unlowered program's imprecise kernels stay refused is tests/export/test_executorch.py's
-    imprecise-program test.)"""
+    seed-2 weights was refused for such ties (1.85e-5 after the allowance; 4.83e-6 now): the tie runs move every
+    such output by its rounding, up or down at random. (That the unlowered program's imprecise kernels stay refused
+    is tests/export/test_executorch.py's imprecise-program test.)"""
     spec = ModelSpec("reuters_mlp", (100,), 10)
     begin = exchanged_state(spec.build(seed=0))
     x = (torch.rand(4, 100, generator=torch.Generator().manual_seed(0)) < 0.3).float()
@@ -129,7 +129,7 @@ def test_a_relu_after_batch_norm_is_tied_at_the_normalized_outputs_zero() -> Non
     for _ in range(8):
         run = exchanged_state(parity._float64_run(spec, begin, request, jitter=gen, push="ties"))
         rows.append(run["layers.0.weight"][0] - begin["layers.0.weight"][0].double())
-        # The other units' rows move as float64's own step does, up to rounding: only the tie is pushed.
+        # The other units' rows move as float64's own step does, up to rounding: each push is one rounding.
         rest = (run["layers.0.weight"][1:] - expected["layers.0.weight"][1:]).abs().max()
         assert float(rest) < 1e-5 * float((expected["layers.0.weight"][1:] - begin["layers.0.weight"][1:]).abs().max())
     # Sample 0 switched off in some runs and on in others: the row's update differs by a large part of itself.
