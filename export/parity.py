@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from export import ties
 from fedge.errors import ExportError
 from fedge.learning.models import exchanged_state, load_exchanged_state
 from fedge.learning.training import SGDSettings, TrainRequest, batch_order
@@ -47,19 +48,22 @@ TRAIN_SGD = SGDSettings(lr=0.02, momentum=0.9, weight_decay=5e-4)
 # Drift check, two parts, at the batch size the program runs at, on real-looking images, with a run's SGD settings.
 # - Stepwise: before each of DRIFT_STEPS steps, the program and eager float64 start from the same weights (float64's
 #   trajectory rounded to float32) and take one step; the program's update of every element must match float64's
-#   within STEP_TOLERANCE of the step's largest update of any tensor, plus one float32 rounding of the result, plus
-#   JITTER_FACTOR times how far float64 itself lands when each layer's output and gradient is rounded once (jittered
-#   by eps32, JITTER_RUNS times; computed only for a step that some element fails without it). The jitter term excuses
-#   ties: from the same weights a max-pool window tied to float64's precision can still break the other way in
-#   float32 (fedavg_cnn's ce program from fresh seed-0 weights at 28x28: 1.2e-4 of the step's largest update on
-#   features.0.weight, as eager float32 channels-last; 1.2e-6 with the term), and a ReLU whose pre-activation float32
-#   cannot tell from zero: a linear or convolution output also moves by eps32 of the sum of its terms' magnitudes, up
-#   in one jittered run and down in another (fedavg_cnn's fd program from a trained FedAvg model, step 6: one of 512
-#   hidden units at 7.5e-9 of its terms' magnitude flips, 1.0e-2 of the step's largest update on one row of
-#   classifier.0.weight; eager float32 happened not to flip it; 1.3e-6 with the term). What it does not excuse: a wrong
-#   gradient (ExecuTorch 1.4.1's max-pool backward, O(1)) or a kernel that loses precision inside one op (the
-#   portable kernels of the unlowered dsfl_mnist_cnn: 1.7e-5, as eager channels-last on one thread; the jitter spread
-#   there is ~1e-8), while correct programs measure <= 2.1e-7 without the term.
+#   within STEP_TOLERANCE of the step's largest update of any tensor, plus one float32 rounding of the result.
+#   Correct programs measure <= 2.1e-7 (up to ~4.8e-6 on dsfl_fmnist_cnn's first layer) unless a tie breaks: a ReLU
+#   whose input float32 cannot tell from zero, or a max-pool window whose two largest inputs it cannot tell apart,
+#   decided the other way than float64. The forward pass is the same either way, the gradient is routed differently,
+#   and the update moves by one row, one channel or one sample's whole gradient (fedavg_cnn's ce program from fresh
+#   seed-0 weights at 28x28: a first-layer window at 0.06 of float32's rounding, 1.2e-4 of the step's largest update
+#   on features.0.weight; the unlowered dsfl_mnist_cnn's first step: a first-layer ReLU at 0.28 roundings, 1.7e-5,
+#   once taken for imprecise portable kernels). For a step that fails, the ties float32 may have decided the other way
+#   and whose flips would explain the difference are found (export.ties: all near ties ranked at once from the
+#   Jacobian's action on the difference), each run as a float64 step with that decision flipped, and those whose
+#   contributions remove the difference kept (TIE_CANDIDATES a round, TIE_ROUNDS rounds, at most TIE_FLIPS); the
+#   step is then measured against float64's step with them flipped, and the report names them. What no flip
+#   explains (a wrong gradient: ExecuTorch 1.4.1's max-pool backward, O(1); an op that loses precision inside,
+#   spread over a tensor: tested at 2e-5) stays. Where some is still over, the element's allowance grows by
+#   JITTER_FACTOR times how far float64 itself lands when each layer's output and gradient is rounded once
+#   (jittered by eps32, JITTER_RUNS + TIE_RUNS times): the ties the flips did not reach.
 # - Free-running: the program's weights after all steps against float64's, within DRIFT_FACTOR times the spread of
 #   eager float32 runs under the layouts (contiguous, channels-last) and thread counts (one, the process's) fedge
 #   itself trains with, plus DRIFT_FLOOR. Free-running float32 is chaotic for max-pooling CNNs (a near-tied window or
@@ -85,6 +89,11 @@ linear and convolution sum at random instead (uniform draws in more runs), or th
 of the sum before them as well, also excused the unlowered program's imprecise batch-norm statistics, which the gate
 must refuse."""
 JITTER_FACTOR = 4.0
+TIE_CANDIDATES = 6
+"""Likeliest ties (:func:`export.ties.find_ties`) tried in a round of a suspect step, each one float64 step."""
+TIE_ROUNDS = 3
+TIE_FLIPS = 6
+"""At most this many ties flipped in one step (:func:`export.ties.attribute`)."""
 
 
 @dataclass(frozen=True)
@@ -409,6 +418,7 @@ def _float64_run(
     *,
     jitter: torch.Generator | None = None,
     push: float | str | None = None,
+    flips: Sequence[ties.Tie] = (),
 ) -> nn.Module:
     """The eager float64 model after ``request`` from ``begin``, on one intra-op thread (see drift_parity).
 
@@ -421,16 +431,23 @@ def _float64_run(
     uniform draw within it, ``"ties"`` only the outputs within that distance of zero, each up or down at random
     (:data:`TIE_RUNS`). The tie runs also move every batch-norm output by its own rounding
     (:func:`_normalized_terms`), up or down at random: behind a batch norm the ties are between normalized outputs.
+    With ``flips``, each of those decisions is made the other way (:func:`export.ties.add_flips`).
     """
-    model = reference_model(spec, {k: v.float() for k, v in begin.items()}).double()
-    load_exchanged_state(model, {k: v.double() for k, v in begin.items()})
+    model = _float64_model(spec, begin)
     handles = _add_jitter(model, jitter, push) if jitter is not None else []
+    handles += ties.add_flips(model, flips)
     try:
         with _threads(1):
             fedge_train(model, _as_float64(request))
     finally:
         for h in handles:
             h.remove()
+    return model
+
+
+def _float64_model(spec: ModelSpec, begin: Mapping[str, torch.Tensor]) -> nn.Module:
+    model = reference_model(spec, {k: v.float() for k, v in begin.items()}).double()
+    load_exchanged_state(model, {k: v.double() for k, v in begin.items()})
     return model
 
 
@@ -555,6 +572,7 @@ def _jitter_spread(
     expected: Mapping[str, torch.Tensor],
     *,
     seed: int,
+    flips: Sequence[ties.Tie] = (),
 ) -> dict[str, torch.Tensor]:
     """Per element, the largest distance from ``expected`` (float64's step) of JITTER_RUNS + TIE_RUNS jittered
     float64 steps (:func:`_float64_run`) and of eager float32 in the contiguous layout (one thread and the process's).
@@ -565,8 +583,9 @@ def _jitter_spread(
     """
     gen = torch.Generator().manual_seed(seed)
     pushes: list[float | str | None] = [1.0, -1.0, *[None] * (JITTER_RUNS - 2), *["ties"] * TIE_RUNS]
-    runs = [exchanged_state(_float64_run(spec, begin, request, jitter=gen, push=p)) for p in pushes]
-    runs += float32_runs(spec, begin, request, layouts=(torch.contiguous_format,))
+    runs = [exchanged_state(_float64_run(spec, begin, request, jitter=gen, push=p, flips=flips)) for p in pushes]
+    if not flips:  # eager float32 makes its own decisions, not the flipped ones
+        runs += float32_runs(spec, begin, request, layouts=(torch.contiguous_format,))
     return {k: torch.stack([(r[k].double() - v).abs() for r in runs]).amax(0) for k, v in expected.items()}
 
 
@@ -585,10 +604,12 @@ def stepwise_parity(
     optimizer and returns its weights. Float64 follows its own trajectory from ``start``; before each step its weights,
     rounded to float32, are where both begin. Per element the measure is the difference of the two updates, less one
     float32 rounding of the result (float32 cannot store an update below its rounding of the weight), over the step's
-    largest float64 update of any tensor. Where that exceeds STEP_TOLERANCE, the element's allowance grows by
-    JITTER_FACTOR times its spread (:func:`_jitter_spread`: jittered float64 runs and eager float32 contiguous runs of
-    the same step), so the measure is ``excess / (scale + JITTER_FACTOR * spread / STEP_TOLERANCE)``; the report is
-    the worst element's tensor and step.
+    largest float64 update of any tensor. Where that exceeds STEP_TOLERANCE, float64's step is first replaced by the
+    same step with the ties whose flips explain the difference decided the other way (:func:`_flip_ties`); where it
+    still exceeds it, the element's allowance grows by JITTER_FACTOR times its spread (:func:`_jitter_spread`:
+    jittered float64 runs, and eager float32 contiguous runs of the same step where nothing was flipped), so the
+    measure is ``excess / (scale + JITTER_FACTOR * spread / STEP_TOLERANCE)``. The report is the worst element's
+    tensor and step, with its raw figure and the flips or allowance it is after.
     """
     order = batch_order(len(request.x), request.epochs, request.batch_size, request.seed)
     current: dict[str, torch.Tensor] = {k: v.double() for k, v in start.items()}
@@ -604,32 +625,40 @@ def stepwise_parity(
         # The largest update of any tensor in this step: gradients of some tensors are zero up to round-off (a
         # convolution's bias before batch norm), so a tensor's own update is no scale for its error.
         scale = max(max(_amax(v - begin[k].double()) for k, v in current.items()), 1e-12)
-        excess: dict[str, torch.Tensor] = {}
-        max_abs = 0.0
-        for name, after in current.items():
-            # Both runtimes store the result in float32: up to one unit in the last place of it is rounding.
-            ulp = torch.finfo(torch.float32).eps * after.abs().clamp(min=torch.finfo(torch.float32).tiny)
-            diff = (got[name].double() - after).abs()
-            max_abs = max(max_abs, _amax(diff))
-            excess[name] = (
-                (diff - ulp).clamp(min=0.0) if bool(torch.isfinite(diff).all()) else diff.new_full((), math.nan)
-            )
-        raw = max((_amax(e) for e in excess.values() if not e.isnan().any()), default=0.0) / scale
-        allowance = ""
+        excess, max_abs = _excess(got, current)
+        raw = _measure(excess, scale, skip_nan=True)
+        reference: Mapping[str, torch.Tensor] = current
+        flips: list[ties.Tie] = []
+        allowance = False
         if raw > STEP_TOLERANCE:
-            # Some elements are off by more than round-off of the step's largest update. Excused where float64
-            # itself moves that far when each layer's result is rounded once (a near-tied max-pool window or a
-            # ReLU at zero flips): a tie is no kernel's error, while an op that loses precision inside (a one-pass
-            # variance, an unblocked long sum) or a wrong gradient is far outside that spread.
-            spread = _jitter_spread(spec, begin, one, current, seed=step)
+            # Some elements are off by more than round-off of the step's largest update. First the ties: decisions
+            # float32 cannot tell apart (a ReLU at zero, a max-pool window's two largest inputs), made the other way
+            # in a float64 step, where their contributions explain the program's difference (export.ties).
+            finite = all(bool(torch.isfinite(v).all()) for v in got.values())
+            flips, flipped = _flip_ties(spec, begin, one, current, got, scale) if finite else ([], current)
+            if flips:
+                excess, reference = _excess(got, flipped)[0], flipped
+                log.info(
+                    "%s: step %d: %.3g of the step's largest update explained by %s",
+                    source,
+                    step,
+                    raw,
+                    ", ".join(map(str, flips)),
+                )
+        if _measure(excess, scale, skip_nan=True) > STEP_TOLERANCE:
+            # Still off. Excused where float64 itself moves that far when each layer's result is rounded once
+            # (ties the flips did not reach): an op that loses precision inside (a one-pass variance, an unblocked
+            # long sum) or a wrong gradient is far outside that spread.
+            spread = _jitter_spread(spec, begin, one, reference, seed=step, flips=flips)
             excess = {k: e / (1.0 + JITTER_FACTOR * spread[k] / (STEP_TOLERANCE * scale)) for k, e in excess.items()}
-            # Say so in the report: a figure under the tolerance after the allowance is not one measured raw.
-            allowance = f" (raw {raw:.3g} before the tie allowance)"
+            allowance = True
+        # Say so in the report: a figure under the tolerance after flips or the allowance is not one measured raw.
+        note = _explained(raw, flips, allowance)
         max_scaled, where = -1.0, ""
         for name, e in excess.items():
             measure = math.nan if bool(e.isnan().any()) else _amax(e) / scale
             if math.isnan(measure) or measure > max_scaled:
-                max_scaled, where = measure, f"{name} at step {step} of {len(order)} of {request.batch_size}{allowance}"
+                max_scaled, where = measure, f"{name} at step {step} of {len(order)} of {request.batch_size}{note}"
             if math.isnan(measure):
                 break
         report = ParityReport(source, "step", runtime, max_abs, max_scaled, where, STEP_TOLERANCE)
@@ -639,6 +668,94 @@ def stepwise_parity(
             break
     assert worst is not None
     return worst
+
+
+def _excess(
+    got: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], float]:
+    """Per element, how far ``got`` is from ``after`` beyond one float32 rounding of ``after`` (NaN where ``got`` is
+    not finite), and the largest plain difference."""
+    excess: dict[str, torch.Tensor] = {}
+    max_abs = 0.0
+    for name, a in after.items():
+        # Both runtimes store the result in float32: up to one unit in the last place of it is rounding.
+        ulp = _ulp({name: a})[name]
+        diff = (got[name].double() - a).abs()
+        max_abs = max(max_abs, _amax(diff))
+        excess[name] = (diff - ulp).clamp(min=0.0) if bool(torch.isfinite(diff).all()) else diff.new_full((), math.nan)
+    return excess, max_abs
+
+
+def _ulp(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One float32 rounding of each element (a unit in the last place)."""
+    f32 = torch.finfo(torch.float32)
+    return {k: f32.eps * v.abs().clamp(min=f32.tiny) for k, v in weights.items()}
+
+
+def _measure(excess: Mapping[str, torch.Tensor], scale: float, *, skip_nan: bool = False) -> float:
+    return max((_amax(e) for e in excess.values() if not (skip_nan and e.isnan().any())), default=0.0) / scale
+
+
+def _flip_ties(
+    spec: ModelSpec,
+    begin: Mapping[str, torch.Tensor],
+    one: TrainRequest,
+    expected: Mapping[str, torch.Tensor],
+    got: Mapping[str, torch.Tensor],
+    scale: float,
+) -> tuple[list[ties.Tie], Mapping[str, torch.Tensor]]:
+    """The ties of float64's step ``expected`` whose flips explain ``got``'s difference from it, and float64's step
+    with them flipped (``expected`` and no ties where none explains it).
+
+    In rounds: the likeliest ties for what is left (:func:`export.ties.find_ties`), each run as a float64 step with
+    it flipped, the ones whose contributions explain it kept (:func:`export.ties.attribute`), then all kept flips
+    run together (a flip deep in the network changes the gradient another one routes).
+    """
+    flips: list[ties.Tie] = []
+    reference = expected
+    for _ in range(TIE_ROUNDS):
+        excess = _excess(got, reference)[0]
+        if _measure(excess, scale) <= STEP_TOLERANCE:
+            break
+        difference = {k: got[k].double() - v for k, v in reference.items()}
+        # The likeliest ties for the part of the difference beyond rounding (rounding noise points nowhere).
+        beyond = {k: torch.sign(d) * excess[k] for k, d in difference.items()}
+
+        def step(model: nn.Module, flipped: Sequence[ties.Tie] = tuple(flips)) -> None:
+            handles = ties.add_flips(model, flipped)
+            try:
+                with _threads(1):
+                    fedge_train(model, _as_float64(one))
+            finally:
+                for h in handles:
+                    h.remove()
+
+        candidates = [
+            t
+            for t in ties.find_ties(_float64_model(spec, begin), step, beyond, lr=one.sgd.lr, limit=TIE_CANDIDATES)
+            if t not in flips
+        ]
+        contributions = []
+        for tie in candidates:
+            run = exchanged_state(_float64_run(spec, begin, one, flips=[*flips, tie]))
+            contributions.append({k: run[k] - v for k, v in reference.items()})
+        chosen = ties.attribute(difference, contributions, _ulp(reference), most=TIE_FLIPS - len(flips))
+        if not chosen:
+            break
+        flips += [candidates[i] for i in chosen]
+        reference = exchanged_state(_float64_run(spec, begin, one, flips=flips))
+    return flips, reference
+
+
+def _explained(raw: float, flips: Sequence[ties.Tie], allowance: bool) -> str:
+    """What a step's figure is after: `` (raw 2.64e-04 before 1 tie flip (ReLU classifier.2[1234] at 3.1 roundings)
+    and the tie allowance)``; empty for a raw figure."""
+    parts = []
+    if flips:
+        parts.append(f"{len(flips)} tie flip{'s' if len(flips) > 1 else ''} ({', '.join(str(t) for t in flips)})")
+    if allowance:
+        parts.append("the tie allowance")
+    return f" (raw {raw:.3g} before {' and '.join(parts)})" if parts else ""
 
 
 def float32_runs(

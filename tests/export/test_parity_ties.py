@@ -9,11 +9,11 @@ move every linear/convolution output by eps32 of its terms' magnitude, up in one
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
-from export import parity
+from export import parity, ties
 from fedge.learning.models import exchanged_state
 from fedge.learning.objectives import make_objective
 from fedge.learning.training import TrainRequest
@@ -135,3 +135,72 @@ def test_a_relu_after_batch_norm_is_tied_at_the_normalized_outputs_zero() -> Non
     # Sample 0 switched off in some runs and on in others: the row's update differs by a large part of itself.
     apart = max(float((a - b).abs().max()) for a in rows for b in rows)
     assert apart > 0.1 * float(row.abs().max()), (apart, float(row.abs().max()))
+
+
+def _tied_tiny_mlp() -> tuple[ModelSpec, dict[str, torch.Tensor], TrainRequest]:
+    """tiny_mlp whose hidden unit 0 is tied on an all-ones sample (as in the first test), and its one-step request."""
+    spec = ModelSpec("tiny_mlp", (1, 8, 8), 10)
+    begin = exchanged_state(spec.build(seed=0))
+    begin["layers.0.weight"][0] = torch.tensor([1.0, -1.0] * 32)
+    begin["layers.0.bias"][0] = 1e-9 * 64
+    request = parity.training_request(spec, TrainingLoss(make_objective("ce", {})), samples=1)
+    return spec, begin, dataclasses.replace(request, x=torch.ones(1, 1, 8, 8), batch_size=1)
+
+
+def test_a_program_that_breaks_a_relu_tie_the_other_way_passes_and_the_report_names_the_flip() -> None:
+    """The gate tells a tie from an imprecise kernel by the error's shape: a float64 step with the tied unit's
+    decision flipped explains the program exactly. A program that flips a unit far from its tie is refused."""
+    spec, begin, request = _tied_tiny_mlp()
+
+    def flipping(unit: int) -> Callable[[Mapping[str, torch.Tensor], TrainRequest], dict[str, torch.Tensor]]:
+        def program(start: Mapping[str, torch.Tensor], one: TrainRequest) -> dict[str, torch.Tensor]:
+            flip = [ties.Tie("layers.1", unit, 0.0)]  # layers.1 is the ReLU; output element = sample 0's unit
+            return {k: v.float() for k, v in exchanged_state(parity._float64_run(spec, start, one, flips=flip)).items()}
+
+        return program
+
+    report = parity.stepwise_parity(flipping(0), spec, begin, request, source="t", runtime="torch")
+    assert report.passed, report
+    assert "before 1 tie flip (ReLU layers.1[0] at " in report.worst and "allowance" not in report.worst, report
+    untied = int(parity._float64_model(spec, begin).layers[0](torch.ones(1, 64).double()).abs().argmax())
+    assert untied != 0
+    refused = parity.stepwise_parity(flipping(untied), spec, begin, request, source="t", runtime="torch")
+    assert not refused.passed and refused.max_scaled_diff > 100 * refused.tolerance, refused
+
+
+def test_attribution_takes_the_flip_that_explains_the_difference_and_nothing_for_noise() -> None:
+    gen = torch.Generator().manual_seed(0)
+    shape = (64, 32)
+    flips = [{"w": torch.randn(shape, generator=gen, dtype=torch.float64) * (torch.rand(shape, generator=gen) < 0.05)}]
+    flips += [{"w": torch.randn(shape, generator=gen, dtype=torch.float64)} for _ in range(5)]
+    slack = {"w": torch.full(shape, 1e-6, dtype=torch.float64)}
+    noise = 1e-3 * torch.randn(shape, generator=gen, dtype=torch.float64)
+    assert ties.attribute({"w": flips[0]["w"] + noise}, flips, slack, most=4) == [0]
+    assert ties.attribute({"w": flips[0]["w"] + flips[3]["w"]}, flips, slack, most=4) == [3, 0]
+    assert ties.attribute({"w": noise}, flips, slack, most=4) == []
+    # Below the slack is no difference: nothing to explain.
+    assert ties.attribute({"w": 1e-7 * flips[0]["w"]}, flips, slack, most=4) == []
+
+
+def test_an_op_that_loses_precision_inside_is_refused_and_no_tie_explains_it() -> None:
+    """What tie flips must not excuse: at one step every element of the first convolution's update off by ~2e-5 of
+    the step's largest update, as a kernel whose long sums lose precision would be, on a model with batch norm,
+    ReLUs and max-pooling (so there are near ties to try). No flip's contribution is shaped like that."""
+    spec = ModelSpec("dsfl_mnist_cnn", (1, 16, 16), 10)
+    start = exchanged_state(spec.build(seed=1))
+    request = parity.drift_request(spec, TrainingLoss(make_objective("ce")), batch_size=parity.DRIFT_BATCH)
+    gen = torch.Generator().manual_seed(0)
+    steps: list[int] = []
+
+    def imprecise_at_step_2(begin: Mapping[str, torch.Tensor], one: TrainRequest) -> dict[str, torch.Tensor]:
+        got = {k: v.float() for k, v in exchanged_state(parity._float64_run(spec, begin, one)).items()}
+        steps.append(len(steps) + 1)
+        if steps[-1] == 2:
+            scale = max(float((got[k].double() - begin[k].double()).abs().max()) for k in got)
+            w = got["features.0.weight"]
+            got["features.0.weight"] = w + 2e-5 * scale * torch.randn(w.shape, generator=gen)
+        return got
+
+    report = parity.stepwise_parity(imprecise_at_step_2, spec, start, request, source="t", runtime="torch")
+    assert not report.passed and report.max_scaled_diff > 4 * report.tolerance, report
+    assert "features.0.weight at step 2 of" in report.worst and "tie flip" not in report.worst, report
