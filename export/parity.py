@@ -609,7 +609,8 @@ def stepwise_parity(
     still exceeds it, the element's allowance grows by JITTER_FACTOR times its spread (:func:`_jitter_spread`:
     jittered float64 runs, and eager float32 contiguous runs of the same step where nothing was flipped), so the
     measure is ``excess / (scale + JITTER_FACTOR * spread / STEP_TOLERANCE)``. The report is the worst element's
-    tensor and step, with its raw figure and the flips or allowance it is after.
+    tensor and step (the first step that fails, if one does), with its raw figure and the flips or allowance it is
+    after.
     """
     order = batch_order(len(request.x), request.epochs, request.batch_size, request.seed)
     current: dict[str, torch.Tensor] = {k: v.double() for k, v in start.items()}
@@ -664,8 +665,8 @@ def stepwise_parity(
         report = ParityReport(source, "step", runtime, max_abs, max_scaled, where, STEP_TOLERANCE)
         if worst is None or math.isnan(report.max_scaled_diff) or report.max_scaled_diff > worst.max_scaled_diff:
             worst = report
-        if math.isnan(report.max_scaled_diff):
-            break
+        if not report.passed:
+            break  # refused: the first step that fails is the report (later steps would only cost their checks)
     assert worst is not None
     return worst
 
