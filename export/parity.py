@@ -474,21 +474,8 @@ class _Jitter(torch.autograd.Function):
 
 def _terms_magnitude(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """``|W| |x| + |b|`` of a linear or 2-D convolution layer (the scale of its sums' float32 rounding), else None."""
-    bias = getattr(module, "bias", None)
     with torch.no_grad():
-        if isinstance(module, nn.Linear):
-            return nn.functional.linear(x.abs(), module.weight.abs(), None if bias is None else bias.abs())
-        if isinstance(module, nn.Conv2d) and isinstance(module.padding, tuple):
-            return nn.functional.conv2d(
-                x.abs(),
-                module.weight.abs(),
-                None if bias is None else bias.abs(),
-                module.stride,
-                module.padding,
-                module.dilation,
-                module.groups,
-            )
-    return None
+        return ties.terms_magnitude(module, x)
 
 
 def _normalized_terms(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -502,17 +489,8 @@ def _normalized_terms(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None
     """
     if not isinstance(module, nn.modules.batchnorm._BatchNorm) or x.dim() < 2:
         return None
-    dims = [0, *range(2, x.dim())]
-    shape = [1, -1] + [1] * (x.dim() - 2)
     with torch.no_grad():
-        if module.training or module.running_mean is None or module.running_var is None:
-            mean, var = x.mean(dims, keepdim=True), x.var(dims, unbiased=False, keepdim=True)
-        else:
-            mean, var = module.running_mean.view(shape), module.running_var.view(shape)
-        scale = torch.rsqrt(var + module.eps)
-        if module.weight is not None:
-            scale = scale * module.weight.abs().view(shape)
-        return scale * (x.abs() + mean.abs()) + (module.bias.abs().view(shape) if module.bias is not None else 0.0)
+        return ties.batch_norm_rounding(module, x, torch.zeros((), dtype=x.dtype))
 
 
 def _add_jitter(

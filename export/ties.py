@@ -56,7 +56,7 @@ class Tie:
         return f"{what} {self.module}[{self.output}] at {self.closeness:.2g} roundings"
 
 
-def _terms(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+def terms_magnitude(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """``|W| |x| + |b|`` of a linear or 2-D convolution layer: the scale of its sums' float32 rounding."""
     bias = getattr(module, "bias", None)
     b = None if bias is None else bias.abs()
@@ -69,7 +69,7 @@ def _terms(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def _batch_norm_rounding(
+def batch_norm_rounding(
     module: nn.modules.batchnorm._BatchNorm, x: torch.Tensor, x_rounding: torch.Tensor
 ) -> torch.Tensor:
     """The rounding scale of a batch norm's output: ``|gamma| (r + |x| + |mean|) / std + |beta|``, where ``r`` is
@@ -160,9 +160,9 @@ def _record(model: nn.Module, decisions: dict[str, _Decisions], inputs_seen: lis
                 decisions[name] = _Decisions(margin, x_in.flatten().clone(), taken, other)
                 scale = scale_of(x_in).flatten()[taken].view_as(output)
             elif isinstance(module, nn.modules.batchnorm._BatchNorm) and x_in.dim() >= 2:
-                scale = _batch_norm_rounding(module, x_in, scale_of(x_in))
+                scale = batch_norm_rounding(module, x_in, scale_of(x_in))
             else:
-                scale = _terms(module, x_in)
+                scale = terms_magnitude(module, x_in)
                 if scale is None and output.shape == x_in.shape:
                     scale = scale_of(x_in)  # an elementwise layer (dropout in eval, identity)
             if scale is not None and scale.shape == output.shape:

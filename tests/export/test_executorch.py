@@ -79,14 +79,8 @@ def test_without_the_max_pool_workaround_the_parity_check_refuses_the_program() 
     # With the decomposition, max pooling trains as in eager: see the dsfl_mnist_cnn test above.
 
 
-@pytest.mark.timeout(900)  # export plus the gate's eager runs: over 300 s on a loaded 2-core host
-def test_the_unlowered_programs_step_difference_is_a_relu_tie_that_the_gate_flips(monkeypatch) -> None:
-    """The program of the unlowered dsfl_mnist_cnn runs ExecuTorch's portable convolution and batch-norm kernels. Its
-    first step from these weights is 1.7e-5 of the step's largest update off on features.0.weight, which the gate
-    once took for kernels that lose precision and refused (the jitter spread there is ~1e-8). It is a tie: one ReLU of
-    the first layer, 0.28 of float32's rounding from zero, which the program decides the other way; float64's step
-    with it flipped agrees with the program to 1.2e-8 on features.0.weight. The program passes, and what the gate
-    must still refuse, error that no tie explains, is tests/export/test_parity_ties.py's imprecise-op test."""
+def record_tie_flips(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The ties the stepwise gate flips, per step it tries them on (``export.parity._flip_ties`` recorded)."""
     from export import parity
 
     flipped: list[list[str]] = []
@@ -98,6 +92,19 @@ def test_the_unlowered_programs_step_difference_is_a_relu_tie_that_the_gate_flip
         return result
 
     monkeypatch.setattr(parity, "_flip_ties", recorded)
+    return flipped
+
+
+@pytest.mark.timeout(900)  # export plus the gate's eager runs: over 300 s on a loaded 2-core host
+def test_the_unlowered_programs_step_difference_is_a_relu_tie_that_the_gate_flips(monkeypatch) -> None:
+    """The program of the unlowered dsfl_mnist_cnn runs ExecuTorch's portable convolution and batch-norm kernels. Its
+    first step from these weights is 1.7e-5 of the step's largest update off on features.0.weight, which the gate
+    once took for kernels that lose precision and refused (the jitter spread there is ~1e-8). It is a tie: one ReLU of
+    the first layer, 0.28 of float32's rounding from zero, which the program decides the other way; float64's step
+    with it flipped agrees with the program to 1.2e-8 on features.0.weight. The program passes, and what the gate
+    must still refuse, error that no tie explains, is tests/export/test_parity_ties.py's imprecise-op test."""
+
+    flipped = record_tie_flips(monkeypatch)
     spec = SPECS["dsfl_mnist_cnn"]
     data = export_training(spec.build(seed=1), spec, loss_of("ntd", 0.0), max_batch=64, lower=False)
     _, step, *drift = check_training(data, weights("dsfl_mnist_cnn"), source="unlowered.pte")
@@ -132,15 +139,7 @@ def test_the_stepwise_gate_accepts_a_max_pool_tie_that_float32_breaks_the_other_
             eager_train(model, dataclasses.replace(one, x=one.x.contiguous(memory_format=torch.channels_last)))
         return exchanged_state(model)
 
-    flipped: list[list[str]] = []
-    flip_ties = parity._flip_ties
-
-    def recorded(*args):  # type: ignore[no-untyped-def]
-        result = flip_ties(*args)
-        flipped.append([str(t) for t in result[0]])
-        return result
-
-    monkeypatch.setattr(parity, "_flip_ties", recorded)
+    flipped = record_tie_flips(monkeypatch)
     monkeypatch.setattr(parity, "_jitter_spread", lambda *a, **k: pytest.fail("the flips explain the step"))
     report = parity.stepwise_parity(channels_last_float32, spec, start, request, source="eager", runtime="torch")
     assert len(flipped) == 1 and flipped[0], flipped  # one suspect step, explained by flips
