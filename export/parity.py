@@ -441,6 +441,8 @@ def _float64_run(
     uniform draw within it, ``"ties"`` only the outputs within that distance of zero, each up or down at random
     (:data:`TIE_RUNS`). The tie runs also move every batch-norm output by its own rounding
     (:func:`_normalized_terms`), up or down at random: behind a batch norm the ties are between normalized outputs.
+    A linear or convolution bias's gradient, one sum over n samples and positions, moves by up to sqrt(n) eps32 of its
+    terms' magnitudes (pushed as the sums are, else a uniform draw): a long sum's rounding (:func:`_add_jitter`).
     With ``flips``, each of those decisions is made the other way (:func:`export.ties.add_flips`).
     """
     model = _float64_model(spec, begin)
