@@ -72,3 +72,18 @@ def test_the_table_has_a_row_per_run_and_per_seed_of_each_rule(
         held = [int(n) for n in row[1].split(" / ")]
         assert sum(held) == 10 and held[2:] == [0, 0]
     assert script.main([str(run), "--labels", str(tmp_path / "missing")]) == 2
+
+
+def test_shards_per_client_and_alpha_change_the_authors_rows(
+    script: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    labels_file = tmp_path / "labels"
+    labels_file.write_bytes((2049).to_bytes(4, "big") + len(LABELS).to_bytes(4, "big") + bytes(LABELS))
+    base = ["--labels", str(labels_file), "--seeds", "5", "--clients", "10"]
+    rows = {}
+    for extra in ([], ["--shards-per-client", "1"], ["--alpha", "100"]):
+        assert script.main([*base, *extra]) == 0
+        rows[tuple(extra)] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| authors'")]
+    assert "| 10 / 0 / 0 / 0 " in rows[("--shards-per-client", "1")][0]  # one shard each: one class each
+    assert rows[()][0] != rows[("--shards-per-client", "1")][0]
+    assert rows[()][1] != rows[("--alpha", "100")][1]  # another Dirichlet concentration: another split
