@@ -319,6 +319,92 @@ def test_ctrl_c_during_a_round_stops_every_worker(monkeypatch: pytest.MonkeyPatc
     exe.close()  # idempotent
 
 
+@dataclass(frozen=True)
+class NeedsEnvironment:
+    """A factory whose workers refuse to build clients unless ``name`` is ``value`` in their environment."""
+
+    inner: ExperimentClients
+    name: str
+    value: str
+
+    def __call__(self) -> ClientBuilder:
+        if os.environ.get(self.name) != self.value:
+            raise RuntimeError(f"{self.name} is {os.environ.get(self.name)!r} in the worker, not {self.value!r}")
+        return self.inner()
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_workers_see_the_environment_of_their_start_not_of_the_forkservers(
+    method: str, importable_here: None, monkeypatch: pytest.MonkeyPatch
+):
+    # Plugins reach workers through FEDGE_PLUGINS, set by --plugin after this process (and maybe its forkserver)
+    # started. The first executor starts the forkserver; the variable is set after it.
+    config = dataclasses.replace(CONFIGS["fedavg"], rounds=1)
+    with make_executor("processes", 1, ExperimentClients(config)) as first:
+        assert first.start_method == processes.default_start_method() == "forkserver"  # Linux has it
+    monkeypatch.setenv("FEDGE_TEST_MARK", "set after the forkserver started")
+    factory = NeedsEnvironment(ExperimentClients(config), "FEDGE_TEST_MARK", "set after the forkserver started")
+    exp = prepare(config)
+    with processes.ProcessExecutor(factory, 2, start_method=method) as exe:
+        assert exe.start_method == method
+        engine = RoundEngine(
+            exp.config, exp.strategy("env"), ExecutorTransport(exe, sorted(exp.parts)), *exp.test_tensors()
+        )
+        (only,) = engine.run().rounds
+    assert only.replied == ("c000", "c001", "c002", "c003")
+
+
+_KILLED_PARENT = """
+import sys, time
+from fedge.config import RunConfig
+from sim.executors import ExperimentClients, make_executor
+
+if __name__ == "__main__":
+    config = RunConfig(algorithm="fedavg", dataset="digits", num_clients=2)
+    exe = make_executor("processes", 2, ExperimentClients(config))
+    print(*[slot.process.pid for slot in exe._slots], flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_workers_exit_when_their_parent_is_killed(tmp_path: Path):
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(_KILLED_PARENT)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert parent.stdout is not None
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2
+        parent.send_signal(signal.SIGKILL)  # no clean-up code runs in the parent
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if _alive(p)], "a worker outlived its killed parent"
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_an_unavailable_start_method_is_a_config_error():
+    with pytest.raises(ConfigError, match="start method 'teleport' is not available here; choose one of"):
+        processes.ProcessExecutor(ExperimentClients(CONFIGS["fedavg"]), 1, start_method="teleport")
+
+
 def test_a_factory_that_cannot_build_clients_is_an_executor_error():
     config = dataclasses.replace(CONFIGS["fedavg"], dataset="mnist", data_dir="/nonexistent")
     jobs = [ClientJob("c000", b"", None)]
