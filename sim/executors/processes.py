@@ -54,10 +54,11 @@ class ProcessExecutor(ExecutorBase):
     jobs with ``threads_per_worker`` threads.
 
     ``start_method``: ``forkserver`` where the platform has it (Linux, macOS), else ``spawn``. Both start workers with
-    no inherited threads or locks. A forkserver imports this module (torch and fedge's training stack) once, and each
-    worker is a fork of it, so a worker starts without paying the 2.5-4.5 s of CPU that importing torch costs a fresh
-    interpreter. The forkserver lives as long as this process and keeps the environment it started with, so each
-    worker is sent this process's environment at its start (``FEDGE_PLUGINS``, which ``--plugin`` sets, reaches it).
+    no inherited threads or locks. A forkserver imports this module (torch and fedge's training stack) and torch's
+    lazy imports once (:mod:`sim.executors.forkserver_preload`), and each worker is a fork of it, so a worker starts
+    without paying the seconds of CPU these imports cost a fresh interpreter. The forkserver lives as long as this
+    process and keeps the environment it started with, so each worker is sent this process's environment at its
+    start (``FEDGE_PLUGINS``, which ``--plugin`` sets, reaches it).
 
     ``timeout_s``: a round whose jobs are not all back after this many seconds stops the workers still busy and turns
     their outstanding clients into errors (None: wait as long as the workers live; a dead worker is noticed at once).
@@ -89,7 +90,7 @@ class ProcessExecutor(ExecutorBase):
         self.start_method = method
         self._ctx: Any = mp.get_context(method)  # typeshed's BaseContext lacks Process
         if method == "forkserver":  # only the first executor of a process starts the server: later calls change nothing
-            self._ctx.set_forkserver_preload([__name__])
+            self._ctx.set_forkserver_preload(["sim.executors.forkserver_preload"])
         self._assign = Assignment(workers)
         self._lost: set[ClientId] = set()
         self._batch = 0
