@@ -28,12 +28,14 @@ shows medians of the other rounds and throughput as a ratio to the plain loop's 
 server's evaluation overlapped with the next round's clients (``coordinator.engine.RoundPipeline``), alternated in
 blocks of rounds (overlap works across rounds), checking that both record the same rounds.
 
-Also measured: start-up (imports, dataset load, partition) in fresh processes, the per-client arithmetic options
+Also measured: start-up (imports, dataset load, partition) in fresh processes, the processes executor's worker
+start-up with each start method (spawn, forkserver), the per-client arithmetic options
 (channels_last, SGD ``foreach=True`` and ``fused=True``) on one client's local training, with how far each moves the
 weights from the default's, and the server's test-set evaluation, the plain loop's against fedge's ``predict_logits``.
 
 Usage: python benchmarks/executors.py [--quick] [--data-dir ../shared/data/mnist] [--setups fedntd,dsfl]
        [--paths plain,sequential,processes,ray,batched] [--rounds N] [--skip-startup] [--skip-arithmetic]
+       [--skip-worker-start]
        [--device cuda] [--overlap-blocks BLOCKS,ROUNDS]
 """
 
@@ -537,6 +539,56 @@ def bench_startup(config: RunConfig, repeats: int) -> dict[str, Any]:
     return out
 
 
+# --- worker start-up ------------------------------------------------------------------------------------------------
+
+_WORKER_START = """
+import json, sys, time
+from fedge.config import RunConfig
+from sim.executors import ClientJob, ExperimentClients
+from sim.executors.processes import ProcessExecutor
+
+if __name__ == "__main__":
+    config = RunConfig.from_dict(json.loads(CONFIG))
+    jobs = [ClientJob(c, b"", None) for c in ("c000", "c001")[:WORKERS]]  # answered at once, with a codec error
+    times = []
+    for _ in range(2):  # the first executor of a process starts its forkserver; the second finds it running
+        t0 = time.perf_counter()
+        with ProcessExecutor(ExperimentClients(config), WORKERS, start_method=METHOD) as exe:
+            exe.run(jobs)
+            times.append(time.perf_counter() - t0)
+    print(json.dumps({"first executor": times[0], "second executor": times[1]}))
+"""
+
+
+def bench_worker_start(config: RunConfig, workers: int, repeats: int) -> dict[str, Any]:
+    """Seconds from building a processes executor to its workers' first answers (one job each, an empty payload they
+    refuse at once: start-up only, no training), with each start method, in fresh driver processes (so a forkserver
+    starts cold), the methods alternated. A forkserver imports torch once, serially, where spawned workers import it
+    in parallel: its gain is CPU, and the wall time of every executor after the first in one process."""
+    methods = ("spawn", "forkserver")
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
+    for _ in range(repeats):
+        for method in methods:
+            code = (
+                _WORKER_START.replace("CONFIG", repr(json.dumps(config.to_dict())))
+                .replace("WORKERS", str(workers))
+                .replace("METHOD", repr(method))
+            )
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            runs[method].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(
+        f"\nworker start-up to first answers, {workers} workers, median of {repeats} fresh drivers "
+        f"(load average {os.getloadavg()[0]:.1f}):"
+    )
+    out: dict[str, Any] = {}
+    for method, rs in runs.items():
+        out[method] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        print(f"  {method}: " + ", ".join(f"{k} {v:.2f} s" for k, v in out[method].items()))
+    for k in out["spawn"]:
+        print(f"  {k}: forkserver takes {out['forkserver'][k] / out['spawn'][k]:.2f}x spawn's time")
+    return out
+
+
 # --- per-client arithmetic options ----------------------------------------------------------------------------------
 
 
@@ -649,6 +701,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=0, help="rounds per path, the first not counted (default 3 quick, 4)")
     p.add_argument("--skip-startup", action="store_true")
     p.add_argument("--skip-arithmetic", action="store_true")
+    p.add_argument("--skip-worker-start", action="store_true", help="skip the start methods' comparison")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--workers", default="1,2", help="worker counts for processes and ray (e.g. 1,2,4,8,16)")
     p.add_argument("--device", default="cpu", help="where fedge's clients compute: cpu or cuda (the plain loop: cpu)")
@@ -675,6 +728,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     if not args.skip_startup:
         results["startup"] = bench_startup(configs["fedntd"], repeats=3)
+    if not args.skip_worker_start:
+        results["worker_start"] = bench_worker_start(configs["fedntd"], workers=max(workers), repeats=3)
     if "ray" in paths:
         import ray
 
