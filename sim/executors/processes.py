@@ -358,7 +358,8 @@ def _send_or_exit(conn: Connection, msg: tuple[Any, ...]) -> None:
 
 
 def _exit_with_parent() -> None:
-    """Exit within a second of the parent's death, even in the middle of a long client step (no orphans)."""
+    """Exit within a second of the parent's death, even in the middle of a long client step (no orphans). A forked
+    worker's parent is the forkserver, which exits when the process that started it dies."""
     parent = os.getppid()
 
     def watch() -> None:
