@@ -87,8 +87,8 @@ def run_coordinator_cli(
     args: argparse.Namespace, config: RunConfig, on_finish: Callable[[Path], None] | None = None
 ) -> int:
     from coordinator.run import run_coordinator
-    from fedge.accounting.cost import format_bytes
     from fedge.accounting.records import RoundRecord
+    from fedge.accounting.units import format_bytes
     from fedge_io.console import round_line
     from fedge_io.rundir import run_directory
 

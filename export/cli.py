@@ -211,7 +211,7 @@ def export_jobs(args: argparse.Namespace) -> tuple[ModelSpec, list[ExportJob]]:
 
 def _export(args: argparse.Namespace) -> int:
     from export.parity import check_bytes, require
-    from fedge.accounting.cost import format_bytes
+    from fedge.accounting.units import format_bytes
     from fedge.learning.models import exchanged_state, load_exchanged_state
 
     spec, jobs = export_jobs(args)

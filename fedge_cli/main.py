@@ -449,6 +449,27 @@ def overview_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_status_command(sub: argparse._SubParsersAction) -> None:
+    from fedge_io.monitor import add_status_arguments
+
+    p = sub.add_parser(
+        "status",
+        help=COMMANDS["status"],
+        description="Show the run status the coordinator keeps on the broker, redrawn as it changes; --once prints "
+        "one snapshot. With a fleet kit, log in with its read-only monitor/ bundle.",
+    )
+    add_status_arguments(p)
+    p.set_defaults(func=_cmd_status)
+
+
+def status_parser() -> argparse.ArgumentParser:
+    """The parser of `fedge status ...` alone: an operator's watch command starts without torch (seconds on a
+    laptop, more on a small board), since the monitor reads metadata-only messages."""
+    parser, sub = _top_parser()
+    _add_status_command(sub)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fedge_io.console import add_skipped_rounds_flag
     from fedge_io.tensorboard import add_tensorboard_flag
@@ -664,16 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plugin_flag(p)
     p.set_defaults(func=_cmd_provision)
 
-    from fedge_io.monitor import add_status_arguments
-
-    p = sub.add_parser(
-        "status",
-        help=COMMANDS["status"],
-        description="Show the run status the coordinator keeps on the broker, redrawn as it changes; --once prints "
-        "one snapshot. With a fleet kit, log in with its read-only monitor/ bundle.",
-    )
-    add_status_arguments(p)
-    p.set_defaults(func=_cmd_status)
+    _add_status_command(sub)
 
     from export.cli import add_export_arguments
 
@@ -775,11 +787,16 @@ MISSING_EXTRA = {
 }
 
 
+def _parser_for(words: Sequence[str]) -> argparse.ArgumentParser:
+    """Only as much parser as the command line needs: `fedge status` and `fedge --help` import no torch."""
+    if next((word for word in words if not word.startswith("-")), None) == "status":
+        return status_parser()
+    return build_parser() if any(word in COMMANDS for word in words) else overview_parser()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
-    names_a_command = any(word in COMMANDS for word in words)
-    parser = build_parser() if names_a_command else overview_parser()
-    args = parser.parse_args(words)
+    args = _parser_for(words).parse_args(words)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -7,8 +7,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from fedge.accounting.cost import format_bytes
 from fedge.accounting.records import RoundRecord
+from fedge.accounting.units import format_bytes
 from fedge_io.rundir import skipped_text
 
 

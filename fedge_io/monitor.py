@@ -16,7 +16,7 @@ import sys
 import time
 from typing import TextIO
 
-from fedge.accounting.cost import format_bytes
+from fedge.accounting.units import format_bytes
 from fedge.errors import CodecError, ConfigError
 from fedge.wire.fields import printable
 from fedge.wire.protocol import BrokerAddress, Topics, check_name

@@ -33,7 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
-from fedge.accounting.cost import format_bytes
+from fedge.accounting.units import format_bytes
 from fedge.errors import CodecError, ConfigError
 from fedge.wire.fields import printable
 from fedge.wire.protocol import BrokerAddress, Topics

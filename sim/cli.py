@@ -8,8 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fedge.accounting.cost import format_bytes
 from fedge.accounting.records import RoundRecord
+from fedge.accounting.units import format_bytes
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge_io.console import round_line, skipped_rounds_status

@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from fedge.accounting.cost import format_bytes
 from fedge.accounting.records import RoundRecord
+from fedge.accounting.units import format_bytes
 from fedge.algorithms.dsfl import DSFLSettings
 from fedge.config import AlgorithmSettings, RunConfig, TrainConfig
 from fedge_io.rundir import RunResult, new_run_dir

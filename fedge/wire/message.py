@@ -13,12 +13,17 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors import deserialize
 
 from fedge.errors import CodecError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a message has tensors, not here: `fedge status` and the monitor read metadata-only run
+# status messages, and start in a fraction of a second without it (importing torch takes seconds).
 
 SCHEMA_VERSION = "1"
 MAX_PAYLOAD_BYTES = 1 << 30  # 1 GiB: larger than any model here; guards against absurd headers
@@ -93,9 +98,11 @@ def encode(message: Message) -> bytes:
     }
     metadata.update({_PARAM_PREFIX + k: v for k, v in message.params.items()})
     metadata.update({_TRANSPORT_PREFIX + k: v for k, v in message.transport.items()})
+    from safetensors.torch import save  # here, not at the top: see the imports
+
     # safetensors wants contiguous tensors that share no storage; clone only when needed.
     tensors = {k: (t if t.is_contiguous() else t.contiguous()).detach().cpu() for k, t in message.tensors.items()}
-    return st_save(tensors, metadata=metadata)
+    return save(tensors, metadata=metadata)
 
 
 def read_header(data: bytes) -> dict[str, object]:
@@ -131,11 +138,19 @@ def decode(data: bytes, *, check_finite: bool = True) -> Message:
         rnd = int(meta["round"])
     except ValueError as exc:
         raise CodecError(f"round {meta['round']!r} is not an integer") from exc
+    tensors: dict[str, torch.Tensor] = {}
     try:
-        tensors = st_load(bytes(data))
+        if any(k != "__metadata__" for k in header):
+            from safetensors.torch import load  # here, not at the top: see the imports
+
+            tensors = load(bytes(data))
+        else:
+            deserialize(bytes(data))  # no tensors: safetensors' checks of the layout all the same, without torch
     except Exception as exc:  # safetensors raises its own SafetensorError for any malformed body
         raise CodecError(f"tensor data is malformed: {exc}") from exc
-    if check_finite:
+    if check_finite and tensors:
+        import torch  # here, not at the top: see the imports
+
         for name, t in tensors.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise CodecError(f"tensor {name!r} holds non-finite values")

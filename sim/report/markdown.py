@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedge.accounting.cost import format_bytes
 from fedge.accounting.ledger import ACCOUNTING_MODELS
 from fedge.accounting.markdown import markdown_table
 from fedge.accounting.records import RoundRecord
+from fedge.accounting.units import format_bytes
 from fedge.config import RunConfig
 from fedge.registry import get_algorithm
 from fedge_io.rundir import COMU_THRESHOLDS

@@ -110,3 +110,30 @@ def test_on_a_terminal_the_view_is_redrawn_and_bad_messages_are_reported(mosquit
     assert "ignoring an invalid run status on fedge/tty/run-status" in text, text[-2000:]
     assert text.count("\x1b[H\x1b[2J") >= 3, text[-2000:]  # redrawn about once a second, not only on news
     assert "waiting for clients, 0 of 2 online" in text
+
+
+_STATUS_WITHOUT_TORCH = """
+import sys
+from fedge_cli.main import main
+
+code = main(sys.argv[1:])
+print("torch imported:", "torch" in sys.modules)
+sys.exit(code)
+"""
+
+
+def test_fedge_status_reads_a_run_without_importing_torch(mosquitto_url: str) -> None:  # noqa: F811
+    # Importing torch takes seconds (more on a small board); the monitor reads metadata-only messages.
+    address = BrokerAddress.parse(mosquitto_url)
+    status = run_status("light", "s", "training", round=3, rounds=5, online=("c0", "c1"), wire_bytes=1_000_000)
+    with MqttLink(address, "publisher").start(10) as link:
+        link.publish(Topics("light").run_status, encode_run_status(status), retain=True)
+        time.sleep(0.3)
+        args = ["status", "--broker", mosquitto_url, "--run", "light", "--once"]
+        done = subprocess.run(
+            [sys.executable, "-c", _STATUS_WITHOUT_TORCH, *args], capture_output=True, text=True, timeout=60
+        )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "run 'light' (session s): round 3 of 5, training" in done.stdout
+    assert "bytes so far: wire 1.0 MB" in done.stdout
+    assert done.stdout.rstrip().endswith("torch imported: False")

@@ -9,11 +9,11 @@ from fedge.accounting.cost import (
     CostRow,
     RoundCost,
     cost_table_markdown,
-    format_bytes,
     open_dataset_cost,
     paper_tables,
     round_cost,
 )
+from fedge.accounting.units import format_bytes
 from fedge.errors import ConfigError
 
 # DS-FL Tables I and II, per-round totals as printed in the paper.

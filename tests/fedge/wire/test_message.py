@@ -41,6 +41,15 @@ def test_empty_message_round_trips():
     assert back.tensors == {} and back.param("algorithm") == "fedavg"
 
 
+def test_a_metadata_only_payload_is_checked_as_strictly_without_torch():
+    # decode reads a message without tensors through safetensors' own layout checks, not torch's loader
+    blob = encode(Message(TASK, 1, client="c000", params={"algorithm": "fedavg"}))
+    with pytest.raises(CodecError, match="tensor data is malformed"):
+        decode(blob + b"extra bytes")
+    with pytest.raises(CodecError, match="exceeds the payload"):
+        decode(blob[:-1])
+
+
 @pytest.mark.parametrize(
     ("blob", "reason"),
     [
