@@ -6,8 +6,8 @@ crosses a process or machine boundary is exactly what the in-process transport a
 executors, one module each:
 
 - :class:`SequentialExecutor` (``sequential``): every client in this process, one after another (the reference);
-- :class:`ProcessExecutor` (``processes``): a pool of worker processes on this machine (forked from a forkserver
-  that imported torch once, else spawned), each with its share of threads;
+- :class:`ProcessExecutor` (``processes``): a pool of worker processes on this machine (on Linux forked from a
+  forkserver that imported torch once, else spawned), each with its share of threads;
 - :class:`RayExecutor` (``ray_actors``): Ray actors on the cores and GPUs of a cluster (the optional extra
   ``fedge[ray]``);
 - :class:`BatchedExecutor` (``batched``): every client in this process, their local training stacked into one

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -53,12 +54,13 @@ class ProcessExecutor(ExecutorBase):
     """A pool of ``workers`` processes on this machine, each building its clients once from ``factory`` and running its
     jobs with ``threads_per_worker`` threads.
 
-    ``start_method``: ``forkserver`` where the platform has it (Linux, macOS), else ``spawn``. Both start workers with
-    no inherited threads or locks. A forkserver imports this module (torch and fedge's training stack) and torch's
-    lazy imports once (:mod:`sim.executors.forkserver_preload`), and each worker is a fork of it, so a worker starts
-    without paying the seconds of CPU these imports cost a fresh interpreter. The forkserver lives as long as this
-    process and keeps the environment it started with, so each worker is sent this process's environment at its
-    start (``FEDGE_PLUGINS``, which ``--plugin`` sets, reaches it).
+    ``start_method``: ``forkserver`` on Linux (Jetson boards included), else ``spawn``. Both start workers with no
+    inherited threads or locks. macOS keeps spawn, Python's default there: a fork of a process that loaded Apple's
+    system frameworks (as torch does) is not safe on macOS. A forkserver imports this module (torch and fedge's
+    training stack) and torch's lazy imports once (:mod:`sim.executors.forkserver_preload`), and each worker is a
+    fork of it, so a worker starts without paying the seconds of CPU these imports cost a fresh interpreter. The
+    forkserver lives as long as this process and keeps the environment it started with, so each worker is sent this
+    process's environment at its start (``FEDGE_PLUGINS``, which ``--plugin`` sets, reaches it).
 
     ``timeout_s``: a round whose jobs are not all back after this many seconds stops the workers still busy and turns
     their outstanding clients into errors (None: wait as long as the workers live; a dead worker is noticed at once).
@@ -310,8 +312,9 @@ class ProcessExecutor(ExecutorBase):
 
 
 def default_start_method() -> str:
-    """``forkserver`` where the platform has it, else ``spawn`` (see :class:`ProcessExecutor`)."""
-    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    """``forkserver`` on Linux, else ``spawn`` (see :class:`ProcessExecutor`)."""
+    linux = sys.platform.startswith("linux")
+    return "forkserver" if linux and "forkserver" in mp.get_all_start_methods() else "spawn"
 
 
 def _worker_main(index: int, conn: Connection, factory: ClientFactory, threads: int, environ: dict[str, str]) -> None:

@@ -400,6 +400,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.parametrize(("platform", "method"), [("linux", "forkserver"), ("darwin", "spawn"), ("win32", "spawn")])
+def test_workers_fork_from_a_forkserver_on_linux_only(platform: str, method: str, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(sys, "platform", platform)  # macOS: forking after Apple's frameworks loaded is not safe
+    assert processes.default_start_method() == method
+
+
 def test_an_unavailable_start_method_is_a_config_error():
     with pytest.raises(ConfigError, match="start method 'teleport' is not available here; choose one of"):
         processes.ProcessExecutor(ExperimentClients(CONFIGS["fedavg"]), 1, start_method="teleport")
