@@ -5,9 +5,7 @@ Importing torch costs a fresh interpreter 2.5-4.5 s of CPU, and the first optimi
 computation, so it starts no OpenMP threads that a fork could not carry.
 """
 
+import sim.executors.processes  # noqa: F401 - imported for its imports (torch and the client stack)
 from sim.executors.host import warm_up
-from sim.executors.processes import ProcessExecutor
-
-__all__ = ["ProcessExecutor"]
 
 warm_up()
