@@ -338,7 +338,7 @@ def runtime_capabilities(runtime: str, predict_only: bool) -> tuple[str, ...]:
 def _warm_up(backend: TorchBackend, x: torch.Tensor, y: torch.Tensor) -> None:
     """Two throw-away training steps on a copy of the model, before the hello.
 
-    The first training call of a process pays for kernel, optimizer and library initialization (seconds on a CPU,
+    The first training call of a process pays for kernel and library initialization (seconds on a CPU,
     more for a CUDA context on a Jetson); paying it here keeps it out of round 1's deadline and timing. The real
     model and the client's state are untouched, so results do not change.
     """

@@ -13,8 +13,6 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
-import torch
-
 from edge_client.client import EdgeClient
 from fedge.config import RunConfig
 from fedge.errors import CodecError, ConfigError
@@ -185,12 +183,6 @@ class ClientHost:
         if key is None or key != self._broadcast_key:  # decoded once per round and worker, shared by its clients
             self._broadcast, self._broadcast_key = decode(blob), key
         return self._broadcast
-
-
-def warm_up() -> None:
-    """Pay torch's one-time lazy imports now, while the coordinator sets up, not in the first round: building the
-    first optimizer imports torch.distributed (about 1 s)."""
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
 class LocalExecutor(ExecutorBase):

@@ -36,7 +36,7 @@ from sim.executors.core import (
     check_unique,
     describe,
 )
-from sim.executors.host import ClientHost, warm_up
+from sim.executors.host import ClientHost
 from sim.executors.placement import Assignment
 
 log = logging.getLogger(__name__)
@@ -57,10 +57,10 @@ class ProcessExecutor(ExecutorBase):
     ``start_method``: ``forkserver`` on Linux (Jetson boards included), else ``spawn``. Both start workers with no
     inherited threads or locks. macOS keeps spawn, Python's default there: a fork of a process that loaded Apple's
     system frameworks (as torch does) is not safe on macOS. A forkserver imports this module (torch and fedge's
-    training stack) and torch's lazy imports once (:mod:`sim.executors.forkserver_preload`), and each worker is a
-    fork of it, so a worker starts without paying the seconds of CPU these imports cost a fresh interpreter. The
-    forkserver lives as long as this process and keeps the environment it started with, so each worker is sent this
-    process's environment at its start (``FEDGE_PLUGINS``, which ``--plugin`` sets, reaches it).
+    training stack) once (:mod:`sim.executors.forkserver_preload`), and each worker is a fork of it, so a worker
+    starts without paying the seconds of CPU these imports cost a fresh interpreter. The forkserver lives as long as
+    this process and keeps the environment it started with, so each worker is sent this process's environment at its
+    start (``FEDGE_PLUGINS``, which ``--plugin`` sets, reaches it).
 
     ``timeout_s``: a round whose jobs are not all back after this many seconds stops the workers still busy and turns
     their outstanding clients into errors (None: wait as long as the workers live; a dead worker is noticed at once).
@@ -326,7 +326,6 @@ def _worker_main(index: int, conn: Connection, factory: ClientFactory, threads: 
     _exit_with_parent()
     try:
         host = ClientHost(factory())
-        warm_up()
     except Exception as exc:
         log.exception("worker %d could not build its clients", index)
         _send_or_exit(conn, ("init-error", describe(exc)))

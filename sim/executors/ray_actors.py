@@ -23,7 +23,7 @@ from sim.executors.core import (
     check_threads,
     check_unique,
 )
-from sim.executors.host import ClientHost, warm_up
+from sim.executors.host import ClientHost
 from sim.executors.placement import Assignment
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,6 @@ class _RayClientWorker:
     def __init__(self, factory: ClientFactory, threads: int) -> None:
         torch.set_num_threads(threads)
         self._host = ClientHost(factory())
-        warm_up()
 
     def ready(self) -> int:
         return os.getpid()

@@ -1,4 +1,6 @@
 import dataclasses
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -11,6 +13,7 @@ from fedge.errors import ConfigError
 from fedge.learning.models import build_model, exchanged_state
 from fedge.learning.objectives import Objective
 from fedge.learning.training import (
+    MomentumSGD,
     SGDSettings,
     TrainRequest,
     batch_order,
@@ -47,6 +50,46 @@ def test_training_lowers_the_loss_and_is_reproducible():
         assert after < before
         results.append(predict_logits(model, x))
     assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize(("momentum", "weight_decay"), [(0.0, 0.0), (0.9, 0.0), (0.9, 1e-3), (0.0, 1e-3)])
+def test_momentum_sgd_gives_torch_optim_sgd_weights_bit_for_bit(foreach, momentum, weight_decay):
+    """Both of torch's paths: per-tensor (its CPU default) and foreach (its CUDA default, run here on the CPU)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 1, 8, 8, generator=g), torch.randint(0, 3, (40,), generator=g)
+    models = [build_model("fedavg_cnn", input_shape=(1, 8, 8), num_classes=3, seed=2) for _ in range(2)]
+    params = [list(m.parameters()) for m in models]
+    params[0][-1].requires_grad_(False)  # a parameter without a gradient is left alone by both
+    ours = MomentumSGD(params[0], SGDSettings(lr=0.05, momentum=momentum, weight_decay=weight_decay))
+    ours.foreach = foreach
+    params[1][-1].requires_grad_(False)
+    theirs = torch.optim.SGD(params[1], lr=0.05, momentum=momentum, weight_decay=weight_decay, foreach=foreach)
+    for step in range(4):
+        for model, opt in ((models[0], ours), (models[1], theirs)):
+            opt.zero_grad()
+            F.cross_entropy(model(x[step * 10 : step * 10 + 10]), y[step * 10 : step * 10 + 10]).backward()
+            opt.step()
+        for a, b in zip(params[0], params[1], strict=True):
+            assert torch.equal(a, b)
+    fresh = build_model("fedavg_cnn", input_shape=(1, 8, 8), num_classes=3, seed=2)
+    assert torch.equal(params[0][-1], list(fresh.parameters())[-1])
+
+
+def test_training_does_not_import_torch_dynamo():
+    """The reason :class:`MomentumSGD` exists: torch.optim's first optimizer imports torch._dynamo and sympy."""
+    code = (
+        "import sys, torch\n"
+        "from fedge.algorithms.fedavg import CrossEntropy\n"
+        "from fedge.learning.models import build_model\n"
+        "from fedge.learning.training import SGDSettings, TrainRequest, train\n"
+        "m = build_model('fedavg_cnn', input_shape=(1, 8, 8), num_classes=2, seed=0)\n"
+        "x, y = torch.randn(8, 1, 8, 8), torch.tensor([0, 1] * 4)\n"
+        "train(m, TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1, momentum=0.9, weight_decay=1e-4), 1, 4, 0))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("name", ["fedavg_cnn", "dsfl_mnist_cnn"])
