@@ -90,7 +90,7 @@ class MomentumSGD:
         """One update of every parameter that has a gradient; the others are left alone, as torch does."""
         lr, momentum, wd = self.sgd.lr, self.sgd.momentum, self.sgd.weight_decay
         live = [i for i, p in enumerate(self.params) if p.grad is not None]
-        params = [self.params[i] for i in live]
+        params: list[torch.Tensor] = [self.params[i] for i in live]
         grads = [p.grad for p in params if p.grad is not None]
         if self.foreach:
             if wd:
