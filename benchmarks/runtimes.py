@@ -46,7 +46,7 @@ from fedge.algorithms.fedavg import CrossEntropy
 from fedge.algorithms.fedntd import NotTrueDistillation
 from fedge.config import RunConfig, TrainConfig
 from fedge.learning.models import example_input, exchanged_state
-from fedge.learning.training import SGDSettings, TrainRequest
+from fedge.learning.training import MomentumSGD, SGDSettings, TrainRequest
 from fedge.programs.spec import ModelSpec, TrainingLoss
 from sim.run import run_inprocess
 
@@ -128,12 +128,12 @@ def bench_model(spec: ModelSpec, batch: int, repeats: int, threads: int) -> dict
 
     sgd = SGDSettings(lr=0.01, momentum=0.9, weight_decay=1e-5)
     train_model = spec.build(seed=0).train()
-    opt = torch.optim.SGD(train_model.parameters(), lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay)
+    opt = MomentumSGD(list(train_model.parameters()), sgd)  # the optimizer of fedge's PyTorch client
     objective = NotTrueDistillation()
 
     def eager_step() -> None:
         loss = objective.loss(train_model(xb), y, {"teacher": teacher})
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         loss.backward()
         opt.step()
 
