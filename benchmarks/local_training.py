@@ -11,6 +11,8 @@ Usage: python benchmarks/local_training.py [--model fedavg_cnn] [--samples 600] 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import statistics
 import time
 
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 
 from edge_client.client import EdgeClient
 from fedge.algorithms import make_strategy
-from fedge.algorithms.base import ClientData
+from fedge.algorithms.base import ClientData, ServerContext
 from fedge.config import RunConfig, TrainConfig
 from fedge.learning.backend import TorchBackend
 from fedge.learning.models import build_model
@@ -69,20 +71,21 @@ def main() -> None:
         results["plain PyTorch loop"].append(samples / (time.perf_counter() - t))
         for algorithm in ("fedavg", "fedntd"):
             cfg = RunConfig(algorithm=algorithm, num_clients=1, train=train)
-            strategy = make_strategy(cfg, model_factory, classes)
+            strategy = make_strategy(cfg, ServerContext(model_factory, classes))
             client = EdgeClient("c000", ClientData(x=x, y=y, num_classes=classes), backend)
             transport = InProcessTransport([client])
             plan = strategy.configure(1, ["c000"])
             t = time.perf_counter()
-            exchange = transport.exchange(plan, lambda c, m: None)
+            exchange = transport.exchange(plan, functools.partial(strategy.accept, 1))
             elapsed = time.perf_counter() - t
-            assert exchange.replies, exchange.rejected
+            assert exchange.replies, exchange.rejections
             results[f"fedge {'FedAvg' if algorithm == 'fedavg' else 'FedNTD'} round"].append(samples / elapsed)
 
     base = statistics.median(results["plain PyTorch loop"])
     print(
         f"model {args.model}, {args.samples} samples x {args.epochs} epochs, batch {args.batch_size}, "
-        f"{torch.get_num_threads()} threads, median of {args.repeats}"
+        f"{torch.get_num_threads()} threads, median of {args.repeats}, "
+        f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())} on {os.cpu_count()} CPUs"
     )
     print(f"{'path':<22} {'samples/s':>10} {'vs plain':>9}")
     for name, values in results.items():
