@@ -77,10 +77,9 @@ def main() -> None:
         rounds=args.rounds,
         partition="iid",
         eval_samples=1000,
+        private_size=args.private_size,
         train=TrainConfig(lr=0.01, local_epochs=args.local_epochs, batch_size=50),
     )
-    if args.private_size:
-        base = dataclasses.replace(base, algo=dataclasses.replace(base.algo, private_size=args.private_size))
     exp = prepare(base)
     results: dict[str, Any] = {"clients": args.clients, "rounds": args.rounds, "model": "dsfl_mnist_cnn"}
     with tempfile.TemporaryDirectory() as tmp, mosquitto_broker() as url:
