@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 OBJECTIVES = ("ce", "fd", "lsd", "ntd", "soft")
@@ -38,8 +39,10 @@ MODELS = (
 PROX_MU = "0.01"  # FedProx's programs carry the proximal term (one value stands for the term being present)
 
 
-def commands(trained: dict[str, Path], only: set[str]) -> list[tuple[str, list[str]]]:
-    """(name, fedge export arguments) for every case of the sweep."""
+def commands(
+    trained: dict[str, Path], only: set[str], weights_kinds: Collection[str] = ("fresh", "trained")
+) -> list[tuple[str, list[str]]]:
+    """(name, fedge export arguments) for every case of the sweep (of the weights kinds asked for)."""
     out = []
     for model, shape in MODELS:
         if only and model not in only:
@@ -48,6 +51,8 @@ def commands(trained: dict[str, Path], only: set[str]) -> list[tuple[str, list[s
         if model in trained and shape == "1,28,28":
             weights.append(("trained", ["--weights", str(trained[model])]))
         for label, flags in weights:
+            if label not in weights_kinds:
+                continue
             for prox in ("", PROX_MU):
                 name = f"{model}-{shape.replace(',', 'x') or 'default'}-{label}" + (f"-prox{prox}" if prox else "")
                 args = ["--model", model, *(["--input-shape", shape] if shape else []), *flags]
@@ -73,10 +78,17 @@ def main() -> None:
         help="a trained global model for MODEL (e.g. fedavg_cnn=runs/x/global_model.safetensors); repeatable",
     )
     p.add_argument("--only", nargs="*", default=[], help="models to sweep (default: all)")
+    p.add_argument(
+        "--weights",
+        nargs="+",
+        choices=("fresh", "trained"),
+        default=["fresh", "trained"],
+        help="which weights to export from: fresh seed-0 weights, the --trained models, or both (default)",
+    )
     p.add_argument("--list", action="store_true", help="print the commands and stop")
     args = p.parse_args()
     trained = {k: Path(v) for k, v in (t.split("=", 1) for t in args.trained)}
-    todo = commands(trained, set(args.only))
+    todo = commands(trained, set(args.only), set(args.weights))
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.jsonl"
     done = set()
