@@ -66,7 +66,7 @@ class SGDSettings:
 class MomentumSGD:
     """``torch.optim.SGD``'s update (dampening 0, no Nesterov, minimizing), written out with the tensor operations torch
     uses, in the same order, so that the weights are bitwise those of ``torch.optim.SGD``: on the CPU its per-tensor
-    path, on CUDA its ``foreach`` path (torch's default on each). ``tests/fedge/test_training.py`` checks both.
+    path, on CUDA its ``foreach`` path (torch's default on each). ``tests/fedge/learning/test_training.py`` checks both.
 
     Why not ``torch.optim.SGD`` itself: the first one a process builds imports ``torch._dynamo`` and sympy (its
     ``add_param_group`` is wrapped in ``torch._disable_dynamo``, with no switch), which on this project's CPU machine
