@@ -89,41 +89,38 @@ class MomentumSGD:
     def step(self) -> None:
         """One update of every parameter that has a gradient; the others are left alone, as torch does."""
         lr, momentum, wd = self.sgd.lr, self.sgd.momentum, self.sgd.weight_decay
-        live = [i for i, p in enumerate(self.params) if p.grad is not None]
-        params: list[torch.Tensor] = [self.params[i] for i in live]
-        grads = [p.grad for p in params if p.grad is not None]
-        if self.foreach:
-            if wd:
-                grads = list(torch._foreach_add(grads, params, alpha=wd))
-            if momentum:
-                grads = self._momentum(live, grads, momentum)
-            torch._foreach_add_(params, grads, alpha=-lr)
+        live = [(i, g) for i, p in enumerate(self.params) if (g := p.grad) is not None]
+        if not self.foreach:
+            for i, g in live:
+                p = self.params[i]
+                if wd:
+                    g = g.add(p, alpha=wd)
+                p.add_(self._buffer(i, g) if momentum else g, alpha=-lr)
             return
-        for i, p, g in zip(live, params, grads, strict=True):
-            if wd:
-                g = g.add(p, alpha=wd)
-            if momentum:
-                g = self._momentum([i], [g], momentum)[0]
-            p.add_(g, alpha=-lr)
-
-    def _momentum(self, live: list[int], grads: list[torch.Tensor], momentum: float) -> list[torch.Tensor]:
-        """The momentum buffers of ``live`` after this step's ``grads``: a copy of the gradient on the first step,
-        else ``buf * momentum + grad`` in place (``1 - dampening`` is 1)."""
-        bufs = [self.buffers[i] for i in live]
-        if all(b is not None for b in bufs) and self.foreach:
+        params: list[torch.Tensor] = [self.params[i] for i, _ in live]
+        grads = [g for _, g in live]
+        if wd:
+            grads = list(torch._foreach_add(grads, params, alpha=wd))
+        if momentum:
+            bufs = [self.buffers[i] for i, _ in live]
             ready = [b for b in bufs if b is not None]
-            torch._foreach_mul_(ready, momentum)
-            torch._foreach_add_(ready, grads, alpha=1)
-            return ready
-        out = []
-        for i, g in zip(live, grads, strict=True):
-            buf = self.buffers[i]
-            if buf is None:
-                buf = self.buffers[i] = g.detach().clone()
-            else:
-                buf.mul_(momentum).add_(g, alpha=1)
-            out.append(buf)
-        return out
+            if len(ready) == len(bufs):
+                torch._foreach_mul_(ready, momentum)
+                torch._foreach_add_(ready, grads, alpha=1)
+                grads = ready
+            else:  # torch's foreach path, too, goes one tensor at a time while a buffer is missing
+                grads = [self._buffer(i, g) for (i, _), g in zip(live, grads, strict=True)]
+        torch._foreach_add_(params, grads, alpha=-lr)
+
+    def _buffer(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """Parameter ``i``'s momentum buffer after this step's ``grad``: a copy of it on the first step, else
+        ``buf * momentum + grad`` in place (torch's ``1 - dampening`` is 1)."""
+        buf = self.buffers[i]
+        if buf is None:
+            buf = self.buffers[i] = grad.detach().clone()
+        else:
+            buf.mul_(self.sgd.momentum).add_(grad, alpha=1)
+        return buf
 
 
 @dataclass(frozen=True)
