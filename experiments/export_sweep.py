@@ -88,6 +88,8 @@ def main() -> None:
     p.add_argument("--list", action="store_true", help="print the commands and stop")
     args = p.parse_args()
     trained = {k: Path(v) for k, v in (t.split("=", 1) for t in args.trained)}
+    if args.weights == ["trained"] and not trained:
+        p.error("--weights trained needs at least one --trained MODEL=WEIGHTS")
     todo = commands(trained, set(args.only), set(args.weights))
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.jsonl"

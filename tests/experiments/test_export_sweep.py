@@ -48,3 +48,14 @@ def test_list_prints_the_trained_commands_alone():
         check=True,
     ).stdout.splitlines()
     assert len(out) == 2 and all("--weights w.safetensors" in line and "-trained" in line for line in out), out
+
+
+def test_trained_weights_without_a_trained_model_is_an_error_not_an_empty_sweep():
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--list", "--weights", "trained"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and "needs at least one --trained" in done.stderr, done.stderr
