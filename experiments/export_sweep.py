@@ -7,6 +7,9 @@ soft) at both batch bounds (64: local training at batch <= 64; 128: DS-FL's dist
 Results go to OUT/results.jsonl, one line per command (exit status, wall time, the gate's figures from its output),
 and the log of each command beside it. Resumable: a command already recorded with exit 0 is skipped, so the sweep can
 be spread over several sittings; it is CPU-bound (one to three minutes per program on one core), so run it niced.
+imdb_lstm's programs take about 25 minutes each (its LSTM is unrolled over 200 time steps, about 80 ops a step in the
+two methods of a program, and torch.export's and ExecuTorch's passes trace every op with a symbolic batch size), so
+its losses get one command each: a stopped sweep keeps every loss already done.
 
 Run: ``nice -n 19 .venv/bin/python experiments/export_sweep.py --out runs/export-sweep [--trained W.safetensors]``
 (``--only fedavg_cnn`` to restrict models; ``--list`` prints the commands without running them).
@@ -36,6 +39,9 @@ MODELS = (
     ("reuters_mlp", ""),
     ("imdb_lstm", ""),
 )
+# Models whose programs are slow to export: one command per loss (and one for the inference files), so that each
+# finished command is recorded and a resumed sweep skips it.
+ONE_LOSS_PER_COMMAND = frozenset({"imdb_lstm"})
 PROX_MU = "0.01"  # FedProx's programs carry the proximal term (one value stands for the term being present)
 
 
@@ -43,7 +49,7 @@ def commands(
     trained: dict[str, Path], only: set[str], weights_kinds: Collection[str] = ("fresh", "trained")
 ) -> list[tuple[str, list[str]]]:
     """(name, fedge export arguments) for every case of the sweep (of the weights kinds asked for)."""
-    out = []
+    out: list[tuple[str, list[str]]] = []
     for model, shape in MODELS:
         if only and model not in only:
             continue
@@ -57,11 +63,15 @@ def commands(
                 name = f"{model}-{shape.replace(',', 'x') or 'default'}-{label}" + (f"-prox{prox}" if prox else "")
                 args = ["--model", model, *(["--input-shape", shape] if shape else []), *flags]
                 if prox:  # FedProx trains with ce only
-                    args += ["--format", "pte-train", "--objective", "ce", "--prox-mu", prox]
+                    out.append((name, [*args, "--format", "pte-train", "--objective", "ce", "--prox-mu", prox]))
+                elif model in ONE_LOSS_PER_COMMAND:
+                    out.append((name, [*args, "--format", "onnx", "pte"]))
+                    out.extend(
+                        (f"{name}-{kind}", [*args, "--format", "pte-train", "--objective", kind]) for kind in OBJECTIVES
+                    )
                 else:
-                    args += ["--format", "onnx", "pte", "pte-train", "--objective", *OBJECTIVES]
-                out.append((name, [*args, "--max-batch", *BOUNDS]))
-    return out
+                    out.append((name, [*args, "--format", "onnx", "pte", "pte-train", "--objective", *OBJECTIVES]))
+    return [(name, [*args, "--max-batch", *BOUNDS]) for name, args in out]
 
 
 GATE = re.compile(r"(step|drift|logits)[^\n]*?(\d\.\d+e[-+]\d+)")

@@ -59,3 +59,21 @@ def test_trained_weights_without_a_trained_model_is_an_error_not_an_empty_sweep(
         check=False,
     )
     assert done.returncode == 2 and "needs at least one --trained" in done.stderr, done.stderr
+
+
+def test_a_slow_model_gets_one_command_per_loss_so_a_stopped_sweep_keeps_each_one():
+    cmds = dict(sweep.commands({}, {"imdb_lstm"}))
+    assert list(cmds) == [
+        "imdb_lstm-default-fresh",
+        *(f"imdb_lstm-default-fresh-{kind}" for kind in sweep.OBJECTIVES),
+        "imdb_lstm-default-fresh-prox0.01",
+    ]
+    for kind in sweep.OBJECTIVES:
+        args = cmds[f"imdb_lstm-default-fresh-{kind}"]
+        assert args[args.index("--objective") + 1 :] == [kind, "--max-batch", *sweep.BOUNDS]
+        assert args[args.index("--format") + 1] == "pte-train"
+    inference = cmds["imdb_lstm-default-fresh"]
+    assert inference[inference.index("--format") + 1 : inference.index("--max-batch")] == ["onnx", "pte"]
+    # Other models keep one command for every loss.
+    (_fresh, args), _prox = sweep.commands({}, {"dsfl_mnist_cnn"})
+    assert args[args.index("--objective") + 1 : args.index("--max-batch")] == list(sweep.OBJECTIVES)
