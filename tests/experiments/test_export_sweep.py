@@ -17,16 +17,17 @@ spec.loader.exec_module(sweep)
 def test_a_trained_model_adds_its_commands_and_weights_selects_fresh_or_trained():
     trained = {"dsfl_mnist_cnn": Path("w.safetensors")}
     both = [name for name, _ in sweep.commands(trained, {"dsfl_mnist_cnn"})]
-    assert both == [
+    per_weights = len(sweep.OBJECTIVES) + 2  # inference files, one command per loss, FedProx
+    assert [both[0], both[per_weights - 1], both[per_weights]] == [
         "dsfl_mnist_cnn-1x28x28-fresh",
         "dsfl_mnist_cnn-1x28x28-fresh-prox0.01",
         "dsfl_mnist_cnn-1x28x28-trained",
-        "dsfl_mnist_cnn-1x28x28-trained-prox0.01",
     ]
+    assert len(both) == 2 * per_weights
     only_trained = sweep.commands(trained, {"dsfl_mnist_cnn"}, {"trained"})
-    assert [name for name, _ in only_trained] == both[2:]
+    assert [name for name, _ in only_trained] == both[per_weights:]
     assert all(args[args.index("--weights") + 1] == "w.safetensors" for _, args in only_trained)
-    assert [name for name, _ in sweep.commands(trained, {"dsfl_mnist_cnn"}, {"fresh"})] == both[:2]
+    assert [name for name, _ in sweep.commands(trained, {"dsfl_mnist_cnn"}, {"fresh"})] == both[:per_weights]
 
 
 def test_list_prints_the_trained_commands_alone():
@@ -47,7 +48,8 @@ def test_list_prints_the_trained_commands_alone():
         timeout=60,
         check=True,
     ).stdout.splitlines()
-    assert len(out) == 2 and all("--weights w.safetensors" in line and "-trained" in line for line in out), out
+    assert len(out) == len(sweep.OBJECTIVES) + 2, out
+    assert all("--weights w.safetensors" in line and "-trained" in line for line in out), out
 
 
 def test_trained_weights_without_a_trained_model_is_an_error_not_an_empty_sweep():
@@ -61,7 +63,7 @@ def test_trained_weights_without_a_trained_model_is_an_error_not_an_empty_sweep(
     assert done.returncode == 2 and "needs at least one --trained" in done.stderr, done.stderr
 
 
-def test_a_slow_model_gets_one_command_per_loss_so_a_stopped_sweep_keeps_each_one():
+def test_each_loss_is_its_own_command_so_a_stopped_sweep_keeps_each_finished_one():
     cmds = dict(sweep.commands({}, {"imdb_lstm"}))
     assert list(cmds) == [
         "imdb_lstm-default-fresh",
@@ -74,6 +76,5 @@ def test_a_slow_model_gets_one_command_per_loss_so_a_stopped_sweep_keeps_each_on
         assert args[args.index("--format") + 1] == "pte-train"
     inference = cmds["imdb_lstm-default-fresh"]
     assert inference[inference.index("--format") + 1 : inference.index("--max-batch")] == ["onnx", "pte"]
-    # Other models keep one command for every loss.
-    (_fresh, args), _prox = sweep.commands({}, {"dsfl_mnist_cnn"})
-    assert args[args.index("--objective") + 1 : args.index("--max-batch")] == list(sweep.OBJECTIVES)
+    prox = cmds["imdb_lstm-default-fresh-prox0.01"]
+    assert prox[prox.index("--objective") + 1 :] == ["ce", "--prox-mu", sweep.PROX_MU, "--max-batch", *sweep.BOUNDS]
