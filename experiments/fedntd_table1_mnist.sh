@@ -7,6 +7,9 @@
 #   e.g. bash experiments/fedntd_table1_mnist.sh 200 runs/fedntd-table1 "shards dirichlet" "fedavg fedntd"
 # The paper's data pipeline (appendix B.2-B.3: 50,000 training images; random crop, flip and Cutout, fedge.data.augment):
 #   AUGMENT=paper TRAIN_SIZE=50000 bash experiments/fedntd_table1_mnist.sh 200 runs/fedntd-table1-augmented
+# Another seed (partition, initial model, client sampling, batch order and augmentation all follow it; the run's name
+# gets a -seedN suffix so seed 0's runs are not resumed by mistake):
+#   SEED=1 AUGMENT=paper TRAIN_SIZE=50000 bash experiments/fedntd_table1_mnist.sh 200 runs/fedntd-table1-augmented shards fedavg
 # Algorithms beyond the default four: fednova, feddyn (alpha 0.1, the authors' setting), fedadam, fedcurv (lambda 1,
 # 500 Fisher samples: the authors' config/fedcurv.json, fedge's defaults), moon (mu 1, tau 0.5: FedNTD Table 5, fedge's
 # defaults).
@@ -20,9 +23,11 @@ FEDGE=${FEDGE:-fedge}
 EXECUTOR=${EXECUTOR:-auto}   # sequential when two runs share the machine
 AUGMENT=${AUGMENT:-none}     # none (the first runs) | paper
 TRAIN_SIZE=${TRAIN_SIZE:-0}  # 0: all 60,000 training images
+SEED=${SEED:-0}
 for partition in $PARTITIONS; do
   for algorithm in $ALGORITHMS; do
     name="$partition-$algorithm"
+    [[ $SEED != 0 ]] && name+="-seed$SEED"
     extra=()
     [[ $algorithm == fedprox ]] && extra+=(--prox-mu 0.1)        # FedNTD Table 5
     [[ $algorithm == feddyn ]] && extra+=(--dyn-alpha 0.1)       # the FedNTD authors' config/feddyn.json
@@ -35,7 +40,7 @@ for partition in $PARTITIONS; do
       "$FEDGE" sim --algorithm "$algorithm" --name "$name" --dataset mnist --data-dir "$DATA" --model fedavg_cnn \
         --num-clients 100 --client-fraction 0.1 --partition "$partition" --shards-per-client 2 \
         --dirichlet-alpha 0.1 --local-epochs 3 --batch-size 50 --lr 0.01 --momentum 0.9 --rounds "$ROUNDS" \
-        --seed 0 --eval-every 5 --augment "$AUGMENT" --train-size "$TRAIN_SIZE" --executor "$EXECUTOR" --out "$OUT" \
+        --seed "$SEED" --eval-every 5 --augment "$AUGMENT" --train-size "$TRAIN_SIZE" --executor "$EXECUTOR" --out "$OUT" \
         "${extra[@]}"
     fi
   done
