@@ -49,7 +49,11 @@ TRAIN_SGD = SGDSettings(lr=0.02, momentum=0.9, weight_decay=5e-4)
 # - Stepwise: before each of DRIFT_STEPS steps, the program and eager float64 start from the same weights (float64's
 #   trajectory rounded to float32) and take one step; the program's update of every element must match float64's
 #   within STEP_TOLERANCE of the step's largest update of any tensor, plus one float32 rounding of the result.
-#   Correct programs measure <= 2.1e-7 (up to ~4.8e-6 on dsfl_fmnist_cnn's first layer) unless a tie breaks: a ReLU
+#   Correct programs measure <= 2.1e-7 (up to 5e-6 on dsfl_fmnist_cnn's first layer, 39,200 products an element,
+#   where eager float32 itself measures as much: from fresh seed 4, eager contiguous 4.96e-6 at step 1, the ce
+#   program's worst 4.97e-6; with the bound set to 2e-6 that program still passes, at 7.95e-7 after the allowance
+#   below, whose spread is float32's own rounding, so a raw figure near the bound is no near-refusal: the allowance
+#   takes over above it; tests/export/test_parity_ties.py) unless a tie breaks: a ReLU
 #   whose input float32 cannot tell from zero, or a max-pool window whose two largest inputs it cannot tell apart,
 #   decided the other way than float64. The forward pass is the same either way, the gradient is routed differently,
 #   and the update moves by one row, one channel or one sample's whole gradient (fedavg_cnn's ce program from fresh
