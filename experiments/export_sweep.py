@@ -14,7 +14,8 @@ about 80 ops a step in the two methods of a program, and torch.export's and Exec
 symbolic batch size).
 
 Run: ``nice -n 19 .venv/bin/python experiments/export_sweep.py --out runs/export-sweep [--trained W.safetensors]``
-(``--only fedavg_cnn`` to restrict models; ``--list`` prints the commands without running them).
+(``--only fedavg_cnn`` to restrict models; ``--list`` prints the commands without running them; ``--shard 1/2`` and
+``--shard 2/2`` in two processes split the commands between two cores, each process on one thread).
 """
 
 from __future__ import annotations
@@ -71,6 +72,16 @@ def commands(
     return [(name, [*args, "--max-batch", *BOUNDS]) for name, args in out]
 
 
+def shard(todo: list[tuple[str, list[str]]], spec: str) -> list[tuple[str, list[str]]]:
+    """The K-th of N interleaved parts of the command list ("K/N"): by position in the whole list, so the parts never
+    overlap however many commands each part has finished, and a model's losses spread over the parts."""
+    match = re.fullmatch(r"(\d+)/(\d+)", spec)
+    k, n = (int(match[1]), int(match[2])) if match else (0, 0)
+    if not 1 <= k <= n:
+        raise ValueError(f"--shard {spec}: want K/N with 1 <= K <= N, e.g. 1/2")
+    return todo[k - 1 :: n]
+
+
 GATE = re.compile(r"(step|drift|logits)[^\n]*?(\d\.\d+e[-+]\d+)")
 
 
@@ -92,12 +103,21 @@ def main() -> None:
         default=["fresh", "trained"],
         help="which weights to export from: fresh seed-0 weights, the --trained models, or both (default)",
     )
+    p.add_argument(
+        "--shard",
+        default="1/1",
+        metavar="K/N",
+        help="run only the K-th of N interleaved parts of the commands, for N sweeps side by side (default 1/1)",
+    )
     p.add_argument("--list", action="store_true", help="print the commands and stop")
     args = p.parse_args()
     trained = {k: Path(v) for k, v in (t.split("=", 1) for t in args.trained)}
     if args.weights == ["trained"] and not trained:
         p.error("--weights trained needs at least one --trained MODEL=WEIGHTS")
-    todo = commands(trained, set(args.only), set(args.weights))
+    try:
+        todo = shard(commands(trained, set(args.only), set(args.weights)), args.shard)
+    except ValueError as err:
+        p.error(str(err))
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.jsonl"
     done = set()

@@ -78,3 +78,14 @@ def test_each_loss_is_its_own_command_so_a_stopped_sweep_keeps_each_finished_one
     assert inference[inference.index("--format") + 1 : inference.index("--max-batch")] == ["onnx", "pte"]
     prox = cmds["imdb_lstm-default-fresh-prox0.01"]
     assert prox[prox.index("--objective") + 1 :] == ["ce", "--prox-mu", sweep.PROX_MU, "--max-batch", *sweep.BOUNDS]
+
+
+def test_shards_split_the_commands_without_overlap_and_a_bad_shard_is_an_error():
+    whole = sweep.commands({}, {"imdb_lstm"})
+    parts = [sweep.shard(whole, f"{k}/2") for k in (1, 2)]
+    assert sorted(name for part in parts for name, _ in part) == sorted(name for name, _ in whole)
+    assert [name for name, _ in parts[1]] == [f"imdb_lstm-default-fresh-{kind}" for kind in ("ce", "lsd", "soft")]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--list", "--shard", "3/2"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "want K/N" in done.stderr, done.stderr
