@@ -13,7 +13,7 @@ core (dsfl_fmnist_cnn), and imdb_lstm's programs about 25 minutes each (its LSTM
 about 80 ops a step in the two methods of a program, and torch.export's and ExecuTorch's passes trace every op with a
 symbolic batch size).
 
-Run: ``nice -n 19 .venv/bin/python experiments/export_sweep.py --out runs/export-sweep [--trained W.safetensors]``
+Run: ``nice -n 19 .venv/bin/python experiments/export_sweep.py --out runs/export-sweep [--trained MODEL=W.safetensors]``
 (``--only fedavg_cnn`` to restrict models; ``--list`` prints the commands without running them; ``--shard 1/2`` and
 ``--shard 2/2`` in two processes split the commands between two cores, each process on one thread).
 """
@@ -46,7 +46,7 @@ PROX_MU = "0.01"  # FedProx's programs carry the proximal term (one value stands
 
 
 def commands(
-    trained: dict[str, Path], only: set[str], weights_kinds: Collection[str] = ("fresh", "trained")
+    trained: dict[tuple[str, str], Path], only: set[str], weights_kinds: Collection[str] = ("fresh", "trained")
 ) -> list[tuple[str, list[str]]]:
     """(name, fedge export arguments) for every case of the sweep (of the weights kinds asked for)."""
     out: list[tuple[str, list[str]]] = []
@@ -54,8 +54,8 @@ def commands(
         if only and model not in only:
             continue
         weights: list[tuple[str, list[str]]] = [("fresh", ["--seed", "0"])]
-        if model in trained and shape == "1,28,28":
-            weights.append(("trained", ["--weights", str(trained[model])]))
+        if (model, shape) in trained:
+            weights.append(("trained", ["--weights", str(trained[model, shape])]))
         for label, flags in weights:
             if label not in weights_kinds:
                 continue
@@ -70,6 +70,23 @@ def commands(
                         (f"{name}-{kind}", [*args, "--format", "pte-train", "--objective", kind]) for kind in OBJECTIVES
                     )
     return [(name, [*args, "--max-batch", *BOUNDS]) for name, args in out]
+
+
+def parse_trained(item: str) -> tuple[tuple[str, str], Path]:
+    """``MODEL[@SHAPE]=WEIGHTS`` -> ((model, shape as in MODELS), weights); a shape that MODELS lacks is an error."""
+    key, sep, path = item.partition("=")
+    model, _, shape = key.partition("@")
+    shapes = [s for m, s in MODELS if m == model]
+    if not sep or not path or not shapes:
+        raise ValueError(
+            f"--trained {item}: want MODEL[@SHAPE]=WEIGHTS with MODEL one of {sorted({m for m, _ in MODELS})}"
+        )
+    if not shape:
+        shape = "1,28,28" if "1,28,28" in shapes else shapes[0]
+    shape = shape.replace("x", ",")
+    if shape not in shapes:
+        raise ValueError(f"--trained {item}: {model} is swept at {' or '.join(s.replace(',', 'x') for s in shapes)}")
+    return (model, shape), Path(path)
 
 
 def shard(todo: list[tuple[str, list[str]]], spec: str) -> list[tuple[str, list[str]]]:
@@ -92,8 +109,11 @@ def main() -> None:
         "--trained",
         action="append",
         default=[],
-        metavar="MODEL=WEIGHTS",
-        help="a trained global model for MODEL (e.g. fedavg_cnn=runs/x/global_model.safetensors); repeatable",
+        metavar="MODEL[@SHAPE]=WEIGHTS",
+        help=(
+            "a trained global model for MODEL at input SHAPE (e.g. fedavg_cnn=runs/x/global_model.safetensors, "
+            "fedavg_cnn@1x8x8=...; without @SHAPE, 1x28x28 or the model's only shape); repeatable"
+        ),
     )
     p.add_argument("--only", nargs="*", default=[], help="models to sweep (default: all)")
     p.add_argument(
@@ -111,7 +131,10 @@ def main() -> None:
     )
     p.add_argument("--list", action="store_true", help="print the commands and stop")
     args = p.parse_args()
-    trained = {k: Path(v) for k, v in (t.split("=", 1) for t in args.trained)}
+    try:
+        trained = dict(map(parse_trained, args.trained))
+    except ValueError as err:
+        p.error(str(err))
     if args.weights == ["trained"] and not trained:
         p.error("--weights trained needs at least one --trained MODEL=WEIGHTS")
     try:

@@ -15,7 +15,7 @@ spec.loader.exec_module(sweep)
 
 
 def test_a_trained_model_adds_its_commands_and_weights_selects_fresh_or_trained():
-    trained = {"dsfl_mnist_cnn": Path("w.safetensors")}
+    trained = {("dsfl_mnist_cnn", "1,28,28"): Path("w.safetensors")}
     both = [name for name, _ in sweep.commands(trained, {"dsfl_mnist_cnn"})]
     per_weights = len(sweep.OBJECTIVES) + 2  # inference files, one command per loss, FedProx
     assert [both[0], both[per_weights - 1], both[per_weights]] == [
@@ -89,3 +89,20 @@ def test_shards_split_the_commands_without_overlap_and_a_bad_shard_is_an_error()
         [sys.executable, str(SCRIPT), "--list", "--shard", "3/2"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2 and "want K/N" in done.stderr, done.stderr
+
+
+def test_a_trained_model_is_swept_at_its_shape_and_a_shape_not_swept_is_an_error():
+    assert sweep.parse_trained("fedavg_cnn=a.safetensors") == (("fedavg_cnn", "1,28,28"), Path("a.safetensors"))
+    assert sweep.parse_trained("tiny_mlp=b.safetensors") == (("tiny_mlp", "1,8,8"), Path("b.safetensors"))
+    digits = dict([sweep.parse_trained("fedavg_cnn@1x8x8=c.safetensors")])
+    names = [name for name, _ in sweep.commands(digits, {"fedavg_cnn"}, {"trained"})]
+    assert names[0] == "fedavg_cnn-1x8x8-trained" and all("1x28x28" not in n for n in names), names
+    for bad, says in (
+        ("fedavg_cnn@1x16x16=w", "swept at 1x28x28 or 1x8x8"),
+        ("nope=w", "want MODEL"),
+        ("tiny_mlp", "want"),
+    ):
+        done = subprocess.run(
+            [sys.executable, str(SCRIPT), "--list", "--trained", bad], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 2 and says in done.stderr, done.stderr
