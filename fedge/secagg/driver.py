@@ -1,0 +1,188 @@
+"""A whole SecAgg+ round in one process: every client and the server exchange the real messages, each packed into
+safetensors bytes and parsed back, so the simulator runs the same protocol and codec as a deployment does and counts
+the same bytes. Clients may vanish at any stage, as they do on a real network.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from fedge.secagg.config import RoundConfig
+from fedge.secagg.encoding import RingPlan, RingVector
+from fedge.secagg.errors import SecAggConfigError
+from fedge.secagg.messages import SecAggMessage, pack, unpack
+from fedge.secagg.protocol import STAGES, SecAggClient, SecAggServer, Stage
+from fedge.secagg.shamir import RandBytes
+
+if TYPE_CHECKING:
+    from fedge.types import ClientId  # annotations only: fedge.types imports torch
+
+_M = TypeVar("_M", bound=SecAggMessage)
+
+
+@dataclass(frozen=True, eq=False)
+class RoundResult:
+    """The outcome of :func:`run_round`: the unmasked sum, who is in it, and what the protocol cost."""
+
+    sum_ring: RingVector  # (dim,) uint32: sum over ``survivors`` of their encoded vectors, mod 2^ring_bits
+    decoded_sum: npt.NDArray[np.float64]  # (dim,) the same sum as real numbers
+    survivors: tuple[ClientId, ...]  # U3: whose vectors are in the sum; average by their weights
+    dropped: tuple[ClientId, ...]  # the rest of the cohort
+    config: RoundConfig
+    bytes_per_stage_up: dict[Stage, int] = field(default_factory=dict)  # packed bytes clients sent, per stage
+    bytes_per_stage_down: dict[Stage, int] = field(default_factory=dict)  # packed bytes the server sent (one copy
+    # per recipient), per stage it opens; the round's config travels with the task and is not counted here
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: "<stage>.clients", "<stage>.server", "codec"
+
+    @property
+    def plan(self) -> RingPlan:
+        """How values were mapped to the ring."""
+        return self.config.plan
+
+
+def run_round(
+    vectors: Mapping[ClientId, npt.ArrayLike],
+    *,
+    bound: float,
+    round_seed: bytes,
+    run: str,
+    session: str,
+    round: int,
+    ring_bits: int = 32,
+    drop_at: Mapping[ClientId, Stage] | None = None,
+    degree: int | None = None,
+    threshold: int | None = None,
+    min_survivors: int | None = None,
+    rng: np.random.Generator | None = None,
+    rand_bytes: RandBytes = os.urandom,
+) -> RoundResult:
+    """Securely sum ``vectors`` (one flat vector per client of the cohort, all of one length) over one SecAgg+ round.
+
+    ``drop_at[c]`` names the stage at which client c vanishes: it sends nothing from that stage on ("advertise":
+    never shows up; "share": advertised keys only; "upload": shared keys, never uploads; "unmask": uploaded, never
+    answers the unmask request). ``rng`` draws each client's stochastic rounding (one child generator per client, in
+    id order); ``rand_bytes`` draws keys, seeds and nonces (os.urandom unless a test needs determinism). Raises
+    :class:`fedge.secagg.errors.RoundAbandoned` when too many clients vanish.
+    """
+    drops = dict(drop_at or {})
+    ids = sorted(vectors)
+    unknown = set(drops) - set(ids)
+    if unknown or any(s not in STAGES for s in drops.values()):
+        raise SecAggConfigError(f"drop_at names clients outside the cohort or unknown stages: {sorted(unknown)[:5]}")
+    if not ids:
+        raise SecAggConfigError("no vectors to aggregate")
+    first = np.shape(vectors[ids[0]])  # every client's length is checked when it encodes
+    if len(first) != 1:
+        raise SecAggConfigError(f"secure aggregation sums flat vectors, got shape {first}")
+    dim = int(first[0])
+    config = RoundConfig.new(
+        run=run,
+        session=session,
+        round=round,
+        clients=ids,
+        round_seed=round_seed,
+        dim=dim,
+        bound=bound,
+        ring_bits=ring_bits,
+        degree=degree,
+        threshold=threshold,
+        min_survivors=min_survivors,
+    )
+    seeds = (rng if rng is not None else np.random.default_rng(int.from_bytes(os.urandom(32), "big"))).integers(
+        0, 2**63, size=len(ids)
+    )
+    rounding = {c: np.random.default_rng(int(s)) for c, s in zip(ids, seeds, strict=True)}
+    clients = {c: SecAggClient(config, c, rand_bytes=rand_bytes) for c in ids}
+    server = SecAggServer(config)
+    up: dict[Stage, int] = dict.fromkeys(STAGES, 0)
+    down: dict[Stage, int] = dict.fromkeys(STAGES, 0)
+    timings: dict[str, float] = {f"{s}.{who}": 0.0 for s in STAGES for who in ("clients", "server")} | {"codec": 0.0}
+
+    def wire(message: _M, stage: Stage, counts: dict[Stage, int]) -> _M:
+        start = time.perf_counter()
+        blob = pack(message)
+        parsed = unpack(blob)
+        timings["codec"] += time.perf_counter() - start
+        counts[stage] += len(blob)
+        assert isinstance(parsed, type(message))
+        return parsed
+
+    def present(c: ClientId, stage: Stage) -> bool:
+        return c not in drops or STAGES.index(drops[c]) > STAGES.index(stage)
+
+    def timed(key: str) -> _Timer:
+        return _Timer(timings, key)
+
+    for c in ids:
+        if present(c, "advertise"):
+            with timed("advertise.clients"):
+                msg = clients[c].advertise()
+            msg = wire(msg, "advertise", up)
+            with timed("advertise.server"):
+                server.receive_advertise(msg)
+    with timed("advertise.server"):
+        keys = server.close_advertise()
+
+    for c, neighbour_keys in keys.items():
+        neighbour_keys = wire(neighbour_keys, "share", down)
+        if present(c, "share"):
+            with timed("share.clients"):
+                shares = clients[c].share_keys(neighbour_keys)
+            shares = wire(shares, "share", up)
+            with timed("share.server"):
+                server.receive_shares(shares)
+    with timed("share.server"):
+        deliveries = server.close_share()
+
+    for c, delivery in deliveries.items():
+        delivery = wire(delivery, "upload", down)
+        if present(c, "upload"):
+            with timed("upload.clients"):
+                masked = clients[c].masked_input(delivery, vectors[c], rng=rounding[c])
+            masked = wire(masked, "upload", up)
+            with timed("upload.server"):
+                server.receive_masked(masked)
+    with timed("upload.server"):
+        requests = server.close_upload()
+
+    for c, request in requests.items():
+        request = wire(request, "unmask", down)
+        if present(c, "unmask"):
+            with timed("unmask.clients"):
+                reply = clients[c].unmask(request)
+            reply = wire(reply, "unmask", up)
+            with timed("unmask.server"):
+                server.receive_unmask(reply)
+    with timed("unmask.server"):
+        result = server.close_unmask()
+
+    return RoundResult(
+        sum_ring=result.sum_ring,
+        decoded_sum=result.decoded_sum,
+        survivors=result.survivors,
+        dropped=result.dropped,
+        config=config,
+        bytes_per_stage_up=up,
+        bytes_per_stage_down=down,
+        timings=timings,
+    )
+
+
+class _Timer:
+    """Adds the seconds a ``with`` block takes to ``timings[key]``."""
+
+    def __init__(self, timings: dict[str, float], key: str) -> None:
+        self._timings, self._key, self._start = timings, key, 0.0
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self._timings[self._key] += time.perf_counter() - self._start
