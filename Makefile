@@ -6,7 +6,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast lint typecheck install mosquitto chromium bench clean ort-training
+.PHONY: demo test test-isa test-fast lint typecheck install mosquitto chromium bench clean ort-training
 
 install: $(VENV)/.installed
 
@@ -54,6 +54,19 @@ typecheck: install
 # collection order, the slowest first (tests/conftest.py), so that no worker finishes a long file alone.
 test: install ort-training mosquitto chromium lint typecheck
 	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+	$(MAKE) --no-print-directory test-isa
+
+# The tests whose verdict rests on the CPU's float kernels (marker `isa`: the parity gate, its ties, the exported
+# models' logits), again under each kernel choice this machine can make: PyTorch's ATen dispatch (default = no SIMD,
+# AVX2, AVX-512) and oneDNN's instruction-set cap (its convolutions and max-pools). Another CPU (an Intel AVX-512/AMX
+# host, an ARM board) picks other kernels and breaks other float32 ties; the gate must give every correct program the
+# same verdict there. A cap above what the CPU has runs its best. docs/on_device.md, "The same verdict on every CPU".
+ISA_CAPS := ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=avx512 \
+	ONEDNN_MAX_CPU_ISA=SSE41 ONEDNN_MAX_CPU_ISA=AVX2 ONEDNN_MAX_CPU_ISA=AVX512_CORE
+test-isa: install
+	@for cap in $(ISA_CAPS); do \
+		echo "== $$cap"; env $$cap $(BIN)/pytest -q -p no:cacheprovider -n 2 -m isa tests/export || exit 1; \
+	done
 
 # The unit tests of the core, the journal, the CLI, the reports and the in-process simulator: no broker, no exported
 # program, no fleet of processes, no venv built (tests/fedge_cli/test_packaging.py) and no Ctrl-C of a subprocess

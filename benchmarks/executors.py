@@ -72,6 +72,7 @@ from sim.executors import (
     ExperimentClients,
     make_executor,
     mps_pipe_dir,
+    overlap_choice,
     usable_cores,
 )
 from sim.executors.stacked import model_refusal
@@ -407,9 +408,10 @@ def report(name: str, done: list[Timed]) -> dict[str, Any]:
 class PipelinePath:
     """``fedge sim``'s path: the ``auto`` executor, rounds through a :class:`RoundPipeline`, overlapped or not."""
 
-    def __init__(self, exp: Experiment, factory: ExperimentClients, overlap: bool) -> None:
+    def __init__(self, exp: Experiment, factory: ExperimentClients, overlap: bool | None) -> None:
         self.executor = make_executor("auto", 0, factory, max_parallel=exp.config.clients_per_round)
-        self.overlap = overlap
+        # None: `fedge sim`'s default, --overlap auto, decided as sim.run does
+        self.overlap, self.why = overlap_choice(self.executor, 1, overlap)
         transport = ExecutorTransport(self.executor, sorted(exp.parts))
         self.engine = RoundEngine(exp.config, exp.strategy("bench"), transport, *exp.test_tensors())
 
@@ -444,8 +446,9 @@ def bench_overlap(name: str, config: RunConfig, blocks: int, per_block: int) -> 
     try:
         for label, make in (
             (f"plain loop ({torch.get_num_threads()} threads)", lambda: PlainBlocks(exp)),
-            ("fedge sim defaults, no overlap", lambda: PipelinePath(exp, factory, overlap=False)),
-            ("fedge sim defaults, overlapped", lambda: PipelinePath(exp, factory, overlap=True)),
+            ("fedge sim, --overlap off", lambda: PipelinePath(exp, factory, overlap=False)),
+            ("fedge sim, --overlap on", lambda: PipelinePath(exp, factory, overlap=True)),
+            ("fedge sim defaults (auto)", lambda: PipelinePath(exp, factory, overlap=None)),
         ):
             paths[label], times[label] = make(), []
         names = list(paths)
@@ -455,12 +458,13 @@ def bench_overlap(name: str, config: RunConfig, blocks: int, per_block: int) -> 
                 times[label].append(paths[label].block(rounds))
             print(f"{name} block {b + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s/round" for k, v in times.items()))
         fedge = [p for p in paths.values() if isinstance(p, PipelinePath)]
-        a, b_ = ([r.to_json() for r in p.engine.history.rounds] for p in fedge)
         varying = ("wall_s", "exchange_s")
-        same = [{k: v for k, v in r.items() if k not in varying and not k.startswith("client_")} for r in a] == [
-            {k: v for k, v in r.items() if k not in varying and not k.startswith("client_")} for r in b_
+        recorded = [
+            [{k: v for k, v in r.to_json().items() if k not in varying and not k.startswith("client_")} for r in rs]
+            for rs in (p.engine.history.rounds for p in fedge)
         ]
-        executor = fedge[0].executor
+        same = all(r == recorded[0] for r in recorded[1:])
+        executor, auto = fedge[0].executor, fedge[-1]
     finally:
         for p in paths.values():
             if isinstance(p, PipelinePath):
@@ -470,8 +474,16 @@ def bench_overlap(name: str, config: RunConfig, blocks: int, per_block: int) -> 
         f"\n{name}, fedge sim's default path ({executor.name}, {executor.workers} worker(s)) with and without "
         f"overlap: median s/round of blocks 2..{blocks} of {per_block} rounds (block 1 apart); same records: {same}"
     )
+    print(f"auto chose overlap {'on' if auto.overlap else 'off'}: {auto.why}")
     print(f"{'path':<34} {'round s':>8} {'x plain':>8} {'block 1 s':>10}")
-    out: dict[str, Any] = {"same_records": same, "executor": executor.name, "workers": executor.workers}
+    out: dict[str, Any] = {
+        "same_records": same,
+        "executor": executor.name,
+        "workers": executor.workers,
+        "auto_overlap": auto.overlap,
+        "auto_why": auto.why,
+        "load_avg": os.getloadavg(),
+    }
     for label, ts in times.items():
         med = statistics.median(ts[1:] or ts)
         print(f"{label:<34} {med:>8.2f} {base / med:>7.2f}x {ts[0]:>10.2f}")

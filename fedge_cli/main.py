@@ -503,11 +503,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads-per-worker", type=int, default=1, help="torch threads of every client step (results depend on it)"
     )
     p.add_argument(
-        "--no-overlap",
-        action="store_true",
-        help="evaluate each round before the next one starts, instead of while its clients train in the executor's "
-        "worker processes (same results either way)",
+        "--overlap",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="evaluate each round while the next round's clients train in the executor's worker processes (on), or "
+        "before the next round starts (off); auto: on only where a core is left over for the evaluation beside the "
+        "workers (on 2 cores with 2 workers it would compete with them); same results either way",
     )
+    p.add_argument("--no-overlap", dest="overlap", action="store_const", const="off", help="the same as --overlap off")
     p.add_argument(
         "--broker",
         default=None,
@@ -708,7 +711,7 @@ RESUME_FLAGS = {
         "executor",
         "workers",
         "threads_per_worker",
-        "no_overlap",
+        "overlap",
         "device",
         "tensorboard",
     ),

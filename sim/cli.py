@@ -24,8 +24,8 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
 
     if args.transport == "mqtt" and args.executor not in ("auto", "sequential"):
         raise ConfigError(f"--executor {args.executor} is for in-process runs; over MQTT every client is a process")
-    if args.transport == "mqtt" and args.no_overlap:
-        raise ConfigError("--no-overlap is for in-process runs; over MQTT the coordinator evaluates between rounds")
+    if args.transport == "mqtt" and args.overlap != "auto":
+        raise ConfigError("--overlap is for in-process runs; over MQTT the coordinator evaluates between rounds")
     if args.tensorboard is not None:
         check_tensorboard()  # before a run directory exists
     with run_directory(args.out, config, args.name, resume=args.resume) as run_dir:  # removed if the start fails
@@ -119,7 +119,7 @@ def _run(
             executor=args.executor,
             workers=args.workers,
             threads_per_worker=args.threads_per_worker,
-            overlap=not args.no_overlap,
+            overlap={"auto": None, "on": True, "off": False}[args.overlap],
         )
     return result
 

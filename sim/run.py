@@ -16,7 +16,7 @@ from fedge.learning.backend import Backend, TorchBackend
 from fedge.types import ClientId
 from fedge_io.experiment import Experiment, prepare
 from fedge_io.rundir import RunResult
-from sim.executors import ExecutorTransport, ExperimentClients, gpu_sharing_advice, make_executor
+from sim.executors import ExecutorTransport, ExperimentClients, gpu_sharing_advice, make_executor, overlap_choice
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def run_inprocess(
     executor: str = "sequential",
     workers: int = 0,
     threads_per_worker: int = 1,
-    overlap: bool = True,
+    overlap: bool | None = None,
 ) -> RunResult:
     """Run ``config`` with every client in this process and write ``run_dir``.
 
@@ -46,7 +46,8 @@ def run_inprocess(
     executors give the same model bit for bit.
     ``overlap``: when the clients train in other processes (not ``sequential``), evaluate each round's global model
     (and write the round's files) while the next round's clients train (:class:`coordinator.engine.RoundPipeline`):
-    the same files, bit for bit, as without.
+    the same files, bit for bit, as without. None (auto): only where a core is left over beside the workers
+    (:func:`sim.executors.overlap_choice`).
     """
     exp = experiment or prepare(config)
     config = exp.config  # resolved (e.g. DS-FL open-set sizes fitted to the dataset)
@@ -79,9 +80,8 @@ def run_inprocess(
             log.warning(advice)
         transport = ExecutorTransport(exe, sorted(exp.parts), declared=sizes)
         engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
-        # Clients that train in this process (sequential) would share torch's process-wide settings (MKL's thread
-        # count) with the evaluation thread, and their float sums could depend on timing: overlap only elsewhere.
-        overlap = overlap and exe.name != "sequential"
+        overlap, why = overlap_choice(exe, threads_per_worker, overlap)
+        log.info("evaluation %s the next round's clients: %s", "overlaps" if overlap else "runs before", why)
         journal = RunJournal(
             run_dir,
             config,
@@ -100,6 +100,7 @@ def run_inprocess(
             "device": device,
             "threads_per_worker": threads_per_worker,
             "overlap": overlap,
+            "overlap_why": why,
         }
     summary = journal.finish(
         strategy.global_weights(),

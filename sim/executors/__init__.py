@@ -79,6 +79,7 @@ __all__ = [
     "import_ray",
     "make_executor",
     "mps_pipe_dir",
+    "overlap_choice",
     "usable_cores",
 ]
 
@@ -93,6 +94,24 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
+
+
+def overlap_choice(executor: ClientExecutor, threads_per_worker: int, requested: bool | None) -> tuple[bool, str]:
+    """Whether a round's evaluation overlaps the next round's client steps (:class:`coordinator.engine.RoundPipeline`)
+    on ``executor``, and why. ``requested`` None is ``auto``: overlap only where a core is left over beside the workers'
+    threads. On a 2-core machine with two 1-thread workers the overlapped evaluation competes with both workers for
+    the cores: FedNTD's MNIST round took 9.80 s overlapped against 7.44 s without on an Intel Xeon (Sapphire Rapids),
+    so the default would have been the slow choice there (``benchmarks/executors.py --overlap-blocks``)."""
+    if executor.name in ("sequential", "batched"):
+        # Clients that train in this process would share torch's process-wide settings (MKL's thread count) with
+        # the evaluation thread, and their float sums could depend on timing: overlap only elsewhere.
+        return False, f"the {executor.name} executor's clients train in this process"
+    if requested is not None:
+        return requested, "asked for"
+    cores, busy = usable_cores(), executor.workers * threads_per_worker
+    if cores > busy:
+        return True, f"{cores - busy} of {cores} usable core(s) left over beside {busy} worker thread(s)"
+    return False, f"no core left over beside {busy} worker thread(s) on {cores} usable core(s)"
 
 
 def make_executor(

@@ -95,33 +95,39 @@ def record_tie_flips(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     return flipped
 
 
+@pytest.mark.isa
 @pytest.mark.timeout(900)  # export plus the gate's eager runs: over 300 s on a loaded 2-core host
 def test_the_unlowered_programs_step_difference_is_a_relu_tie_that_the_gate_flips(monkeypatch) -> None:
     """The program of the unlowered dsfl_mnist_cnn runs ExecuTorch's portable convolution and batch-norm kernels. Its
-    first step from these weights is 1.7e-5 of the step's largest update off on features.0.weight, which the gate
-    once took for kernels that lose precision and refused (the jitter spread there is ~1e-8). It is a tie: one ReLU of
-    the first layer, 0.28 of float32's rounding from zero, which the program decides the other way; float64's step
-    with it flipped agrees with the program to 1.2e-8 on features.0.weight. The program passes, and what the gate
+    first step from these weights is 1.7e-5 of the step's largest update off on features.0.weight (AMD host), which
+    the gate once took for kernels that lose precision and refused (the jitter spread there is ~1e-8). It is a tie: one
+    ReLU of the first layer, 0.28 of float32's rounding from zero, which the program decides the other way; float64's
+    step with it flipped agrees with the program to 1.2e-8 on features.0.weight. Which ties a CPU breaks differs (the
+    eager float32 runs the gate compares with use its kernels), so the test asserts that every suspect step is
+    explained by flips, not which. The program passes, and what the gate
     must still refuse, error that no tie explains, is tests/export/test_parity_ties.py's imprecise-op test."""
 
     flipped = record_tie_flips(monkeypatch)
     spec = SPECS["dsfl_mnist_cnn"]
     data = export_training(spec.build(seed=1), spec, loss_of("ntd", 0.0), max_batch=64, lower=False)
     _, step, *drift = check_training(data, weights("dsfl_mnist_cnn"), source="unlowered.pte")
-    assert flipped and any(t.startswith("ReLU features.2[") for t in flipped[0]), flipped
     assert step.passed, step
+    assert all(flipped), flipped  # every suspect step explained by a flipped tie (which ones: the CPU's kernels')
     assert drift[0].tolerance > 10 * DRIFT_FLOOR  # set by the spread of eager float32 runs, not a fixed number
     require([step, *drift])
 
 
+@pytest.mark.isa
 @pytest.mark.timeout(900)  # eight float64 steps of a 1.7M-parameter CNN at batch 50: minutes on a loaded 2-core host
 def test_the_stepwise_gate_accepts_a_max_pool_tie_that_float32_breaks_the_other_way(monkeypatch) -> None:
-    """fedavg_cnn at 28x28 from fresh seed-0 weights, ce: at the third step a max-pool window of the first layer is
-    tied to float64's precision, float32 picks another position, and features.0.weight's update moves by 1.2e-4 of the
-    step's largest update. `fedge export` refused its (correct) program for that; eager float32 channels-last, the
-    layout fedge's own client trains with, lands on the same weights to the last bit. A tie is no kernel's error: the
-    gate finds the windows float32 decided the other way (export.ties) and compares with float64's step with them
-    flipped, where the program agrees to round-off, without the jitter allowance."""
+    """fedavg_cnn at 28x28 from fresh seed-0 weights, ce: on an AMD (AVX2) host, at the third step a max-pool
+    window of the first layer is tied to float64's precision, float32 picks another position, and features.0.weight's
+    update moves by 1.2e-4 of the step's largest update. `fedge export` refused its (correct) program for that; eager
+    float32 channels-last, the layout fedge's own client trains with, lands on the same weights to the last bit. A tie
+    is no kernel's error: the gate finds the windows float32 decided the other way (export.ties) and compares with
+    float64's step with them flipped, where the program agrees to round-off, without the jitter allowance. Which
+    windows float32 breaks differs by CPU kernel (`make test-isa`: two steps under AVX-512, three under oneDNN's
+    SSE4.1 cap), so the test holds the property, not the count."""
     import dataclasses
 
     from export import parity
@@ -142,9 +148,14 @@ def test_the_stepwise_gate_accepts_a_max_pool_tie_that_float32_breaks_the_other_
     flipped = record_tie_flips(monkeypatch)
     monkeypatch.setattr(parity, "_jitter_spread", lambda *a, **k: pytest.fail("the flips explain the step"))
     report = parity.stepwise_parity(channels_last_float32, spec, start, request, source="eager", runtime="torch")
-    assert len(flipped) == 1 and flipped[0], flipped  # one suspect step, explained by flips
-    assert all(t.startswith("max-pool window features.2[") for t in flipped[0]), flipped
+    # The property, not one CPU's tie count: which windows float32 decides the other way, and at which steps, depends
+    # on the kernels oneDNN picks (AVX2: one step, one window of features.2; AVX-512: two steps, windows of features.2
+    # and features.5). Every suspect step is explained by flipped ties alone, and what remains is round-off.
+    assert all(flipped), flipped
+    assert all(t.startswith(("max-pool window ", "ReLU ")) for step in flipped for t in step), flipped
     assert report.passed and report.max_scaled_diff < 1e-6, report
+    if not flipped:
+        pytest.skip("this CPU's float32 broke no tie in these steps: the program passed without a flip")
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ from fedge.errors import ConfigError, ExportError
 from fedge.learning.training import SGDSettings, TrainRequest
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_onnx_runtime_logits_match_eager_for_every_model(name: str) -> None:
     data = onnx_export(name)
@@ -62,6 +63,7 @@ def test_weights_go_in_by_name_and_come_out_unchanged() -> None:
         runner.set_weights({k: v for k, v in other.items() if "running" not in k})
 
 
+@pytest.mark.isa
 def test_a_model_that_does_not_compute_what_eager_computes_is_refused_with_the_measured_difference() -> None:
     good = weights("fedavg_cnn")
     tampered = dict(good)

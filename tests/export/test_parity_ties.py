@@ -20,6 +20,8 @@ from fedge.learning.objectives import make_objective
 from fedge.learning.training import TrainRequest
 from fedge.programs.spec import ModelSpec, TrainingLoss
 
+pytestmark = pytest.mark.isa  # the gate's verdicts on the CPU's float32 kernels: `make test-isa` reruns them
+
 
 def test_a_pre_activation_within_float32s_rounding_of_its_sum_lands_on_both_sides_of_zero() -> None:
     spec = ModelSpec("tiny_mlp", (1, 8, 8), 10)
