@@ -1,9 +1,9 @@
 """The round loop, written once for every algorithm and transport.
 
 Per round: sample clients, let the strategy plan the round, let the transport deliver it and collect the replies,
-aggregate when a quorum replied (otherwise the round is skipped: the global state stays as it was and the run goes
-on), evaluate, and record a :class:`fedge.accounting.records.RoundRecord`. Same config and seeds give the same result
-over any
+aggregate when a quorum replied (otherwise, or when the strategy's own protocol gives up, as secure aggregation does
+when too many clients vanish, the round is skipped: the global state stays as it was and the run goes on), evaluate,
+and record a :class:`fedge.accounting.records.RoundRecord`. Same config and seeds give the same result over any
 transport.
 """
 
@@ -59,6 +59,7 @@ class _Played:
     aggregated: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
     round_bytes: RoundBytes | None = None
+    abandoned: str = ""  # why the strategy gave up on a round with a quorum (secure aggregation)
 
 
 def sample_clients(available: list[ClientId], k: int, seed: int, rnd: int) -> list[ClientId]:
@@ -133,6 +134,7 @@ class RoundEngine:
         played.aggregated = len(exchange.replies) >= played.quorum
         if played.aggregated:
             played.metrics = self.strategy.aggregate(rnd, exchange.replies)
+            self._note_protocol(played)
         else:
             log.warning(
                 "round %d: %d of %d replies, below the quorum of %d: skipped",
@@ -143,6 +145,19 @@ class RoundEngine:
             )
         played.round_bytes = self.history.ledger.round_bytes(rnd)
         return played
+
+    def _note_protocol(self, played: _Played) -> None:
+        """What the strategy's aggregation did beyond the replies (secure aggregation's protocol): its messages go
+        into the ledger, the clients it left out become drops, and a round it gave up on is skipped."""
+        rnd, exchange = played.round, played.exchange
+        extra = self.strategy.aggregation_record(rnd)
+        self.history.ledger.extend(extra.entries)
+        for drop in extra.drops:
+            exchange.replies.pop(drop.client, None)  # replied, but not in the aggregate
+            exchange.drops.append(drop)
+        if extra.abandoned:
+            played.aggregated, played.abandoned = False, extra.abandoned
+            log.warning("round %d: %s: skipped, the global model stays as it was", rnd, extra.abandoned)
 
     def _conclude(self, played: _Played) -> RoundRecord:
         """Evaluate the aggregated state and record the round (on the evaluation thread when overlapped)."""
@@ -173,6 +188,7 @@ class RoundEngine:
             timings=tuple(exchange.timings),
             wall_s=time.perf_counter() - played.started,
             exchange_s=played.exchanged - played.started,
+            abandoned=played.abandoned,
         )
         self.history.rounds.append(record)
         return record

@@ -23,7 +23,7 @@ from coordinator.resume import RunJournal
 from fedge.accounting.records import RoundRecord
 from fedge.algorithms.base import Strategy
 from fedge.config import RunConfig
-from fedge.errors import FedgeError
+from fedge.errors import ConfigError, FedgeError
 from fedge.registry import get_algorithm
 from fedge.wire.fields import printable
 from fedge.wire.message import encode
@@ -35,6 +35,15 @@ from fedge_io.rundir import RunResult
 log = logging.getLogger(__name__)
 
 COORDINATOR_LOG = "coordinator.log"
+
+
+def refuse_secure_aggregation(config: RunConfig) -> None:
+    """ConfigError when ``config`` asks for secure aggregation: it runs in process only for now."""
+    if config.secure_aggregation:
+        raise ConfigError(
+            "--secure-aggregation runs in process only for now (fedge sim without --transport mqtt): the protocol's "
+            "key, share and unmask messages do not travel over MQTT yet"
+        )
 
 
 def admission_rule(exp: Experiment) -> Callable[[ClientStatus], str | None]:
@@ -96,6 +105,7 @@ def run_coordinator(
     ``max_packet_size``: the largest MQTT packet to publish (``auto``: the broker's announced limit, else none;
     ``off``: never chunk); larger messages travel as chunks.
     """
+    refuse_secure_aggregation(config)
     exp = experiment or prepare(config)
     config = exp.config
     run = run or run_dir.name
@@ -263,6 +273,7 @@ def provision_fleet(
     ``broker_config_dir``: where the kit's ``broker/`` directory will be on the broker host (its mosquitto.conf names
     its files by absolute path; default: where it is written). ``bind_address``: the one interface its listener
     binds (default: every interface)."""
+    refuse_secure_aggregation(exp.config)
     strategy = exp.strategy(run)
     plan = strategy.configure(1, sorted(exp.parts))
     planned = [len(encode(m)) for m in (plan.broadcast, *plan.tasks.values()) if m is not None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -58,6 +59,11 @@ class TrainConfig:
         return self.lr * self.lr_decay ** (rnd - 1)
 
 
+SECAGG_CLIP = 5.0
+"""The default L2 bound of one client's update under secure aggregation (see docs/secure_aggregation.md for how it
+was chosen)."""
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything that determines a run; two runs with equal configs produce the same global model."""
@@ -86,6 +92,38 @@ class RunConfig:
     # topk:density=0.01.
     upload_codec: str = "float32"
     broadcast_codec: str = "float32"
+    # Secure aggregation (fedge.secagg, docs/secure_aggregation.md): the server learns the sum of the round's updates,
+    # never one of them. In process only (fedge sim) for now.
+    secure_aggregation: bool = field(
+        default=False,
+        metadata={
+            "help": "SecAgg+: the server learns only the sum of the round's updates (FedAvg family; in process only; "
+            "turns the server's update-norm check, max_update_ratio, off: each client clips its own update instead) "
+            "(default: off)"
+        },
+    )
+    secagg_clip: float = field(
+        default=SECAGG_CLIP,
+        metadata={
+            "help": "with --secure-aggregation: each client clips its update (new weights - broadcast weights) to this "
+            "L2 norm before masking; it is also the fixed-point ring's bound per value"
+        },
+    )
+    secagg_degree: int = field(
+        default=0,
+        metadata={"help": "with --secure-aggregation: neighbours per client (0: min(N-1, 2 ceil(log2 N) + 1))"},
+    )
+    secagg_threshold: int = field(
+        default=0,
+        metadata={"help": "with --secure-aggregation: shares that recover a secret (0: floor(degree / 2) + 1)"},
+    )
+    simulate_dropouts: float = field(
+        default=0.0,
+        metadata={
+            "help": "with --secure-aggregation: this share of each round's sampled clients vanishes at a random "
+            "protocol stage (before sharing keys, before uploading, or while unmasking), seeded by the run's seed"
+        },
+    )
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgorithmSettings = field(default_factory=AlgorithmSettings)  # the settings of ``algorithm``; the base: its
     # defaults
@@ -109,6 +147,73 @@ class RunConfig:
         from fedge.compression.strategy import Compression  # on use: it imports torch, which `fedge --help` need not
 
         Compression.of(self)  # ConfigError for a scheme that does not parse or does not fit the algorithm
+        _check(
+            math.isfinite(self.secagg_clip) and self.secagg_clip > 0,
+            f"secagg_clip must be a positive number, got {self.secagg_clip}",
+        )
+        _check(self.secagg_degree >= 0, f"secagg_degree must be >= 0 (0: the default), got {self.secagg_degree}")
+        _check(
+            self.secagg_threshold >= 0, f"secagg_threshold must be >= 0 (0: the default), got {self.secagg_threshold}"
+        )
+        _check(0 <= self.simulate_dropouts < 1, f"simulate_dropouts must be in [0, 1), got {self.simulate_dropouts}")
+        if self.simulate_dropouts > 0:
+            _check(
+                self.secure_aggregation,
+                "--simulate-dropouts drops clients out of secure aggregation's protocol: it needs --secure-aggregation",
+            )
+        if self.secure_aggregation:
+            self._fit_secure_aggregation()
+
+    def _fit_secure_aggregation(self) -> None:
+        """ConfigError naming what secure aggregation cannot run with: it hands the server the sum of the round's
+        updates only, so whatever needs one update in the clear is refused. The server's update-norm check at its
+        default is turned off (each client's clip to ``secagg_clip`` bounds an update instead); another value is
+        refused."""
+        spec = get_algorithm(self.algorithm)
+        if spec.secagg_gap:
+            supported = ", ".join(name for name, a in ALGORITHMS.items() if not a.secagg_gap)
+            raise ConfigError(
+                f"--secure-aggregation cannot run --algorithm {self.algorithm} yet: {spec.secagg_gap}. It runs the "
+                f"algorithms whose server averages the returned weights: {supported}"
+            )
+        algo = self.algo
+        robust = getattr(algo, "robust", "mean")
+        _check(
+            robust == "mean",
+            f"--robust {robust} needs every client's update in the clear, but secure aggregation shows the server "
+            "only their sum; use --robust mean (each client clips its own update to --secagg-clip instead)",
+        )
+        clip_factor = getattr(algo, "clip_factor", 0.0)
+        _check(
+            clip_factor == 0,
+            f"--clip-factor {clip_factor:g} clips each update against the round's median update norm, which needs "
+            "every update in the clear; under secure aggregation each client clips its own update to --secagg-clip "
+            "before masking: set --clip-factor 0",
+        )
+        ratio = getattr(algo, "max_update_ratio", 0.0)
+        if ratio > 0:
+            default = next(f.default for f in dataclasses.fields(algo) if f.name == "max_update_ratio")
+            _check(
+                ratio == default,
+                f"--max-update-ratio {ratio:g} refuses an update by its norm, which needs every update in the clear; "
+                "under secure aggregation each client clips its own update to --secagg-clip before masking, which "
+                "bounds it instead: leave --max-update-ratio at its default (secure aggregation turns it off) or 0",
+            )
+            object.__setattr__(self, "algo", dataclasses.replace(algo, **{"max_update_ratio": 0.0}))
+        _check(
+            self.upload_codec == "float32",
+            f"--upload-codec {self.upload_codec}: under secure aggregation an upload is masked uint32 ring elements "
+            "(4 bytes a value, as float32); upload codecs do not apply to it yet",
+        )
+        _check(
+            self.clients_per_round >= 2,
+            f"secure aggregation needs at least 2 clients per round, this run samples {self.clients_per_round}: raise "
+            "--client-fraction or --num-clients",
+        )
+        _check(
+            self.secagg_threshold == 0 or self.secagg_degree == 0 or self.secagg_threshold <= self.secagg_degree,
+            f"secagg_threshold ({self.secagg_threshold}) cannot exceed secagg_degree ({self.secagg_degree})",
+        )
 
     @property
     def clients_per_round(self) -> int:

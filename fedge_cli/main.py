@@ -154,7 +154,9 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} is a setting of {', '.join(owners[name][2])}, not of {algorithm}")
     base_algo = config.algo if algorithm == config.algorithm else spec.settings()
-    if deployment and not chosen_clip and "clip_factor" in own:
+    # Secure aggregation refuses a server-side clip (it needs the plaintext), and over a broker it is refused whole.
+    secure = changes["run"].get("secure_aggregation", config.secure_aggregation)
+    if deployment and not chosen_clip and "clip_factor" in own and not secure:
         base_algo = dataclasses.replace(base_algo, **{"clip_factor": DEPLOYMENT_CLIP_FACTOR})
     if deployment and not chosen_quorum:
         config = dataclasses.replace(config, min_replies=DEPLOYMENT_MIN_REPLIES)

@@ -30,7 +30,7 @@ def round_line(r: RoundRecord) -> str:
         line += f"  wire {format_bytes(b.wire)}"
     line += f"  {r.wall_s:.1f} s"
     if not r.aggregated:
-        line += f"  SKIPPED: {len(r.replied)} of {len(r.sampled)} replied, quorum {r.quorum}"
+        line += f"  SKIPPED: {r.abandoned or f'{len(r.replied)} of {len(r.sampled)} replied, quorum {r.quorum}'}"
     if r.drops:
         line += "  dropped " + ", ".join(f"{d.client} ({d.reason})" for d in r.drops)
     if r.rejections:
@@ -51,7 +51,7 @@ def skipped_rounds_status(summary: Mapping[str, Any], *, allowed: bool) -> int:
     skipped = summary.get("skipped", [])
     if not skipped:
         return 0
-    print(f"skipped rounds (below the quorum), {len(skipped)} of {summary.get('rounds')}:\n{skipped_text(summary)}")
+    print(f"skipped rounds, {len(skipped)} of {summary.get('rounds')}:\n{skipped_text(summary)}")
     if allowed:
         return 0
     print(

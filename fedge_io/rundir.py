@@ -309,6 +309,7 @@ def skip_reason(record: RoundRecord) -> dict[str, Any]:
         "sampled": len(record.sampled),
         "replied": len(record.replied),
         "quorum": record.quorum,
+        **({"abandoned": record.abandoned} if record.abandoned else {}),
         "clients": {c: why.get(c, "no reply") for c in missing},
     }
 
@@ -318,5 +319,6 @@ def skipped_text(summary: Mapping[str, Any]) -> str:
     lines = []
     for s in summary.get("skipped", []):
         clients = ", ".join(f"{c} {why}" for c, why in list(s["clients"].items())[:8])
-        lines.append(f"round {s['round']}: {s['replied']} of {s['sampled']} replies, quorum {s['quorum']} ({clients})")
+        head = s.get("abandoned") or f"{s['replied']} of {s['sampled']} replies, quorum {s['quorum']}"
+        lines.append(f"round {s['round']}: {head} ({clients})")
     return "\n".join(lines)

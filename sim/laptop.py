@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO
 
-from coordinator.run import provision_fleet, run_coordinator
+from coordinator.run import provision_fleet, refuse_secure_aggregation, run_coordinator
 from fedge.accounting.records import RoundRecord
 from fedge.config import RunConfig
 from fedge.types import ClientId
@@ -66,6 +66,7 @@ def run_over_mqtt(
     processes are new, so clients that keep state (SCAFFOLD, FD, DS-FL) start theirs afresh.
     ``max_packet_size``: the coordinator's and every client's ``--max-packet-size`` (larger messages are chunked).
     """
+    refuse_secure_aggregation(config)  # before a client process starts
     exp = experiment or prepare(config)
     config = exp.config
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from fedge.accounting.ledger import ACCOUNTING_MODELS, RoundBytes
+from fedge.accounting.ledger import ACCOUNTING_MODELS, LedgerEntry, RoundBytes
 from fedge.types import ClientId
 
 LEVELS = ("tensor", "payload", "wire")
@@ -38,6 +38,17 @@ class Drop:
     client: ClientId
     reason: str
     after_s: float = math.nan
+
+
+@dataclass(frozen=True)
+class AggregationRecord:
+    """What a strategy's aggregation of one round adds to the round's record when it runs a protocol of its own with
+    the clients (secure aggregation, :mod:`fedge.secagg.strategy`): the protocol's messages, the clients whose replies
+    it left out of the aggregate (and why), and why it kept the global state ("" when it aggregated)."""
+
+    entries: tuple[LedgerEntry, ...] = ()
+    drops: tuple[Drop, ...] = ()
+    abandoned: str = ""
 
 
 @dataclass(frozen=True)
@@ -124,7 +135,7 @@ class RoundRecord:
     round: int
     sampled: tuple[ClientId, ...]
     replied: tuple[ClientId, ...]
-    aggregated: bool  # False: below the quorum, the global state was kept
+    aggregated: bool  # False: below the quorum (or see ``abandoned``), the global state was kept
     quorum: int
     bytes: ByteCounts
     drops: tuple[Drop, ...] = ()
@@ -136,6 +147,7 @@ class RoundRecord:
     timings: tuple[ClientTiming, ...] = ()
     wall_s: float = 0.0
     exchange_s: float = 0.0
+    abandoned: str = ""  # why a round with a quorum of replies was not aggregated (secure aggregation gave up)
 
     @property
     def dropped(self) -> tuple[ClientId, ...]:
@@ -176,6 +188,8 @@ class RoundRecord:
             "quorum": self.quorum,
             **dict(self.metrics),
         }
+        if self.abandoned:
+            out["abandoned"] = self.abandoned
         if self.drops:
             out["drop_reasons"] = {d.client: d.reason for d in self.drops}
             out["drop_after_s"] = {d.client: d.after_s for d in self.drops if not math.isnan(d.after_s)}
@@ -213,6 +227,7 @@ class RoundRecord:
             forgetting=raw.get("forgetting"),
             wall_s=float(raw.get("wall_s", 0.0)),
             exchange_s=float(raw.get("exchange_s", 0.0)),
+            abandoned=str(raw.get("abandoned", "")),
         )
 
 

@@ -1,6 +1,6 @@
 """The algorithms, one module each, and the two calls that dispatch a round to them: :func:`make_strategy` (the
-server half of a run's algorithm, wrapped in the run's compression) and :func:`run_client_step` (a task to the client
-half it names). Which algorithms exist is :mod:`fedge.registry`'s list.
+server half of a run's algorithm, wrapped in the run's compression and secure aggregation) and
+:func:`run_client_step` (a task to the client half it names). Which algorithms exist is :mod:`fedge.registry`'s list.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from fedge.config import RunConfig
 from fedge.errors import CodecError
 from fedge.learning.backend import Backend
 from fedge.registry import ALGORITHMS, get_algorithm
+from fedge.secagg.strategy import secured
 from fedge.wire.message import Message
 
 
 def make_strategy(config: RunConfig, context: ServerContext) -> Strategy:
-    """The server half of ``config.algorithm``."""
-    return compressed(get_algorithm(config.algorithm).server(config, context), config)
+    """The server half of ``config.algorithm``, as the run's compression and secure aggregation wrap it."""
+    return secured(compressed(get_algorithm(config.algorithm).server(config, context), config), config)
 
 
 def run_client_step(

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fedge.accounting.cost import CostInputs, RoundTraffic
+from fedge.accounting.records import AggregationRecord
 from fedge.config import AlgorithmSettings, RunConfig
 from fedge.data.augment import PRESETS, Augmentation, preset
 from fedge.errors import CodecError, ConfigError
@@ -216,6 +217,12 @@ class Strategy(ABC, Generic[SettingsT]):
         """The global model's weights, for algorithms that have one."""
         return None
 
+    def aggregation_record(self, rnd: int) -> AggregationRecord:
+        """What :meth:`aggregate` of round ``rnd`` exchanged and decided beyond the replies it was given: nothing for
+        an algorithm; a protocol wrapper (secure aggregation) reports its messages, whom it left out and whether it
+        gave up. The round engine asks right after :meth:`aggregate`."""
+        return AggregationRecord()
+
     def state(self) -> StrategyState:
         """Everything :meth:`aggregate` changes, as (tensors, JSON-able values): with :meth:`load_state`, all a run
         needs to continue after its last completed round bit for bit (sampling and seeds derive from (seed, round))."""
@@ -384,6 +391,9 @@ class Algorithm(Generic[SettingsT]):
     has_global_model: bool = True  # FD has none: clients report their own accuracy
     hooks: frozenset[str] = frozenset()  # training hooks beyond the proximal term and the correction (training.HOOKS)
     describe: Callable[[SettingsT], str] = field(default=lambda settings: "")  # hyperparameters for report legends
+    # Why secure aggregation (fedge.secagg.strategy) cannot run this algorithm yet, for the start-up error; "" when
+    # its server half needs nothing but the weighted mean of the replies' weights, which a secure sum gives.
+    secagg_gap: str = "its aggregation is not declared to be a weighted mean of the returned weights"
 
 
 def weights_traffic(inputs: CostInputs) -> RoundTraffic:

@@ -289,4 +289,6 @@ ALGORITHM = Algorithm(
     exchange="outputs",
     needs_open_set=True,
     describe=lambda s: (f"T={s.era_temperature:g}, " if s.aggregation == "era" else "") + f"|o_r|={s.open_per_round}",
+    secagg_gap="DS-FL averages the clients' soft labels on the open set (SA/ERA); secure aggregation of output (logit) "
+    "averages is not built yet",
 )

@@ -262,4 +262,6 @@ ALGORITHM = Algorithm(
     exchange="outputs",
     has_global_model=False,
     describe=lambda s: f"γ={s.fd_gamma:g}",
+    secagg_gap="FD averages per-class outputs over the clients that hold each class; secure aggregation of output "
+    "(logit) averages is not built yet",
 )

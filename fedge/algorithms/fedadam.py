@@ -117,4 +117,5 @@ ALGORITHM = Algorithm(
     client=FedAvgClient(),
     traffic=weights_traffic,
     describe=lambda s: f"{_LABELS[s.server_optimizer]} η={s.server_opt_lr:g}",
+    secagg_gap="",
 )

@@ -249,4 +249,5 @@ ALGORITHM = Algorithm(
     server=FedAvg,
     client=FedAvgClient[FedAvgSettings](),
     traffic=weights_traffic,
+    secagg_gap="",
 )

@@ -51,4 +51,5 @@ ALGORITHM = Algorithm(
     client=FedCADClient(),
     traffic=weights_traffic,
     describe=lambda s: f"β={s.cad_beta:g}, γ={s.cad_gamma:g}",
+    secagg_gap="",
 )

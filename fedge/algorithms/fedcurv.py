@@ -237,4 +237,6 @@ ALGORITHM = Algorithm(
     traffic=fedcurv_traffic,
     hooks=frozenset({WEIGHTED_PROX, FISHER}),
     describe=lambda s: f"λ={s.curv_lambda:g}",
+    secagg_gap="FedCurv keeps every client's Fisher terms by client, which secure aggregation would hide; summing them "
+    "securely instead is not built yet",
 )

@@ -127,4 +127,6 @@ ALGORITHM = Algorithm(
     client=FedDynClient(),
     traffic=weights_traffic,
     describe=lambda s: f"α={s.dyn_alpha:g}",
+    secagg_gap="FedDyn also needs the unweighted sum of the clients' deltas for its drift term h, a second sum that "
+    "secure aggregation does not compute yet",
 )

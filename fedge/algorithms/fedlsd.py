@@ -94,4 +94,5 @@ ALGORITHM = Algorithm(
     client=FedLSDClient(),
     traffic=weights_traffic,
     describe=lambda s: f"weight={s.lsd_weight:g}",
+    secagg_gap="",
 )

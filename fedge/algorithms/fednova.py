@@ -112,4 +112,6 @@ ALGORITHM = Algorithm(
     server=FedNova,
     client=FedNovaClient(),
     traffic=weights_traffic,
+    secagg_gap="FedNova rescales each client's update by that client's own step count before averaging; under secure "
+    "aggregation each client would have to scale its own delta first, which is not built yet",
 )

@@ -65,4 +65,5 @@ ALGORITHM = Algorithm(
     client=FedNTDClient(),
     traffic=weights_traffic,
     describe=lambda s: f"β={s.ntd_beta:g}, τ={s.ntd_tau:g}",
+    secagg_gap="",
 )

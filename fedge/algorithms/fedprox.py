@@ -44,4 +44,5 @@ ALGORITHM = Algorithm(
     client=FedProxClient(),
     traffic=weights_traffic,
     describe=lambda s: f"μ={s.prox_mu:g}",
+    secagg_gap="",
 )

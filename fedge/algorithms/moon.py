@@ -115,4 +115,5 @@ ALGORITHM = Algorithm(
     traffic=weights_traffic,
     hooks=frozenset({REPRESENTATION}),
     describe=lambda s: f"μ={s.moon_mu:g}, τ={s.moon_tau:g}",
+    secagg_gap="",
 )

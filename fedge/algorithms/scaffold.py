@@ -150,4 +150,6 @@ ALGORITHM = Algorithm(
     client=ScaffoldClient(),
     traffic=scaffold_traffic,
     describe=lambda s: f"lr_g={s.server_lr:g}",
+    secagg_gap="SCAFFOLD averages the returned weights and, separately, the clients' control-variate deltas; secure "
+    "aggregation of that second sum is not built yet",
 )

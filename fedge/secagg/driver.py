@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from fedge.types import ClientId  # annotations only: fedge.types imports torch
 
 _M = TypeVar("_M", bound=SecAggMessage)
+
+OnMessage = Callable[[SecAggMessage, Stage, Literal["up", "down"], int], None]
+"""Told of every message :func:`run_round` sends: the message as parsed, its stage, its direction (up: a client sent
+it; down: the server sent it to ``message.client``) and its packed size in bytes."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,14 +66,16 @@ def run_round(
     min_survivors: int | None = None,
     rng: np.random.Generator | None = None,
     rand_bytes: RandBytes = os.urandom,
+    on_message: OnMessage | None = None,
 ) -> RoundResult:
     """Securely sum ``vectors`` (one flat vector per client of the cohort, all of one length) over one SecAgg+ round.
 
     ``drop_at[c]`` names the stage at which client c vanishes: it sends nothing from that stage on ("advertise":
     never shows up; "share": advertised keys only; "upload": shared keys, never uploads; "unmask": uploaded, never
     answers the unmask request). ``rng`` draws each client's stochastic rounding (one child generator per client, in
-    id order); ``rand_bytes`` draws keys, seeds and nonces (os.urandom unless a test needs determinism). Raises
-    :class:`fedge.secagg.errors.RoundAbandoned` when too many clients vanish.
+    id order); ``rand_bytes`` draws keys, seeds and nonces (os.urandom unless a test needs determinism).
+    ``on_message`` is told of each message as it goes, so a caller can account for the bytes of a round that ends in
+    :class:`fedge.secagg.errors.RoundAbandoned` (raised when too many clients vanish) as well.
     """
     drops = dict(drop_at or {})
     ids = sorted(vectors)
@@ -112,6 +118,8 @@ def run_round(
         timings["codec"] += time.perf_counter() - start
         counts[stage] += len(blob)
         assert isinstance(parsed, type(message))
+        if on_message is not None:
+            on_message(parsed, stage, "up" if counts is up else "down", len(blob))
         return parsed
 
     def present(c: ClientId, stage: Stage) -> bool:

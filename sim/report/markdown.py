@@ -44,12 +44,31 @@ def training_data(config: RunConfig) -> str:
     )
 
 
+def secure_aggregation(run: Run) -> str:
+    """How the run's secure aggregation encoded and masked the updates, as its config and round metrics say; "" for
+    a run without it."""
+    c = run.config
+    if not c.secure_aggregation:
+        return ""
+    first = next((r.metrics for r in run.rounds if "secagg_frac_bits" in r.metrics), {})
+    ring = (
+        f", {first['secagg_ring_bits']:.0f}-bit ring with {first['secagg_frac_bits']:.0f} fractional bits, degree "
+        f"{first['secagg_degree']:.0f}, threshold {first['secagg_threshold']:.0f}"
+        if first
+        else ""
+    )
+    dropouts = f", {100 * c.simulate_dropouts:g}% of each cohort vanishing (simulated)" if c.simulate_dropouts else ""
+    abandoned = sum(1 for r in run.rounds if r.abandoned)
+    gave_up = f", {abandoned} round(s) abandoned" if abandoned else ""
+    return f", secure aggregation (SecAgg+: updates clipped to L2 norm {c.secagg_clip:g}{ring}{dropouts}{gave_up})"
+
+
 def markdown(runs: Sequence[Run], out: Path, plots: dict[str, str], accounting: str) -> str:
     parts = [f"# fedge report: {', '.join(r.label for r in runs)}\n"]
     parts.append(
         "\n".join(
             f"- **{r.label}**: [`{_rel(r.path, out)}`]({_rel(r.path, out)}), {_provenance(r)}, seed {r.config.seed}, "
-            f"{training_data(r.config)}"
+            f"{training_data(r.config)}{secure_aggregation(r)}"
             for r in runs
         )
     )
@@ -69,6 +88,8 @@ def markdown(runs: Sequence[Run], out: Path, plots: dict[str, str], accounting: 
     for r in runs:
         parts.append(f"### {r.label}\n")
         parts.append(_bytes_table(r))
+        if r.ledger is not None and any(e.kind.startswith("secagg.") for e in r.ledger):
+            parts.append(_kinds_table(r))
     events = _events_table(runs)
     if events:
         parts.append("\n## Dropped, rejected and skipped\n")
@@ -151,7 +172,11 @@ def _round_table(run: Run, accounting: str) -> str:
 def _round_notes(record: RoundRecord) -> str:
     notes = []
     if not record.aggregated:
-        notes.append(f"skipped: {len(record.replied)} of {len(record.sampled)} replied, quorum {record.quorum}")
+        notes.append(
+            f"skipped: {record.abandoned}"
+            if record.abandoned
+            else f"skipped: {len(record.replied)} of {len(record.sampled)} replied, quorum {record.quorum}"
+        )
     if record.drops:
         notes.append("dropped " + ", ".join(record.dropped))
     if record.rejections:
@@ -218,12 +243,30 @@ def _bytes_table(run: Run) -> str:
     return _table(header, rows) + "\n" + " ".join(notes) + "\n"
 
 
+def _kinds_table(run: Run) -> str:
+    """The run's messages by kind (secure aggregation's protocol messages apart from the updates they protect)."""
+    assert run.ledger is not None
+    kinds: dict[tuple[str, str], list[int]] = {}
+    for e in run.ledger:
+        row = kinds.setdefault((e.kind, e.direction), [0, 0, 0])
+        row[0] += 1 if e.direction == "up" else e.recipients
+        row[1] += e.counted("tensor", "unicast")
+        row[2] += e.counted("payload", "unicast")
+    rows = [[kind, way, f"{n:,}", format_bytes(t), format_bytes(p)] for (kind, way), (n, t, p) in kinds.items()]
+    note = (
+        "A masked upload (uint32, 4 bytes a value) is counted as the client's update message of the same size; the "
+        "round's protocol parameters ride in the broadcast's metadata.\n"
+    )
+    return _table(["Kind", "Direction", "Messages", "Tensor (unicast)", "Payload (unicast)"], rows) + "\n" + note
+
+
 def _events_table(runs: Sequence[Run]) -> str:
     rows = []
     for run in runs:
         for r in run.rounds:
             if not r.aggregated:
                 why = f"round skipped: {len(r.replied)} of {len(r.sampled)} replied, below the quorum of {r.quorum}"
+                why = f"round skipped: {r.abandoned}" if r.abandoned else why
                 rows.append([run.label, str(r.round), _NONE, why])
             rows += [[run.label, str(r.round), d.client, f"dropped: {d.reason or 'no reply in time'}"] for d in r.drops]
             rows += [[run.label, str(r.round), x.client, f"rejected: {x.reason}"] for x in r.rejections]

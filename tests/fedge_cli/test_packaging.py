@@ -23,7 +23,7 @@ from sim.laptop import run_over_mqtt
 from sim.run import run_inprocess
 
 ROOT = Path(__file__).resolve().parents[2]
-OTHER_ROLES = ("matplotlib", "sklearn", "cryptography", "amqtt", "tqdm", "onnx", "onnxruntime", "executorch", "ray")
+OTHER_ROLES = ("matplotlib", "sklearn", "amqtt", "tqdm", "onnx", "onnxruntime", "executorch", "ray")
 
 
 def client_distributions() -> set[str]:
@@ -65,10 +65,11 @@ def client_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "env" / "bin" / "python"
 
 
-def test_the_client_extra_holds_torch_numpy_safetensors_and_paho_and_nothing_of_the_other_roles() -> None:
+def test_the_client_extra_holds_the_base_and_nothing_of_the_other_roles() -> None:
     names = {n.lower() for n in client_distributions()}
-    assert {"torch", "numpy", "safetensors", "paho-mqtt"} <= names
-    assert not names & {"matplotlib", "scikit-learn", "cryptography", "amqtt", "tqdm", "onnx", "onnxruntime"}
+    # cryptography: secure aggregation's client half (key agreement, share encryption, masks) runs on every device.
+    assert {"torch", "numpy", "safetensors", "paho-mqtt", "cryptography"} <= names
+    assert not names & {"matplotlib", "scikit-learn", "amqtt", "tqdm", "onnx", "onnxruntime"}
 
 
 def test_a_client_only_environment_trains_a_run_over_the_broker(client_python: Path, tmp_path: Path) -> None:
@@ -109,13 +110,7 @@ def test_another_roles_command_names_the_extra_it_needs(client_python: Path, tmp
     assert "pip install 'fedge[coordinator]'" in err, err
 
 
-def test_a_client_asked_to_check_signed_programs_without_cryptography_says_what_to_install(
-    client_python: Path, tmp_path: Path
-) -> None:
-    from tests.export.test_manifest import client_files
-
-    _, data = client_files(tmp_path)
-    args = ["--broker", "mqtt://127.0.0.1:1", "--run", "r", "--client-id", "c000", "--data", str(data)]
-    err = refused_in_client_env(client_python, tmp_path, "client", *args, "--trust-ca", str(tmp_path / "ca.crt"))
-    assert "checking signed programs needs the cryptography package" in err, err
-    assert "pip install cryptography" in err, err
+def test_a_client_only_environment_holds_what_secure_aggregation_needs(client_python: Path) -> None:
+    probe = "import fedge.secagg.keys, fedge.secagg.protocol; print('ok')"
+    done = subprocess.run([str(client_python), "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]

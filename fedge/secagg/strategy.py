@@ -1,0 +1,374 @@
+"""Secure aggregation of the FedAvg family: the server half's aggregation gets the sum of the round's updates, never
+one client's update (Bonawitz et al. 2017; Bell et al. 2020: the SecAgg+ protocol of :mod:`fedge.secagg`).
+
+:class:`SecureAggregationStrategy` wraps an algorithm's :class:`~fedge.algorithms.base.Strategy` whose aggregation
+is the weighted mean of the returned weights (``Algorithm.secagg_gap == ""``). Per round, with ``w`` the broadcast
+weights, ``a_k`` client k's averaging weight (its data size, or 1 under uniform weighting) and ``A`` the sum of the
+``a_k`` of the clients that take part:
+
+1. :meth:`~SecureAggregationStrategy.configure`: the inner plan; the round's public protocol parameters
+   (:class:`~fedge.secagg.config.RoundConfig`: the sampled cohort, the ring plan, degree, threshold, graph seed)
+   ride in the broadcast's params, so their bytes are counted.
+2. Each client's vector is ``x_k = (a_k / A) clip_C(w_k - w)``, flattened over the reply's tensors, where
+   ``clip_C`` scales a delta down to L2 norm ``C`` (``secagg_clip``): each coordinate of ``x_k`` then lies in
+   ``[-C, C]``, the ring's bound, and the clip is the norm bound that replaces the server's plaintext checks.
+3. :meth:`~SecureAggregationStrategy.aggregate`: :func:`fedge.secagg.run_round` runs the protocol over the ``x_k``
+   (every party's state machine, every message packed and parsed). The server learns ``S = sum_{U3} x_k`` and the
+   survivors U3 (with their ``a_k`` and losses, reported in the clear), so the mean update of U3 is
+   ``S / sum_{U3} a_k / A``. The inner strategy aggregates one reply carrying ``w`` plus that mean, with
+   ``num_examples = sum_{U3} n_k``: a weighted average of one state is that state, bit for bit.
+
+In ``fedge sim`` the replies are computed by the real client code in the executor's workers and reach this process
+in the clear; the clients' parties of the protocol (clipping, encoding, key agreement, share encryption, masking) then
+run here on their behalf, the same code a device will run over MQTT (not built yet). Nothing but the unmasked sum
+reaches the inner strategy.
+
+Randomness: keys, self-mask seeds and nonces come from ``rand_bytes`` (os.urandom); the masks cancel exactly, so the
+sum does not depend on them. The stochastic rounding, the simulated dropouts and the public graph seed derive from
+the run's seed and the round, so two runs with one seed give the same model bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from fedge.accounting.ledger import Direction, LedgerEntry
+from fedge.accounting.records import AggregationRecord, Drop
+from fedge.errors import ConfigError
+from fedge.secagg.config import RoundConfig
+from fedge.secagg.driver import RoundResult, run_round
+from fedge.secagg.errors import RoundAbandoned
+from fedge.secagg.messages import MaskedInput, SecAggMessage
+from fedge.secagg.protocol import Stage
+from fedge.secagg.shamir import RandBytes
+
+if TYPE_CHECKING:
+    from fedge.algorithms.base import (
+        CheckedReply,
+        Evaluation,
+        RoundPlan,
+        Strategy,
+        StrategyState,
+        TensorSpec,
+        UpdateReport,
+    )
+    from fedge.config import RunConfig
+    from fedge.types import ClientId
+    from fedge.wire.message import Message
+
+log = logging.getLogger(__name__)
+
+RING_BITS = 32
+"""The ring of every round: uint32, so a masked upload is as large as a float32 one."""
+
+DROPOUT_STAGES: tuple[Stage, ...] = ("share", "upload", "unmask")
+"""Where ``simulate_dropouts`` makes a client vanish: after advertising its keys, after sharing them (before it
+uploads), or after uploading (it never answers the unmask request, and is in the sum)."""
+
+SUM_CLIENT = "secagg-sum"
+"""The client id of the one reply the inner strategy aggregates: the survivors' mean, not any client's update."""
+
+_ROUNDING, _DROPOUTS = 0x5EC0, 0x5EC1  # SeedSequence words: which per-round stream
+_VANISHED = {
+    "share": "vanished after advertising its keys",
+    "upload": "vanished after sharing its keys, before uploading",
+}  # the stages at which a vanishing client leaves the sum
+
+
+def rounding_rng(seed: int, rnd: int) -> np.random.Generator:
+    """The generator :func:`fedge.secagg.run_round` draws round ``rnd``'s stochastic rounding from (one child seed
+    per client of the cohort, in id order)."""
+    return np.random.default_rng(np.random.SeedSequence([_ROUNDING, seed & 0xFFFFFFFFFFFFFFFF, rnd]))
+
+
+def graph_seed(seed: int, rnd: int) -> bytes:
+    """Round ``rnd``'s public neighbour-graph seed. Public by design (it travels in the clear), derived from the
+    run's seed so that who the protocol prunes, and so the model, is reproducible."""
+    return hashlib.sha256(f"fedge-secagg-graph:{seed}:{rnd}".encode()).digest()
+
+
+def simulated_dropouts(cohort: Sequence[ClientId], fraction: float, seed: int, rnd: int) -> dict[ClientId, Stage]:
+    """``round(fraction * len(cohort))`` clients of the cohort, each with the stage at which it vanishes, drawn
+    uniformly from :data:`DROPOUT_STAGES` by a generator seeded from (seed, round)."""
+    count = round(fraction * len(cohort))
+    if count == 0:
+        return {}
+    gen = np.random.default_rng(np.random.SeedSequence([_DROPOUTS, seed & 0xFFFFFFFFFFFFFFFF, rnd]))
+    chosen = gen.choice(sorted(cohort), size=count, replace=False)
+    stages = gen.integers(0, len(DROPOUT_STAGES), size=count)
+    return {str(c): DROPOUT_STAGES[int(s)] for c, s in zip(chosen, stages, strict=True)}
+
+
+def clipped_delta(
+    update: npt.NDArray[np.float64], reference: npt.NDArray[np.float64], bound: float
+) -> tuple[npt.NDArray[np.float64], bool]:
+    """``update - reference`` scaled down to L2 norm ``bound`` when longer; and whether it was."""
+    delta = update - reference  # (dim,)
+    norm = float(np.linalg.norm(delta))
+    if norm > bound:
+        return delta * (bound / norm), True
+    return delta, False
+
+
+@dataclass(frozen=True)
+class _Round:
+    """What :meth:`SecureAggregationStrategy.configure` fixed for the round's aggregation."""
+
+    round: int
+    config: RoundConfig
+    reference: npt.NDArray[np.float64]  # (dim,) the broadcast weights, flattened in reply-tensor order
+
+
+@dataclass(frozen=True)
+class SecureRound:
+    """The last aggregated round as the simulator saw it (for tests and benchmarks): each client's vector
+    ``(a_k / A) clip_C(w_k - w)``, the protocol's result, and the global weights before and after."""
+
+    vectors: Mapping[ClientId, npt.NDArray[np.float64]]
+    shares: Mapping[ClientId, float]  # a_k / A
+    result: RoundResult
+    before: npt.NDArray[np.float64]  # (dim,)
+    after: dict[str, torch.Tensor]
+
+
+class SecureAggregationStrategy:
+    """A :class:`~fedge.algorithms.base.Strategy` whose aggregation sees only the secure sum of the updates.
+
+    Everything that is not about aggregation (evaluation, state, global weights, settings) is the wrapped strategy's.
+    """
+
+    def __init__(self, inner: Strategy, config: RunConfig, *, rand_bytes: RandBytes = os.urandom) -> None:
+        self.inner = inner
+        self.secure_config = config
+        self._rand = rand_bytes
+        self._session = rand_bytes(8).hex()  # keys are bound to it: a new coordinator never reuses one
+        specs = inner.reply_tensors()
+        weights = inner.global_weights()
+        averaging = getattr(inner, "averaging_weights", None)  # FedAvg's: data sizes, or 1 each (uniform)
+        if weights is None or not callable(averaging):
+            raise ConfigError(f"secure aggregation needs a global model and averaging weights; {inner.name} has none")
+        self._averaging: Callable[[Sequence[CheckedReply]], list[float]] = averaging
+        odd = [k for k, (shape, dtype) in specs.items() if dtype != torch.float32 or k not in weights]
+        if odd:
+            raise ConfigError(
+                f"secure aggregation sums float32 weights; this model also exchanges {odd[:3]} (not float32 or not "
+                "in the global model), which is not supported yet"
+            )
+        self._specs: dict[str, TensorSpec] = dict(specs)
+        self._dim = sum(math.prod(shape) for shape, _ in specs.values())
+        self._round: _Round | None = None
+        self._record = AggregationRecord()
+        self.last: SecureRound | None = None
+        # Fails now, not in round 1, when the degree, threshold or bound cannot fit the run's cohort.
+        self._round_config(1, [f"c{i}" for i in range(config.clients_per_round)])
+        log.info(
+            "secure aggregation (SecAgg+): each client clips its update to L2 norm %g; the server's update-norm "
+            "check is off (it needs the plaintext)",
+            config.secagg_clip,
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)  # config, settings, name, global_weights, state, ...
+
+    def _round_config(self, rnd: int, cohort: Sequence[ClientId]) -> RoundConfig:
+        c = self.secure_config
+        return RoundConfig.new(
+            run=self.inner.run_id,
+            session=self._session,
+            round=rnd,
+            clients=cohort,
+            round_seed=graph_seed(c.seed, rnd),
+            dim=self._dim,
+            bound=c.secagg_clip,
+            ring_bits=RING_BITS,
+            degree=c.secagg_degree or None,
+            threshold=c.secagg_threshold or None,
+        )
+
+    def _flatten(self, tensors: Mapping[str, torch.Tensor]) -> npt.NDArray[np.float64]:
+        parts = [tensors[k].detach().cpu().reshape(-1).to(torch.float64).numpy() for k in self._specs]
+        return np.concatenate(parts)  # (dim,)
+
+    def _unflatten(self, flat: npt.NDArray[np.float64]) -> dict[str, torch.Tensor]:
+        out, start = {}, 0
+        for k, (shape, dtype) in self._specs.items():
+            size = math.prod(shape)
+            out[k] = torch.from_numpy(flat[start : start + size].copy()).reshape(shape).to(dtype)
+            start += size
+        return out
+
+    # --- the round protocol -----------------------------------------------------------------------------------------
+
+    def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
+        plan = self.inner.configure(rnd, clients)
+        weights = self.inner.global_weights()
+        assert weights is not None  # checked in __init__
+        config = self._round_config(rnd, clients)
+        self._round = _Round(rnd, config, self._flatten(weights))
+        if plan.broadcast is None:
+            return plan
+        tensors, meta = config.to_fields()
+        params = {**plan.broadcast.params, **meta, "secagg.round_seed": config.round_seed.hex()}
+        assert set(tensors) == {"secagg.round_seed"}
+        return dataclasses.replace(plan, broadcast=dataclasses.replace(plan.broadcast, params=params))
+
+    def accept(self, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
+        """The inner strategy's checks of the envelope, tensors and report (its update-norm check is off)."""
+        return self.inner.accept(rnd, client, reply)
+
+    def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
+        return self.accept(rnd, client, reply).report
+
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
+        """Run the protocol over the replies' clipped, weighted deltas; hand the inner strategy their mean only."""
+        state = self._round
+        if state is None or state.round != rnd:
+            raise RuntimeError(f"round {rnd} was not configured by this strategy")
+        cfg, config = self.secure_config, state.config
+        ordered = sorted(replies)
+        averaging = self._averaging([replies[c] for c in ordered])
+        total = float(sum(averaging))
+        shares = {c: float(a) / total for c, a in zip(ordered, averaging, strict=True)}  # a_k / A
+        vectors: dict[ClientId, npt.NDArray[np.float64]] = {}
+        clipped = 0
+        for c in ordered:
+            new = self._flatten(replies[c].update.tensors)  # (dim,) w_k
+            delta, was_clipped = clipped_delta(new, state.reference, cfg.secagg_clip)
+            vectors[c] = delta * shares[c]  # (dim,) each coordinate in [-C, C]
+            clipped += was_clipped
+        simulated = simulated_dropouts(config.clients, cfg.simulate_dropouts, cfg.seed, rnd)
+        drop_at: dict[ClientId, Stage] = {c: s for c, s in simulated.items() if c in replies}
+        for c in config.clients:  # sampled, but without a valid reply: it never shows up in the protocol
+            if c not in replies:
+                vectors[c], drop_at[c] = np.zeros(self._dim), "advertise"
+        ledger = _ProtocolLedger(rnd)
+        metrics = {
+            "secagg_bound": config.plan.bound,
+            "secagg_ring_bits": float(config.plan.ring_bits),
+            "secagg_frac_bits": float(config.plan.frac_bits),
+            "secagg_degree": float(config.degree),
+            "secagg_threshold": float(config.threshold),
+            "secagg_clipped": float(clipped),
+        }
+        try:
+            result = run_round(
+                vectors,
+                bound=cfg.secagg_clip,
+                round_seed=config.round_seed,
+                run=config.run,
+                session=config.session,
+                round=rnd,
+                ring_bits=RING_BITS,
+                drop_at=drop_at,
+                degree=config.degree,
+                threshold=config.threshold,
+                rng=rounding_rng(cfg.seed, rnd),
+                rand_bytes=self._rand,
+                on_message=ledger,
+            )
+        except RoundAbandoned as exc:
+            gone = [c for c in sorted(drop_at) if c in replies]
+            self._record = AggregationRecord(tuple(ledger.entries), _drops(gone, drop_at, config), str(exc))
+            return metrics
+        assert result.config == config, "the protocol ran with other parameters than the round announced"
+        survivors = result.survivors
+        weight = sum(shares[c] for c in survivors)  # sum_{U3} a_k / A
+        after = self._unflatten(state.reference + result.decoded_sum / weight)
+        metrics.update(self.inner.aggregate(rnd, {SUM_CLIENT: _mean_reply(replies, survivors, after)}))
+        gone = [c for c in result.dropped if c in replies]
+        self._record = AggregationRecord(tuple(ledger.entries), _drops(gone, drop_at, config), "")
+        self.last = SecureRound(vectors, shares, result, state.reference, after)
+        return metrics | {
+            "secagg_survivors": float(len(survivors)),
+            "secagg_vanished_unmasking": float(sum(1 for c in survivors if drop_at.get(c) == "unmask")),
+            "secagg_upload_tensor_bytes": float(ledger.upload_tensor_bytes),
+            "secagg_s": sum(result.timings.values()),
+            "secagg_unmask_server_s": result.timings["unmask.server"],
+        }
+
+    def aggregation_record(self, rnd: int) -> AggregationRecord:
+        """The protocol's messages of round ``rnd`` (all but the masked uploads, which the clients' update messages
+        stand for: 4 bytes a value either way), whom it left out, and whether it gave up."""
+        record, self._record = self._record, AggregationRecord()
+        return record
+
+    # --- delegated --------------------------------------------------------------------------------------------------
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
+        return self.inner.evaluate(x, y)
+
+    def reply_tensors(self) -> dict[str, TensorSpec]:
+        return self.inner.reply_tensors()
+
+    def wire_reply_tensors(self) -> dict[str, TensorSpec]:
+        return self.inner.wire_reply_tensors()
+
+    def state(self) -> StrategyState:
+        return self.inner.state()
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
+        self.inner.load_state(tensors, values)
+
+
+class _ProtocolLedger:
+    """The ledger entries of one round's protocol messages, as :func:`fedge.secagg.run_round` sends them (its
+    ``on_message``). A masked upload gets none: the client's update message, of the same size (4 bytes a value,
+    uint32 or float32), already stands for it."""
+
+    def __init__(self, rnd: int) -> None:
+        self.round = rnd
+        self.entries: list[LedgerEntry] = []
+        self.upload_tensor_bytes = 0  # of one masked upload
+
+    def __call__(self, message: SecAggMessage, stage: Stage, direction: Direction, size: int) -> None:
+        tensor_bytes = sum(int(a.nbytes) for a in message.to_fields()[0].values())
+        if isinstance(message, MaskedInput):
+            self.upload_tensor_bytes = tensor_bytes
+            return
+        self.entries.append(LedgerEntry(self.round, direction, message.client, message.KIND, 1, tensor_bytes, size))
+
+
+def _drops(gone: Sequence[ClientId], drop_at: Mapping[ClientId, Stage], config: RoundConfig) -> tuple[Drop, ...]:
+    """Why each client that replied is not in the round's sum: it vanished (simulated), or the protocol left it out
+    with too few neighbours to recover its secrets."""
+    why = {**_VANISHED, "unmask": "vanished while unmasking"}
+    return tuple(
+        Drop(c, f"secure aggregation: {why[drop_at[c]]} (simulated)")
+        if c in drop_at
+        else Drop(c, f"secure aggregation: left out, fewer than t = {config.threshold} of its neighbours took part")
+        for c in gone
+    )
+
+
+def _mean_reply(
+    replies: Mapping[ClientId, CheckedReply], survivors: Sequence[ClientId], weights: dict[str, torch.Tensor]
+) -> CheckedReply:
+    """One reply carrying ``weights`` (the survivors' mean), their data sizes' sum and their mean loss, for the inner
+    strategy: a weighted average of one state is that state."""
+    first = replies[survivors[0]]
+    losses = [loss for c in survivors if (loss := replies[c].report.loss) is not None]
+    report = dataclasses.replace(
+        first.report,
+        num_examples=sum(replies[c].report.num_examples for c in survivors),
+        loss=sum(losses) / len(losses) if losses else None,
+    )
+    update = dataclasses.replace(first.update, client=SUM_CLIENT, tensors=weights)
+    return dataclasses.replace(first, report=report, update=update)
+
+
+def secured(strategy: Strategy, config: RunConfig) -> Strategy:
+    """``strategy`` wrapped for secure aggregation when the run asks for it, else itself."""
+    if not config.secure_aggregation:
+        return strategy
+    return SecureAggregationStrategy(strategy, config)  # type: ignore[return-value]  # a Strategy by delegation
