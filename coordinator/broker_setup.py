@@ -14,11 +14,27 @@ import grp
 import os
 import pwd
 import shlex
+import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 BROKER_USER = "mosquitto"  # the user mosquitto drops to when started as root (its default ``user``)
+SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/opt/homebrew/sbin")
+"""Where packages put daemons such as mosquitto (Debian, Ubuntu and JetPack: /usr/sbin; Homebrew: /opt/homebrew/sbin);
+root has the first two on its PATH, a normal user none of them."""
+DEFAULT_MOSQUITTO = "/usr/sbin/mosquitto"  # where apt-get install mosquitto puts it
+
+
+def find_mosquitto() -> str | None:
+    """The full path of the mosquitto binary on this machine (on PATH or in :data:`SBIN_DIRS`), or None."""
+    return shutil.which("mosquitto", path=os.pathsep.join([os.environ.get("PATH", os.defpath), *SBIN_DIRS]))
+
+
+def mosquitto_command() -> str:
+    """mosquitto as a printed command must name it: by full path, because a user who is not root does not have
+    /usr/sbin on PATH (`mosquitto: command not found`). This machine's, else where the Debian package puts it."""
+    return find_mosquitto() or DEFAULT_MOSQUITTO
 
 
 @dataclass(frozen=True)
@@ -64,7 +80,12 @@ def blocked_by(path: Path, user: str) -> Path | None:
 
 
 def broker_plan(
-    kit_broker_dir: Path, *, run: str, conf_dir: Path | None = None, as_root: bool | None = None
+    kit_broker_dir: Path,
+    *,
+    run: str,
+    conf_dir: Path | None = None,
+    as_root: bool | None = None,
+    mosquitto: str | None = None,
 ) -> BrokerPlan:
     """Where the broker's files should live and the commands that start mosquitto from them.
 
@@ -72,6 +93,7 @@ def broker_plan(
     the files (``--fleet-broker-dir``); None: where they are written, unless mosquitto started as root could not
     reach them there, in which case its home directory (``~mosquitto/fedge-<run>``). ``as_root``: whether the broker
     will be started by root (default: whether this process is root; the kit is usually made where it runs).
+    ``mosquitto``: the binary the last command runs (default: :func:`mosquitto_command`, a full path).
     """
     root = os.geteuid() == 0 if as_root is None else as_root
     written = kit_broker_dir.absolute()
@@ -96,7 +118,7 @@ def broker_plan(
     if root:
         # Idempotent, and needed on another broker host, where hand_over could not chown.
         commands.append(f"chown -R {BROKER_USER}:{BROKER_USER} {q(str(conf_dir))}")
-    commands.append(f"mosquitto -c {q(str(conf_dir / 'mosquitto.conf'))}")
+    commands.append(f"{q(mosquitto or mosquitto_command())} -c {q(str(conf_dir / 'mosquitto.conf'))}")
     return BrokerPlan(conf_dir, tuple(commands), note)
 
 

@@ -213,10 +213,15 @@ def use_plugins(entries: Sequence[str]) -> None:
     which the processes fedge starts (clients over a broker, executor workers) inherit and import in turn."""
     from fedge import plugins
 
-    given = [str(Path(e).resolve()) if e.endswith(".py") or os.sep in e else e for e in entries]
+    given = resolved_plugins(entries)
     plugins.load_plugins(given)
     known = plugins.plugin_entries(os.environ.get(plugins.ENV))
     os.environ[plugins.ENV] = ",".join([*known, *(e for e in given if e not in known)])
+
+
+def resolved_plugins(entries: Sequence[str]) -> list[str]:
+    """``--plugin`` entries as fedge imports them: a ``.py`` file (or any path) by absolute path, a module by name."""
+    return [str(Path(e).resolve()) if e.endswith(".py") or os.sep in e else e for e in entries]
 
 
 def _packet_limit(text: str) -> Any:
@@ -314,13 +319,18 @@ def _cmd_provision(args: argparse.Namespace) -> int:
     from fedge_io.experiment import prepare
     from sim.provision import provision
 
-    exp = prepare(config_from_args(args, deployment=True))  # its config.json is what the coordinator will run
-    files = provision(exp, args.out)
-    print(f"wrote {len(files)} client data files and config.json to {args.out}")
     if args.fleet_broker:
+        # Imported before anything is written: an installation without the kit's packages (the coordinator extra) is
+        # refused in one line naming the extra (MISSING_EXTRA), instead of a traceback halfway through the kit.
         from coordinator.broker_setup import broker_plan, hand_over
+        from coordinator.kit.services import device_plugins, plugin_flags
         from coordinator.run import provision_fleet
 
+    plugins = resolved_plugins(args.plugin)
+    exp = prepare(config_from_args(args, deployment=True))  # its config.json is what the coordinator will run
+    files = provision(exp, args.out, plugins=plugins)
+    print(f"wrote {len(files)} client data files and config.json to {args.out}")
+    if args.fleet_broker:
         kit_dir = args.out.absolute() / "kit"
         plan = broker_plan(kit_dir / "broker", run=args.run, conf_dir=args.fleet_broker_dir)
         kit = provision_fleet(
@@ -344,23 +354,29 @@ def _cmd_provision(args: argparse.Namespace) -> int:
         for command in plan.commands:
             print(f"    {command}")
         out = args.out.absolute()
-        print("then the coordinator:")
-        print(f"    fedge coordinator --bundle {kit.coordinator_dir} --config {out / 'config.json'} --out runs/")
-        print(
-            "each client, on its device, with clients/<id>/ and <id>.safetensors (and shared.safetensors, if written):"
-        )
-        print("    fedge client --bundle clients/<id> --data <id>.safetensors --device auto")
+        coordinator = ["fedge", "coordinator", "--bundle", str(kit.coordinator_dir)]
+        coordinator += ["--config", str(out / "config.json"), "--run-dir", str(out / "runs" / args.run)]
+        coordinator += plugin_flags(plugins)
+        print("then the coordinator (the same command continues the run after a stop):")
+        print(f"    {shlex.join(coordinator)}")
+        # A plugin file goes to each device beside its data file; the device's command names it there.
+        copied = "".join(f", {Path(p).name}" for p in plugins if device_plugins([p]) != [p])
+        shared = " (and shared.safetensors, if written)"
+        print(f"each client, on its device, with clients/<id>/, <id>.safetensors{copied}{shared}:")
+        flags = "".join(f" {shlex.quote(w)}" for w in plugin_flags(device_plugins(plugins)))
+        print(f"    fedge client --bundle clients/<id> --data <id>.safetensors --device auto{flags}")
         print("and watch the run (read-only login):")
-        print(f"    fedge status --bundle {kit.root / 'monitor'}")
+        print(f"    {shlex.join(['fedge', 'status', '--bundle', str(kit.root / 'monitor')])}")
         print(f"keep {kit.root / 'ca'} offline: it only serves to issue new certificates")
-        _write_services(args, kit.root, kit.coordinator_dir, plan.conf_dir)
+        _write_services(args, kit.root, kit.coordinator_dir, plan.conf_dir, plugins)
     return 0
 
 
-def _write_services(args: argparse.Namespace, kit_root: Path, coordinator_bundle: Path, broker_conf_dir: Path) -> None:
+def _write_services(
+    args: argparse.Namespace, kit_root: Path, coordinator_bundle: Path, broker_conf_dir: Path, plugins: Sequence[str]
+) -> None:
     """The kit's systemd units (coordinator.kit.services), with this machine's fedge and mosquitto."""
-    import shutil
-
+    from coordinator.broker_setup import mosquitto_command
     from coordinator.kit.services import install_commands, write_units
 
     script = Path(sys.executable).with_name("fedge")
@@ -369,16 +385,17 @@ def _write_services(args: argparse.Namespace, kit_root: Path, coordinator_bundle
     write_units(
         kit_root / "systemd",
         args.run,
-        mosquitto=Path(shutil.which("mosquitto") or "/usr/sbin/mosquitto"),
+        mosquitto=Path(mosquitto_command()),
         broker_conf_dir=broker_conf_dir,
         fedge=fedge,
         coordinator_bundle=coordinator_bundle,
         config=out / "config.json",
         run_dir=out / "runs" / args.run,
         device_root=args.fleet_device_root,
+        plugins=plugins,
     )
     print(f"or run them all as services: {kit_root / 'systemd'}")
-    for line in install_commands(args.run, args.fleet_device_root)[1:]:
+    for line in install_commands(args.run, args.fleet_device_root, plugins)[1:]:
         print(f"  {line}")
 
 
@@ -778,6 +795,8 @@ def _terminate(signum: int, frame: types.FrameType | None) -> None:
 # The packages outside fedge's base (pyproject.toml) by the extra that installs them: a client-only install
 # (`pip install fedge[client]`) that runs another role's command is told what to install, not shown a traceback.
 MISSING_EXTRA = {
+    "pwdlib": "coordinator",
+    "argon2": "coordinator",
     "matplotlib": "coordinator",
     "sklearn": "coordinator",
     "cryptography": "coordinator",

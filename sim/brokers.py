@@ -31,7 +31,6 @@ import errno
 import json
 import logging
 import os
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -46,11 +45,10 @@ from amqtt.plugins.authentication import FileAuthPlugin
 from amqtt.plugins.topic_checking import TopicAccessControlListPlugin
 from amqtt.session import Session
 
+from coordinator.broker_setup import find_mosquitto as find_mosquitto_binary
 from fedge.errors import TransportError
 
 log = logging.getLogger(__name__)
-
-MOSQUITTO_PATHS = ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto", "/opt/homebrew/sbin/mosquitto")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -212,7 +210,7 @@ def embedded_broker(
 
 def find_mosquitto() -> str:
     """Path of the mosquitto binary; TransportError saying how to install it if there is none."""
-    found = shutil.which("mosquitto") or next((p for p in MOSQUITTO_PATHS if Path(p).exists()), None)
+    found = find_mosquitto_binary()
     if found is None:
         raise TransportError(
             "mosquitto is not installed: apt-get install mosquitto (Debian/Ubuntu/JetPack) or brew install mosquitto; "

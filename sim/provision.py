@@ -8,11 +8,14 @@ The laptop runner uses the same function, so a laptop run and a deployment see i
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from edge_client.data import ClientDataInfo, save_client_data, save_shared_data
 from fedge.types import ClientId
 from fedge_io.experiment import Experiment
+from fedge_io.provenance import provenance
 
 
 def write_client_files(exp: Experiment, directory: Path) -> dict[ClientId, Path]:
@@ -31,8 +34,13 @@ def write_client_files(exp: Experiment, directory: Path) -> dict[ClientId, Path]
     return out
 
 
-def provision(exp: Experiment, directory: Path) -> dict[ClientId, Path]:
-    """:func:`write_client_files` plus the resolved ``config.json`` the coordinator should run with."""
+def provision(exp: Experiment, directory: Path, *, plugins: Sequence[str] = ()) -> dict[ClientId, Path]:
+    """:func:`write_client_files` plus the resolved ``config.json`` the coordinator should run with.
+
+    ``plugins``: the ``--plugin`` entries the run's model or dataset comes from, recorded in config.json's ``fedge``
+    record (with fedge's version; RunConfig.from_dict skips it): its coordinator and clients need them too.
+    """
     files = write_client_files(exp, directory)
-    (directory / "config.json").write_text(exp.config.to_json() + "\n")
+    written = {**exp.config.to_dict(), "fedge": {**provenance(), "plugins": list(plugins)}}
+    (directory / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     return files

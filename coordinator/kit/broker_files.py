@@ -8,6 +8,11 @@ import hashlib
 import secrets
 from pathlib import Path
 
+# amqtt's own hashing library, in the coordinator extra. Imported here, not where it is used: a kit is written only
+# after its modules loaded, so an installation without it is refused before any file exists (fedge_cli.main).
+from pwdlib import PasswordHash
+from pwdlib.hashers.argon2 import Argon2Hasher
+
 from coordinator.kit.accounts import PBKDF2_ITERATIONS, SALT_BYTES, FleetSpec, Grant
 from fedge.errors import ConfigError
 
@@ -27,9 +32,6 @@ def mosquitto_password_line(
 
 def amqtt_password_line(username: str, password: str) -> str:
     """``username:<argon2 hash>`` for amqtt's FileAuthPlugin (which reads Argon2 or the deprecated sha512-crypt)."""
-    from pwdlib import PasswordHash  # amqtt's own hashing library
-    from pwdlib.hashers.argon2 import Argon2Hasher
-
     # Cheapest Argon2 parameters: the secret is 256 random bits, so a costly hash would only slow every CONNECT
     # down (amqtt verifies on its event loop) without making the secret any harder to guess.
     hasher = PasswordHash((Argon2Hasher(time_cost=1, memory_cost=1024, parallelism=1),))

@@ -15,6 +15,10 @@
   restarting would not change the answer; any other exit is (a broker not reachable yet exits 2, as a wrong
   configuration does).
 
+A run whose model or dataset comes from a plugin (``fedge provision --plugin ...``) names it in the coordinator's and
+the clients' commands: a module by name, a ``.py`` file by this machine's path for the coordinator and, for a device,
+by its name in the device's folder (copied there beside its data file).
+
 The coordinator's paths are this machine's (where ``fedge provision`` ran, which is where the kit says the coordinator
 runs); the broker's are the kit's broker directory on the broker host. Every unit is checked with ``systemd-analyze
 verify`` in ``tests/coordinator/test_services.py``.
@@ -43,6 +47,28 @@ def _command(words: Sequence[str]) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
+def is_plugin_file(entry: str) -> bool:
+    """Whether a ``--plugin`` entry is a Python file (copied to each device) rather than an importable module."""
+    return entry.endswith(".py") or "/" in entry
+
+
+def device_plugins(plugins: Sequence[str], folder: str | None = None) -> list[str]:
+    """``plugins`` as a device names them: a file by its name in the device's ``folder`` (None: the working
+    directory, where its data file is), a module as it is."""
+
+    def on_device(entry: str) -> str:
+        if not is_plugin_file(entry):
+            return entry
+        return Path(entry).name if folder is None else f"{folder}/{Path(entry).name}"
+
+    return [on_device(e) for e in plugins]
+
+
+def plugin_flags(plugins: Sequence[str]) -> list[str]:
+    """``--plugin P`` for each entry."""
+    return [word for entry in plugins for word in ("--plugin", entry)]
+
+
 def broker_unit(run: str, *, mosquitto: Path, conf_dir: Path) -> str:
     return f"""[Unit]
 Description=fedge fleet broker of run {run} (mosquitto)
@@ -61,13 +87,24 @@ WantedBy=multi-user.target
 
 
 def coordinator_unit(
-    run: str, *, fedge: Sequence[str | Path], bundle: Path, config: Path, run_dir: Path, broker_unit_name: str | None
+    run: str,
+    *,
+    fedge: Sequence[str | Path],
+    bundle: Path,
+    config: Path,
+    run_dir: Path,
+    broker_unit_name: str | None,
+    plugins: Sequence[str] = (),
 ) -> str:
     """``fedge``: the command that runs fedge on the coordinator's machine (e.g. ``[python, "-m",
-    "fedge_cli.main"]``)."""
+    "fedge_cli.main"]``); ``plugins``: the run's ``--plugin`` entries (files by this machine's path)."""
     after = f" {broker_unit_name}" if broker_unit_name else ""
     command = [*(_path(Path(w)) for w in fedge), "coordinator", "--bundle", _path(bundle), "--config", _path(config)]
-    command += ["--run-dir", _path(run_dir)]
+    command += [
+        "--run-dir",
+        _path(run_dir),
+        *plugin_flags([_path(Path(p)) if is_plugin_file(p) else p for p in plugins]),
+    ]
     return f"""[Unit]
 Description=fedge coordinator of run {run}
 After=network-online.target{after}
@@ -86,11 +123,13 @@ WantedBy=multi-user.target
 """
 
 
-def client_unit(run: str, *, device_root: Path) -> str:
-    """The template ``fedge-<run>-client@.service``; ``%i`` is the client id."""
+def client_unit(run: str, *, device_root: Path, plugins: Sequence[str] = ()) -> str:
+    """The template ``fedge-<run>-client@.service``; ``%i`` is the client id. ``plugins``: the run's ``--plugin``
+    entries; a file is expected in the device's folder."""
     home = f"{_path(device_root / run)}/%i"
     command = [_path(device_root / "venv" / "bin" / "fedge"), "client", "--bundle", f"{home}/bundle"]
-    command += ["--data", f"{home}/%i.safetensors", "--device", "auto"]
+    on_device = [_path(Path(p)) if is_plugin_file(p) else p for p in plugins]
+    command += ["--data", f"{home}/%i.safetensors", "--device", "auto", *plugin_flags(device_plugins(on_device, home))]
     return f"""[Unit]
 Description=fedge client %i of run {run}
 After=network-online.target
@@ -121,8 +160,10 @@ def write_units(
     config: Path,
     run_dir: Path,
     device_root: Path = DEFAULT_DEVICE_ROOT,
+    plugins: Sequence[str] = (),
 ) -> dict[str, Path]:
-    """Write the three unit files into ``out`` (made if absent); their paths by role."""
+    """Write the three unit files into ``out`` (made if absent); their paths by role. ``plugins``: the run's
+    ``--plugin`` entries, as this machine resolves them (files by absolute path)."""
     out.mkdir(parents=True, exist_ok=True)
     broker = f"fedge-{run}-broker.service"
     units = {
@@ -130,29 +171,37 @@ def write_units(
         "coordinator": (
             f"fedge-{run}-coordinator.service",
             coordinator_unit(
-                run, fedge=fedge, bundle=coordinator_bundle, config=config, run_dir=run_dir, broker_unit_name=broker
+                run,
+                fedge=fedge,
+                bundle=coordinator_bundle,
+                config=config,
+                run_dir=run_dir,
+                broker_unit_name=broker,
+                plugins=plugins,
             ),
         ),
-        "client": (f"fedge-{run}-client@.service", client_unit(run, device_root=device_root)),
+        "client": (f"fedge-{run}-client@.service", client_unit(run, device_root=device_root, plugins=plugins)),
     }
     paths = {}
     for role, (name, text) in units.items():
         (out / name).write_text(text)
         paths[role] = out / name
-    (out / "README.txt").write_text("\n".join(install_commands(run, device_root)) + "\n")
+    (out / "README.txt").write_text("\n".join(install_commands(run, device_root, plugins)) + "\n")
     return paths
 
 
-def install_commands(run: str, device_root: Path = DEFAULT_DEVICE_ROOT) -> list[str]:
+def install_commands(run: str, device_root: Path = DEFAULT_DEVICE_ROOT, plugins: Sequence[str] = ()) -> list[str]:
     """How to install the units, host by host (also printed by ``fedge provision``)."""
     home = device_root / run
+    files = [Path(p).name for p in plugins if is_plugin_file(p)]
+    extra = f", {', '.join(files)}" if files else ""
     return [
         f"systemd units of run {run!r} (copy each to /etc/systemd/system/ on its host, as root):",
         f"  broker host:  systemctl enable --now fedge-{run}-broker",
         f"  coordinator:  systemctl enable --now fedge-{run}-coordinator   (restarted, it resumes the run)",
         f"  each device:  fedge in {device_root / 'venv'} (python3 -m venv {device_root / 'venv'} && "
         f"{device_root / 'venv' / 'bin' / 'pip'} install 'fedge[client]'),",
-        f"                clients/<id>/ copied to {home}/<id>/bundle/ (cp -rp: keep its modes), <id>.safetensors",
-        f"                (and shared.safetensors, if written) to {home}/<id>/, then",
+        f"                clients/<id>/ copied to {home}/<id>/bundle/ (cp -rp: keep its modes),",
+        f"                <id>.safetensors{extra} (and shared.safetensors, if written) to {home}/<id>/, then",
         f"                systemctl enable --now fedge-{run}-client@<id>",
     ]

@@ -10,6 +10,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coordinator.broker_setup import mosquitto_command
 from coordinator.kit.accounts import COORDINATOR, MONITOR, PASSWORD_FILE, FleetSpec, fleet_acl, fleet_username
 from coordinator.kit.broker_files import amqtt_password_line, mosquitto_acl, mosquitto_conf, mosquitto_password_line
 from coordinator.kit.pki import Issued, issue, make_ca
@@ -138,7 +139,7 @@ def _readme(spec: FleetSpec, conf_dir: Path) -> str:
         "",
         f"broker/       -> the broker host, at {conf_dir}; chown it to the user mosquitto runs as (started as",
         "                 root, mosquitto reads its files as user 'mosquitto')",
-        f"                 then: mosquitto -c {conf_dir / 'mosquitto.conf'}",
+        f"                 then: {mosquitto_command()} -c {conf_dir / 'mosquitto.conf'}",
         "coordinator/  -> the machine of the coordinator (its bundle: fedge reads it with --bundle)",
         "monitor/      -> wherever you watch the run from: fedge status --bundle monitor (reads the run status only)",
         "clients/<id>/ -> device <id>, one directory each (copy it whole, keep its mode: scp -rp)",

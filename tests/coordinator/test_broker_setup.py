@@ -13,10 +13,16 @@ import uuid
 from pathlib import Path
 
 import pytest
-from kit_support import fedge_provision, open_dir, printed_commands, start_as_printed  # noqa: F401 - a fixture
+from kit_support import (  # noqa: F401 - a fixture
+    USER_PATH,
+    fedge_provision,
+    open_dir,
+    printed_commands,
+    start_as_printed,
+)
 from mqtt_support import require_mosquitto
 
-from coordinator.broker_setup import BROKER_USER, blocked_by, broker_plan
+from coordinator.broker_setup import BROKER_USER, blocked_by, broker_plan, mosquitto_command
 from coordinator.kit.accounts import FleetSpec
 from coordinator.kit.writer import generate_fleet_kit
 from fedge.wire.protocol import Topics
@@ -27,6 +33,7 @@ from sim.brokers import free_port, stop_process
 pytestmark = pytest.mark.broker
 
 AS_ROOT = os.geteuid() == 0 and shutil.which("runuser") is not None
+MOSQUITTO = mosquitto_command()  # by full path: /usr/sbin is not on a normal user's PATH
 needs_root = pytest.mark.skipif(not AS_ROOT, reason="needs root (mosquitto dropping to its own user)")
 
 
@@ -72,7 +79,7 @@ def test_provision_as_root_prints_commands_that_start_mosquitto_as_its_own_user(
     out = provision(open_dir / "fleet", port, run)
     commands = printed_commands(out)
     broker_dir = open_dir / "fleet" / "kit" / "broker"
-    assert commands == [f"chown -R mosquitto:mosquitto {broker_dir}", f"mosquitto -c {broker_dir}/mosquitto.conf"]
+    assert commands == [f"chown -R mosquitto:mosquitto {broker_dir}", f"{MOSQUITTO} -c {broker_dir}/mosquitto.conf"]
     # provision already handed the files over: the broker's user owns them, the devices' secrets stay root's.
     account = pwd.getpwnam(BROKER_USER)
     assert (broker_dir / "passwd").stat().st_uid == account.pw_uid
@@ -104,7 +111,7 @@ def test_a_kit_the_broker_user_cannot_reach_is_copied_to_its_home(tmp_path: Path
         out = provision(tmp_path / "fleet", port, run)
         assert f"user {BROKER_USER} cannot enter" in out
         commands = printed_commands(out)
-        assert commands[-1] == f"mosquitto -c {target}/mosquitto.conf"
+        assert commands[-1] == f"{MOSQUITTO} -c {target}/mosquitto.conf"
         assert f"password_file {target}/passwd" in (tmp_path / "fleet/kit/broker/mosquitto.conf").read_text()
         broker = start_as_printed(commands, port)
         try:
@@ -139,7 +146,7 @@ def test_an_unprivileged_user_starts_the_broker_as_printed(open_dir: Path) -> No
     port, run = free_port(), "lab"
     kit_dir = open_dir / "kit"
     plan = broker_plan(kit_dir / "broker", run=run, as_root=False)
-    assert plan.commands == (f"mosquitto -c {kit_dir}/broker/mosquitto.conf",)
+    assert plan.commands == (f"{MOSQUITTO} -c {kit_dir}/broker/mosquitto.conf",)
     spec = FleetSpec(run, ("c000", "c001"), ("127.0.0.1",), 50_000, port=port, bind_address="127.0.0.1")
     generate_fleet_kit(spec, kit_dir, broker_config_dir=plan.conf_dir)
     for path in [open_dir, *open_dir.rglob("*")]:  # as if nobody had made the kit
@@ -160,7 +167,19 @@ def test_the_plan_for_a_user_who_is_not_root_and_paths_that_need_quoting(tmp_pat
     assert plan.commands == (
         f"install -d -m 0700 '{target}'",
         f"cp -a '{kit}'/. '{target}'/",
-        f"mosquitto -c '{target}/mosquitto.conf'",
+        f"{MOSQUITTO} -c '{target}/mosquitto.conf'",
     )
     # Run by a user who is not root, mosquitto stays that user: nothing to hand over, wherever the kit is.
-    assert broker_plan(kit, run="lab", as_root=False).commands == (f"mosquitto -c '{kit}/mosquitto.conf'",)
+    assert broker_plan(kit, run="lab", as_root=False).commands == (f"{MOSQUITTO} -c '{kit}/mosquitto.conf'",)
+
+
+def test_the_printed_mosquitto_is_found_by_full_path_without_sbin_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user who is not root has no /usr/sbin on PATH: a bare `mosquitto -c ...` is `command not found` there."""
+    require_mosquitto()
+    monkeypatch.setenv("PATH", USER_PATH)
+    binary = mosquitto_command()
+    assert Path(binary).is_absolute() and os.access(binary, os.X_OK), binary
+    (command,) = broker_plan(Path("/srv/kit/broker"), run="lab", as_root=False).commands
+    assert command == f"{binary} -c /srv/kit/broker/mosquitto.conf"
+    done = subprocess.run(["bash", "-c", f"{binary} -h"], capture_output=True, text=True, env={"PATH": USER_PATH})
+    assert "mosquitto version" in done.stdout + done.stderr

@@ -8,6 +8,7 @@ after a kill, leave a finished run alone) is tested in test_resume.py.
 
 from __future__ import annotations
 
+import json
 import shlex
 import shutil
 import subprocess
@@ -15,13 +16,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from kit_support import fedge_provision
 
 from coordinator.broker_setup import broker_plan
 from coordinator.kit.services import CLIENT_FINAL_EXITS
+from fedge.config import RunConfig
 from fedge_cli.main import build_parser, main
 from sim.brokers import free_port
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+ROOT = Path(__file__).resolve().parents[2]
+WINE_PLUGIN = ROOT / "examples" / "custom_model" / "wine_plugin.py"
 
 
 def exec_start(unit: Path, instance: str = "") -> list[str]:
@@ -56,6 +61,41 @@ def test_every_exec_start_is_a_command_fedge_and_mosquitto_accept(kit: tuple[Pat
     conf_dir = broker_plan(units.parent / "broker", run="lab").conf_dir  # where the printed commands put the files
     assert broker[1:] == ["-c", str(conf_dir / "mosquitto.conf")]
     assert "systemctl enable --now fedge-lab-client@<id>" in (units / "README.txt").read_text()
+
+
+def printed_line(out: str, start: str) -> list[str]:
+    """The one printed command line that begins with ``start``, as words."""
+    (line,) = [x.strip() for x in out.splitlines() if x.strip().startswith(start)]
+    return shlex.split(line)
+
+
+def test_a_plugins_run_names_its_plugin_in_every_printed_command_unit_and_config(tmp_path: Path) -> None:
+    """A model from ``--plugin``: the coordinator, clients and units need it too (without it they cannot build the
+    model), and the kit's config.json records it."""
+    out, device_root = tmp_path / "fleet", tmp_path / "device"
+    argv = ["--out", str(out), "--run", "lab", "--plugin", str(WINE_PLUGIN), "--dataset", "wine"]
+    argv += ["--algorithm", "fedavg", "--num-clients", "2", "--partition", "iid", "--fleet-broker", "127.0.0.1"]
+    printed = fedge_provision([*argv, "--fleet-device-root", str(device_root)])
+    parser = build_parser()
+
+    coordinator = parser.parse_args(printed_line(printed, "fedge coordinator")[1:])
+    assert coordinator.plugin == [str(WINE_PLUGIN)]
+    assert coordinator.run_dir == out.absolute() / "runs" / "lab"  # the form that also continues a stopped run
+    assert Path(coordinator.config) == out.absolute() / "config.json"
+    client = parser.parse_args([w.replace("<id>", "c000") for w in printed_line(printed, "fedge client")[1:]])
+    assert client.plugin == [WINE_PLUGIN.name]  # beside its data file on the device, as the printed line says
+    assert f"c000.safetensors, {WINE_PLUGIN.name}" in printed.replace("<id>", "c000")
+
+    units = out / "kit" / "systemd"
+    unit = exec_start(units / "fedge-lab-coordinator.service")
+    assert parser.parse_args(unit[unit.index("coordinator") :]).plugin == [str(WINE_PLUGIN)]
+    unit = exec_start(units / "fedge-lab-client@.service", "c001")
+    assert parser.parse_args(unit[1:]).plugin == [str(device_root / "lab" / "c001" / WINE_PLUGIN.name)]
+    assert f"c001.safetensors, {WINE_PLUGIN.name}" in (units / "README.txt").read_text().replace("<id>", "c001")
+
+    recorded = json.loads((out / "config.json").read_text())
+    assert recorded["fedge"]["plugins"] == [str(WINE_PLUGIN)]
+    assert RunConfig.from_dict(recorded).dataset == "wine"  # the record is not a setting
 
 
 def test_a_device_that_boots_before_its_broker_is_restarted_and_a_refused_one_is_not(kit: tuple[Path, Path]) -> None:

@@ -1,8 +1,9 @@
 """docs/deployment.md's "A first secure fleet on one machine, step by step", run as the doc prints it.
 
 The commands are read from the doc itself: every fenced block after a ``<!-- walkthrough: STEP -->`` marker. Each
-block runs with ``bash -c`` in an empty directory every user can enter, with ``fedge`` and ``mosquitto`` on ``PATH``;
-the only substitution is a free port for ``8883``. Blocks the doc runs "in a terminal of its own" run in the
+block runs with ``bash -c`` in an empty directory every user can enter, with a normal user's ``PATH`` and ``fedge``
+on it (mosquitto, in /usr/sbin, is not: the doc names it by its full path, as ``fedge provision`` prints it); the only
+substitution is a free port for ``8883``. Blocks the doc runs "in a terminal of its own" run in the
 background, each in a process group of its own that the test stops at the end. A doc that breaks (a command that
 fails, a broker block that is not what ``fedge provision`` prints, a missing step) fails this test.
 
@@ -30,11 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from kit_support import open_dir, printed_commands  # noqa: F401 - a fixture
+from kit_support import USER_PATH, open_dir, printed_commands  # noqa: F401 - a fixture
 from mqtt_support import require_mosquitto
 from signal_support import default_sigint
 
-from sim.brokers import find_mosquitto, free_port, wait_for_port
+from sim.brokers import free_port, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "deployment.md"
@@ -174,7 +175,8 @@ def test_the_steps_are_read_from_the_doc_and_a_changed_doc_fails(tmp_path: Path)
     steps = walkthrough()
     assert "fedge coordinator --bundle fleet/kit/coordinator" in steps["coordinator"]
     assert steps["resume"] == steps["coordinator"]  # the same command continues the run
-    assert commands_of(steps["broker"], Path("/w")) == [["mosquitto", "-c", "/w/fleet/kit/broker/mosquitto.conf"]]
+    broker = [["/usr/sbin/mosquitto", "-c", "/w/fleet/kit/broker/mosquitto.conf"]]
+    assert commands_of(steps["broker"], Path("/w")) == broker
     doc = tmp_path / "deployment.md"
     doc.write_text(DOC.read_text().replace("<!-- walkthrough: status -->\n", ""))  # a step lost its marker
     with pytest.raises(AssertionError, match="walkthrough steps"):
@@ -207,9 +209,8 @@ def provision_and_start_broker(folder: Path, shells: list[Shell], user: str | No
         account = pwd.getpwnam(user)
         os.chown(work, account.pw_uid, account.pw_gid)
     env = {
-        "PATH": os.pathsep.join(
-            [str(bin_dir), str(Path(find_mosquitto()).parent), "/usr/local/bin", "/usr/bin", "/bin"]
-        ),
+        # A normal user's PATH: no /usr/sbin, so the doc and provision name mosquitto by its full path.
+        "PATH": os.pathsep.join([str(bin_dir), USER_PATH]),
         "HOME": str(work),
         "LANG": "C.UTF-8",
         **fedge_command(bin_dir, user),

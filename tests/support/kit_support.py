@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
 import sys
@@ -46,13 +47,20 @@ def printed_commands(out: str) -> list[str]:
     return commands
 
 
+USER_PATH = "/usr/local/bin:/usr/bin:/bin"
+"""A normal user's PATH (Debian's default for users who are not root): no /usr/sbin, where mosquitto is."""
+
+
 def start_as_printed(commands: Sequence[str], port: int, *, user: str | None = None) -> subprocess.Popen[bytes]:
-    """Run every printed command in order with a shell (as ``user``); the last one, mosquitto, in the background.
-    Stop it with :func:`sim.brokers.stop_process` (``bash -c`` execs a single command, so the PID is mosquitto's)."""
-    wrap = (lambda c: ["runuser", "-u", user, "--", "bash", "-c", c]) if user else (lambda c: ["bash", "-c", c])
+    """Run every printed command in order with a shell (as ``user``, with a normal user's PATH); the last one,
+    mosquitto, in the background. Stop it with :func:`sim.brokers.stop_process` (``bash -c`` execs a single command,
+    so the PID is mosquitto's)."""
+    as_user = ["runuser", "-u", str(user), "--", "env", f"PATH={USER_PATH}"]
+    wrap = (lambda c: [*as_user, "bash", "-c", c]) if user else (lambda c: ["bash", "-c", c])
     for command in commands[:-1]:
         subprocess.run(wrap(command), check=True, timeout=30)
-    assert commands[-1].startswith("mosquitto -c "), commands
+    binary = shlex.split(commands[-1])[0]
+    assert Path(binary).is_absolute() and Path(binary).name == "mosquitto", commands  # found without /usr/sbin on PATH
     broker = subprocess.Popen(wrap(commands[-1]), stderr=subprocess.PIPE)
     if not wait_for_port("127.0.0.1", port, 10.0):
         stop_process(broker)
