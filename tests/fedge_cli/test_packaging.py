@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import json
+import re
+import shlex
 import subprocess
 import venv
 from pathlib import Path
@@ -226,3 +228,91 @@ def test_a_client_only_environment_holds_what_secure_aggregation_needs(client_py
     probe = "import fedge.secagg.keys, fedge.secagg.protocol; print('ok')"
     done = subprocess.run([str(client_python), "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_FENCED = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+_INLINE = re.compile(r"`([^`]+)`")
+_PIP_VALUE_OPTIONS = {"-c", "--constraint", "-r", "--requirement", "-i", "--index-url", "--extra-index-url", "-f"}
+
+
+def _name(text: str) -> str:
+    return re.sub(r"[-_.]+", "-", text).lower()
+
+
+def pip_installs(code: str) -> list[tuple[set[str], bool]]:
+    """Each ``pip install`` command in a piece of shell: (the distributions it names, whether it brings their
+    dependencies). fedge itself is named ``fedge`` whether given by name, by path or as ``.``; a wheel file by its
+    distribution's name."""
+    found = []
+    for command in re.split(r"&&|\|\||;|\n", code.replace("\\\n", " ")):
+        try:
+            words = shlex.split(command, comments=True)
+        except ValueError:
+            continue
+        starts = [i for i, w in enumerate(words[:-1]) if Path(w).name in ("pip", "pip3") and words[i + 1] == "install"]
+        if not starts:
+            continue
+        args, names, skip = words[starts[0] + 2 :], set(), False
+        for word in args:
+            if skip or word in _PIP_VALUE_OPTIONS:
+                skip = not skip
+                continue
+            if word.startswith("-"):
+                continue
+            if word.endswith(".whl"):
+                names.add(_name(Path(word).name.split("-")[0]))
+            elif word.startswith((".", "/")) or "fedge" in Path(word.split("[")[0]).name:
+                names.add("fedge")  # a checkout (., /path/to/fedge) or fedge[...] by name
+            else:
+                names.add(_name(Requirement(word).name))
+        found.append((names, "--no-deps" not in args))
+    return found
+
+
+def doc_sections(doc: Path) -> dict[str, str]:
+    """A Markdown file's sections (by heading) and their code: fenced blocks and inline spans."""
+    sections: dict[str, str] = {}
+    heading, lines, fenced = doc.name, [], False
+    for line in [*doc.read_text().splitlines(), "# end"]:
+        fenced ^= line.startswith("```")
+        if line.startswith("#") and not fenced:
+            text = "\n".join(lines)
+            sections[heading] = "\n".join([*_FENCED.findall(text), *_INLINE.findall(_FENCED.sub("", text))])
+            heading, lines = f"{doc.name}: {line.strip('# ')}", []
+        else:
+            lines.append(line)
+    return sections
+
+
+def test_every_documented_install_brings_fedges_whole_base() -> None:
+    """An install that takes fedge without its dependencies (a Jetson keeps NVIDIA's torch: ``--no-deps``) must name
+    every other package of the base (pyproject.toml's ``dependencies``) in the same section of the docs; one that
+    left ``tabulate`` out made every ``fedge`` command a traceback on the board."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {_name(Requirement(r).name) for r in project["dependencies"]}
+    assert {"torch", "numpy", "tabulate", "paho-mqtt"} <= base
+    checked = []
+    for doc in DOCS:
+        for heading, code in doc_sections(doc).items():
+            installs = pip_installs(code)
+            if not any("fedge" in names and not deps for names, deps in installs):
+                continue  # fedge with its dependencies (or not at all): pip brings the base
+            named = set().union(*(names for names, _ in installs))
+            assert base <= named, f"{heading}: installs fedge --no-deps but not {sorted(base - named)}"
+            checked.append(heading)
+    assert any("Jetson" in h for h in checked), checked  # the parser still finds the board's install
+
+
+def test_the_install_parser_reads_what_pip_would() -> None:
+    code = (
+        "python3 -m venv /opt/fedge/venv && /opt/fedge/venv/bin/pip install 'fedge[client]'\n"
+        'pip install --no-deps -e /path/to/fedge && pip install "numpy>=1.24" paho_mqtt -c constraints.txt\n'
+        "pip install torch-2.5.0a0+872d972e41.nv24.08-cp310-cp310-linux_aarch64.whl"
+    )
+    assert pip_installs(code) == [
+        ({"fedge"}, True),
+        ({"fedge"}, False),
+        ({"numpy", "paho-mqtt"}, True),
+        ({"torch"}, True),
+    ]
