@@ -17,6 +17,7 @@ supersedes are deleted after that, so a crash at any point leaves a journal whos
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from coordinator.engine import RoundEngine, RunHistory
@@ -69,6 +70,7 @@ class RunJournal:
         self.stores = dict(stores or {})
         self.changed = changed
         self.client_files: dict[ClientId, str] = {}  # the committed file of each client's store
+        self.client_digests: dict[ClientId, str] = {}  # their SHA-256, signed with the journal
         self.previous_files: dict[ClientId, str] = {}  # those of the previous journal (the fallback) are kept too
         if not resume:
             self.writer = RunWriter(run_dir, config, partition)
@@ -108,26 +110,32 @@ class RunJournal:
             metrics_bytes, ledger_bytes = self.writer.round(record, entries)
             if history.per_class_history:  # up to this round's evaluation: conclusions run in round order
                 tensors[_PER_CLASS] = torch.from_numpy(np.stack(history.per_class_history))  # (evaluations, C)
-            files = self._write_client_stores(rnd, stores)
-            state = RunState(rnd, tensors, {**values, "client_files": files}, metrics_bytes, ledger_bytes)
+            files, digests = self._write_client_stores(rnd, stores)
+            state = RunState(
+                rnd, tensors, {**values, "client_files": files, "client_sha256": digests}, metrics_bytes, ledger_bytes
+            )
             write_journal(self.run_dir, self.config, state)
-            self.previous_files, self.client_files = self.client_files, files
+            self.previous_files, self.client_files, self.client_digests = self.client_files, files, digests
             self._delete_stale_client_files()
 
         return commit
 
-    def _write_client_stores(self, rnd: int, stores: Mapping[ClientId, ClientStore]) -> dict[ClientId, str]:
-        """Write the stores that changed into new files; the mapping the next journal commits."""
-        files = dict(self.client_files)
+    def _write_client_stores(
+        self, rnd: int, stores: Mapping[ClientId, ClientStore]
+    ) -> tuple[dict[ClientId, str], dict[ClientId, str]]:
+        """Write the stores that changed into new files; the mapping the next journal commits, and each file's
+        SHA-256 (the journal signs them, so a store altered after the run is refused on resume)."""
+        files, digests = dict(self.client_files), dict(self.client_digests)
         directory = self.run_dir / CLIENT_DIR
         for client, store in stores.items():
             if not store and client not in files:
                 continue
             directory.mkdir(exist_ok=True)
             name = f"{client}-{rnd:06d}.safetensors"
-            atomic_write(directory / name, st_save(dict(store)))
-            files[client] = name
-        return files
+            data = st_save(dict(store))
+            atomic_write(directory / name, data)
+            files[client], digests[client] = name, hashlib.sha256(data).hexdigest()
+        return files, digests
 
     def _delete_stale_client_files(self) -> None:
         directory = self.run_dir / CLIENT_DIR
@@ -168,7 +176,8 @@ class RunJournal:
         strategy_values = state.values.get("strategy", {})
         self.engine.strategy.load_state(_part(_STRATEGY, state.tensors), strategy_values)
         files = state.values.get("client_files", {})
-        if not isinstance(files, dict):
+        digests = state.values.get("client_sha256")  # absent in journals from before store digests
+        if not isinstance(files, dict) or not isinstance(digests, (dict, type(None))):
             raise JournalError(f"the journal in {self.run_dir} names its clients' files wrongly")
         for client, store in self.stores.items():
             store.clear()
@@ -178,11 +187,20 @@ class RunJournal:
                 continue
             if not isinstance(name, str) or not _CLIENT_FILE.fullmatch(name):
                 raise JournalError(f"the journal in {self.run_dir} names an invalid file for client {client!r}")
+            path = self.run_dir / CLIENT_DIR / name
             try:
-                store.update(load_file(self.run_dir / CLIENT_DIR / name))
+                data = path.read_bytes()
+                if digests is not None and hashlib.sha256(data).hexdigest() != digests.get(client):
+                    raise JournalError(
+                        f"{path} is not the file the journal recorded (SHA-256 differs): it was altered or damaged"
+                    )
+                store.update(st_load(data))
             except (SafetensorError, OSError) as exc:
-                raise JournalError(f"{self.run_dir / CLIENT_DIR / name} cannot be read: {exc}") from None
+                raise JournalError(f"{path} cannot be read: {exc}") from None
         self.client_files = {c: n for c, n in files.items() if c in self.stores and isinstance(n, str)}
+        self.client_digests = {
+            c: d for c, d in (digests or {}).items() if c in self.client_files and isinstance(d, str)
+        }
 
 
 def _prefixed(prefix: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

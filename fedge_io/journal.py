@@ -12,14 +12,18 @@ Each file is written to a temporary file in the run directory, flushed, fsynced 
 directory is fsynced. The tensor file is complete before journal.json names it, and older ones are deleted only
 after, so whenever the process dies, journal.json names a complete state of a completed round.
 
-Integrity: journal.json records the SHA-256 of its tensor file and whether every floating-point value was finite.
-Resuming verifies both before a byte of state is used, so a damaged or altered file (one weight changed, a NaN) is
-refused with one line naming the file, instead of a run that silently continues from it. ``--previous-journal`` makes
-the round before current again (:func:`roll_back_journal`) when the last one is damaged.
+Integrity: journal.json records the SHA-256 of its tensor file (and of the committed part of metrics.jsonl and
+ledger.csv; :mod:`coordinator.resume` adds each client store file's) and whether every floating-point value was
+finite, and carries an HMAC-SHA256 of all of it under a key kept outside the run directory
+(:mod:`fedge_io.journal_key`). Resuming verifies the HMAC, then the digests, before a byte of state is used, so a
+damaged or altered file (one weight changed, a NaN, a weight changed and its digest recomputed) is refused with one
+line naming the file, instead of a run that silently continues from it. ``--previous-journal`` makes the round before
+current again (:func:`roll_back_journal`) when the last one is damaged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -35,14 +39,17 @@ from safetensors.torch import load_file, save_file
 
 from fedge.config import RunConfig
 from fedge.errors import JournalError
+from fedge_io.journal_key import journal_key, journal_key_path, sign, verify
 from fedge_io.manifest import sha256_file
 
 log = logging.getLogger(__name__)
 
 JOURNAL = "journal.json"
 PREVIOUS = "journal-previous.json"
-FORMAT = "fedge-journal/2"
+FORMAT = "fedge-journal/3"
+_UNSIGNED_FORMAT = "fedge-journal/2"  # digests but no HMAC: read, with a warning
 _OLD_FORMAT = "fedge-journal/1"  # before digests: read, with a warning
+_FORMATS = (FORMAT, _UNSIGNED_FORMAT, _OLD_FORMAT)
 _TENSOR_FILE = re.compile(r"journal-\d{6,}\.safetensors")
 
 
@@ -74,9 +81,12 @@ def write_journal(run_dir: Path, config: RunConfig, state: RunState) -> None:
         "ledger_bytes": state.ledger_bytes,
         "tensors": name,
         "tensors_sha256": digest,
+        "metrics_sha256": _prefix_sha256(run_dir / "metrics.jsonl", state.metrics_bytes),
+        "ledger_sha256": _prefix_sha256(run_dir / "ledger.csv", state.ledger_bytes),
         "checks": {"finite": not _non_finite(tensors)},
         "values": state.values,
     }
+    record["hmac"] = sign(journal_key(run_dir), _signed(record))
     current = run_dir / JOURNAL
     keep = {name}
     if current.is_file():  # the journal of the round before becomes the fallback, with its tensor file
@@ -96,6 +106,8 @@ def finish_journal(run_dir: Path) -> None:
         return
     record = json.loads(path.read_text())
     record.update(finished=True, tensors=None, tensors_sha256=None)
+    if record.get("format") == FORMAT:
+        record["hmac"] = sign(journal_key(run_dir), _signed(record))
     atomic_write(path, (json.dumps(record, indent=1) + "\n").encode())
     (run_dir / PREVIOUS).unlink(missing_ok=True)
     for old in run_dir.glob("journal-*.safetensors"):
@@ -115,11 +127,19 @@ def read_journal(run_dir: Path, config: RunConfig, *, journal: str = JOURNAL) ->
         )
     try:
         raw = json.loads(path.read_text())
-        if not isinstance(raw, dict) or raw.get("format") not in (FORMAT, _OLD_FORMAT):
+        if not isinstance(raw, dict) or raw.get("format") not in _FORMATS:
             raise ValueError(f"format {raw.get('format') if isinstance(raw, dict) else None!r}, expected {FORMAT!r}")
         rnd, metrics_bytes, ledger_bytes = int(raw["round"]), int(raw["metrics_bytes"]), int(raw["ledger_bytes"])
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise JournalError(f"{path} is not a fedge journal: {exc}") from None
+    fallback = _fallback_hint(run_dir) if journal == JOURNAL else ""
+    if raw["format"] == FORMAT and not verify(journal_key(run_dir), _signed(raw), raw.get("hmac")):
+        raise JournalError(
+            f"{path} does not carry the signature of the journal key {journal_key_path()} (HMAC-SHA256): it was "
+            f"altered, or written with another key (FEDGE_JOURNAL_KEY_FILE names the run's){fallback}"
+        )
+    if raw["format"] != FORMAT:
+        log.warning("%s was written before journals were signed: it cannot be verified against tampering", path)
     if raw.get("finished"):
         raise JournalError(f"{run_dir} is finished: all {rnd} rounds ran and its summary is written; nothing to resume")
     differences = config_differences(raw.get("config"), config)
@@ -131,7 +151,15 @@ def read_journal(run_dir: Path, config: RunConfig, *, journal: str = JOURNAL) ->
     name = raw.get("tensors")
     if not isinstance(name, str) or not _TENSOR_FILE.fullmatch(name) or not (run_dir / name).is_file():
         raise JournalError(f"{path} names the tensor file {name!r}, which is not in {run_dir}")
-    fallback = _fallback_hint(run_dir) if journal == JOURNAL else ""
+    for file, size, key in (
+        ("metrics.jsonl", metrics_bytes, "metrics_sha256"),
+        ("ledger.csv", ledger_bytes, "ledger_sha256"),
+    ):
+        if key in raw and _prefix_sha256(run_dir / file, size) != raw[key]:
+            raise JournalError(
+                f"{run_dir / file} does not hold the rounds {path.name} recorded (SHA-256 of its first {size} bytes "
+                f"differs): it was altered or damaged{fallback}"
+            )
     if raw["format"] == _OLD_FORMAT:
         log.warning("%s was written before journals carried digests: its tensors cannot be verified", path)
     elif sha256_file(run_dir / name) != raw.get("tensors_sha256"):
@@ -157,6 +185,21 @@ def roll_back_journal(run_dir: Path, config: RunConfig) -> int:
     atomic_write(run_dir / JOURNAL, (run_dir / PREVIOUS).read_bytes())
     log.warning("%s: resuming from the previous journal, after round %d", run_dir, state.round)
     return state.round
+
+
+def _signed(record: Mapping[str, Any]) -> bytes:
+    """What a journal's HMAC covers: every field but the HMAC itself, in a canonical JSON form."""
+    return json.dumps({k: v for k, v in record.items() if k != "hmac"}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _prefix_sha256(path: Path, size: int) -> str | None:
+    """SHA-256 of the first ``size`` bytes of ``path`` (None when it is missing or shorter)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(size)
+    except OSError:
+        return None
+    return hashlib.sha256(data).hexdigest() if len(data) == size else None
 
 
 def _fallback_hint(run_dir: Path) -> str:

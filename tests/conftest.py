@@ -70,3 +70,15 @@ def _dataset_cache(tmp_path_factory: pytest.TempPathFactory) -> object:
     patch.setenv(ENV, str(tmp_path_factory.mktemp("dataset-cache")))
     yield
     patch.undo()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _journal_key(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """Journals are signed with a key in this session's temporary directory (and the processes the tests start
+    inherit it), not the per-user ~/.config/fedge/journal.key."""
+    from fedge_io.journal_key import KEY_ENV
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv(KEY_ENV, str(tmp_path_factory.mktemp("journal-key") / "journal.key"))
+    yield
+    patch.undo()

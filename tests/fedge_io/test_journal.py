@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fedge_io.journal as journal_module
+import fedge_io.journal_key as journal_key_module
 from coordinator.engine import RoundEngine
 from edge_client.client import EdgeClient
 from fedge.accounting.ledger import LedgerEntry, read_ledger_csv, summarize_round
@@ -99,18 +100,82 @@ def test_a_non_finite_state_is_recorded_and_never_resumed(tmp_path: Path) -> Non
         read_journal(tmp_path, CONFIG)
 
 
-def test_a_nan_with_a_matching_digest_is_still_refused(tmp_path: Path) -> None:
-    """One who rewrites the digest too still cannot resume a NaN: the values are checked after loading."""
+def _rewrite_digest(run_dir: Path, *, key: bytes | None = None) -> None:
+    """What one who can write the run directory does after altering a weight: recompute the tensor file's SHA-256 in
+    journal.json (and, holding the key, its HMAC)."""
+    raw = json.loads((run_dir / JOURNAL).read_text())
+    raw["tensors_sha256"] = hashlib.sha256((run_dir / raw["tensors"]).read_bytes()).hexdigest()
+    if key is not None:
+        raw["hmac"] = journal_key_module.sign(key, journal_module._signed(raw))
+    (run_dir / JOURNAL).write_text(json.dumps(raw))
+
+
+def test_a_weight_altered_with_its_digest_recomputed_is_refused_by_the_signature(tmp_path: Path) -> None:
+    """A checksum catches damage, not someone who rewrites it too: the journal's HMAC, under a key outside the run
+    directory, does (issue 52)."""
     write_journal(tmp_path, CONFIG, state(1))
-    path = tmp_path / "journal-000001.safetensors"
-    _alter_one_weight(path, float("nan"))
-    raw = json.loads((tmp_path / JOURNAL).read_text())
-    raw["tensors_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
-    (tmp_path / JOURNAL).write_text(json.dumps(raw))
+    write_journal(tmp_path, CONFIG, state(2))
+    _alter_one_weight(tmp_path / "journal-000002.safetensors", 123.0)
+    _rewrite_digest(tmp_path)
+    with pytest.raises(JournalError, match=r"journal\.json does not carry the signature of the journal key") as info:
+        read_journal(tmp_path, CONFIG)
+    assert str(journal_key_module.journal_key_path()) in str(info.value)
+    assert "the journal of round 1 is kept: add --previous-journal" in str(info.value)
+
+
+def test_a_journal_resumes_only_with_the_key_it_was_written_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    write_journal(run, CONFIG, state(1))
+    assert read_journal(run, CONFIG).round == 1
+    monkeypatch.setenv(journal_key_module.KEY_ENV, str(tmp_path / "other.key"))
+    with pytest.raises(JournalError, match="written with another key"):
+        read_journal(run, CONFIG)
+    monkeypatch.setenv(journal_key_module.KEY_ENV, str(run / "journal.key"))
+    with pytest.raises(JournalError, match="inside the run directory it protects"):
+        write_journal(run, CONFIG, state(2))
+
+
+def test_the_journal_key_is_made_once_private_and_shared_by_processes_that_start_together(tmp_path: Path) -> None:
+    """Test workers or a fleet's services may all find no key at once: every one of them must end up with the same."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "conf" / "journal.key"
+    code = (
+        "from pathlib import Path; from fedge_io.journal_key import journal_key; print(journal_key(Path('/x')).hex())"
+    )
+    env = {**os.environ, journal_key_module.KEY_ENV: str(path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(6)
+    ]
+    keys = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert len(keys) == 1 and len(bytes.fromhex(keys.pop())) == journal_key_module.KEY_BYTES
+    assert path.stat().st_mode & 0o777 == 0o600 and not list(path.parent.glob(".*.tmp"))
+
+
+def test_a_nan_with_a_matching_digest_and_signature_is_still_refused(tmp_path: Path) -> None:
+    """Even one holding the key cannot resume a NaN: the values are checked after loading."""
+    write_journal(tmp_path, CONFIG, state(1))
+    _alter_one_weight(tmp_path / "journal-000001.safetensors", float("nan"))
+    _rewrite_digest(tmp_path, key=journal_key_module.journal_key(tmp_path))
     with pytest.raises(JournalError, match="holds NaN or infinite values"):
         read_journal(tmp_path, CONFIG)
     with pytest.raises(JournalError, match=r"has no journal-previous\.json"):
         roll_back_journal(tmp_path, CONFIG)
+
+
+def test_metrics_altered_after_the_run_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_bytes(b"x" * 10)
+    (tmp_path / "ledger.csv").write_bytes(b"y" * 20)
+    write_journal(tmp_path, CONFIG, state(1))
+    assert read_journal(tmp_path, CONFIG).round == 1
+    (tmp_path / "metrics.jsonl").write_bytes(b"x" * 9 + b"z" + b"more rounds after the commit are fine")
+    with pytest.raises(JournalError, match=r"metrics\.jsonl does not hold the rounds journal\.json recorded"):
+        read_journal(tmp_path, CONFIG)
 
 
 def test_a_crash_before_the_commit_leaves_the_previous_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

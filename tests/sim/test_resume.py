@@ -232,3 +232,20 @@ def test_client_stores_are_journaled_per_client_and_only_when_they_changed(tmp_p
     assert not any(k.startswith("client/") for k in load_file(run_dir / journal["tensors"]))  # not in the big file
     run_inprocess(cfg, run_dir, experiment=exp, resume=True)
     assert not (run_dir / "clients").exists()  # a finished run keeps no client stores
+
+
+def test_a_client_store_altered_after_the_run_is_refused_naming_it(
+    tmp_path: Path, experiments: dict[str, Experiment]
+) -> None:
+    """The journal signs each client store file's SHA-256 with its own (issue 52): a DS-FL client's own model with one
+    weight changed, a valid safetensors file, is refused on resume, not trained on."""
+    exp = experiment(experiments, "dsfl")
+    with pytest.raises(Interrupted):
+        run_inprocess(exp.config, tmp_path / "run", experiment=exp, on_round=interrupt_after(2))
+    store = sorted((tmp_path / "run" / "clients").glob("*.safetensors"))[0]
+    tensors = load_file(store)
+    name = next(k for k, v in tensors.items() if v.is_floating_point())
+    tensors[name] = tensors[name] + 1.0
+    save_file(tensors, store)
+    with pytest.raises(JournalError, match=f"{store.name} is not the file the journal recorded"):
+        run_inprocess(exp.config, tmp_path / "run", experiment=exp, resume=True)
