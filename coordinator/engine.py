@@ -26,6 +26,7 @@ from fedge.accounting.records import ByteCounts, RoundRecord
 from fedge.algorithms.base import CheckedReply, Strategy, derive_seed
 from fedge.config import RunConfig
 from fedge.learning.metrics import forgetting
+from fedge.privacy.mechanism import poisson_sample
 from fedge.types import ClientId
 from fedge.wire.protocol import STATE_ROUND
 
@@ -44,6 +45,7 @@ class RunHistory:
     # they lost it (a wiped state directory, --no-state and a restart); the run goes on, but is not the
     # uninterrupted run's any more. By client, the first time seen.
     state_lost: dict[ClientId, str] = field(default_factory=dict)
+    stopped: str = ""  # why the run stopped before its last round (a DP run's privacy budget), "" when it did not
 
 
 @dataclass
@@ -108,6 +110,10 @@ class RoundEngine:
         """
         with RoundPipeline(self, overlap=overlap, prepare=prepare, on_round=on_round) as pipeline:
             for rnd in range(len(self.history.rounds) + 1, self.config.rounds + 1):
+                self.history.stopped = self.strategy.stop_before(rnd)
+                if self.history.stopped:
+                    log.warning("%s", self.history.stopped)
+                    break
                 pipeline.round(rnd)
         return self.history
 
@@ -120,7 +126,10 @@ class RoundEngine:
         cfg = self.config
         started = time.perf_counter()
         available = list(self.transport.available_clients())
-        sampled = sample_clients(available, cfg.clients_per_round, cfg.seed, rnd)
+        if cfg.differential_privacy:  # what DP-FedAvg's accountant assumes: each client with probability q
+            sampled = poisson_sample(available, cfg.client_fraction, cfg.seed, rnd)
+        else:
+            sampled = sample_clients(available, cfg.clients_per_round, cfg.seed, rnd)
         plan = self.strategy.configure(rnd, sampled)
         exchange = self.transport.exchange(plan, lambda c, m: self.strategy.accept(rnd, c, m))
         return _Played(rnd, started, time.perf_counter(), sampled, exchange)
@@ -130,7 +139,10 @@ class RoundEngine:
         rnd, exchange, sampled = played.round, played.exchange, played.sampled
         self.history.ledger.extend(exchange.entries)
         self._note_lost_state(rnd, exchange.replies)
-        played.quorum = max(1, math.ceil(self.config.min_replies * len(sampled)))
+        # DP-FedAvg divides by the expected cohort: any number of replies, none included, makes a valid round.
+        played.quorum = (
+            0 if self.config.differential_privacy else max(1, math.ceil(self.config.min_replies * len(sampled)))
+        )
         played.aggregated = len(exchange.replies) >= played.quorum
         if played.aggregated:
             played.metrics = self.strategy.aggregate(rnd, exchange.replies)

@@ -46,6 +46,18 @@ def refuse_secure_aggregation(config: RunConfig) -> None:
         )
 
 
+def refuse_differential_privacy(config: RunConfig) -> None:
+    """ConfigError when ``config`` asks for DP-FedAvg: it runs in process only for now (and ``--dp-noise-seed``, a
+    simulation's reproducible noise, never belongs in a deployment)."""
+    if config.dp_noise_seed is not None:
+        raise ConfigError("--dp-noise-seed makes the noise predictable: it is for fedge sim only, not a deployment")
+    if config.differential_privacy:
+        raise ConfigError(
+            "--dp-noise-multiplier runs in process only for now (fedge sim without --transport mqtt): the clients' "
+            "noise shares and the clipped-count bits do not travel over MQTT yet"
+        )
+
+
 def admission_rule(exp: Experiment) -> Callable[[ClientStatus], str | None]:
     """Refuse clients whose model, input shape, classes, open set or algorithms do not match this run."""
     algorithm = exp.config.algorithm
@@ -106,6 +118,7 @@ def run_coordinator(
     ``off``: never chunk); larger messages travel as chunks.
     """
     refuse_secure_aggregation(config)
+    refuse_differential_privacy(config)
     exp = experiment or prepare(config)
     config = exp.config
     run = run or run_dir.name
@@ -274,6 +287,7 @@ def provision_fleet(
     its files by absolute path; default: where it is written). ``bind_address``: the one interface its listener
     binds (default: every interface)."""
     refuse_secure_aggregation(exp.config)
+    refuse_differential_privacy(exp.config)
     strategy = exp.strategy(run)
     plan = strategy.configure(1, sorted(exp.parts))
     planned = [len(encode(m)) for m in (plan.broadcast, *plan.tasks.values()) if m is not None]

@@ -59,6 +59,10 @@ class TrainConfig:
         return self.lr * self.lr_decay ** (rnd - 1)
 
 
+DP_INITIAL_CLIP = 0.1
+"""Adaptive clipping's starting clip (Andrew et al. 2021, Sec. 4: C0 = 0.1); the geometric update moves it by a factor
+of up to exp(lr) a round."""
+
 SECAGG_CLIP = 5.0
 """The default L2 bound of one client's update under secure aggregation (see docs/secure_aggregation.md for how it
 was chosen)."""
@@ -124,6 +128,53 @@ class RunConfig:
             "protocol stage (before sharing keys, before uploading, or while unmasking), seeded by the run's seed"
         },
     )
+    # Client-level differential privacy (fedge.privacy, docs/privacy.md): DP-FedAvg with Poisson sampling, clipping,
+    # Gaussian noise on the sum and an accountant. In process only (fedge sim) for now.
+    dp_noise_multiplier: float = field(
+        default=0.0,
+        metadata={
+            "help": "DP-FedAvg (McMahan et al. 2018): Gaussian noise of std Z * clip on the sum of the clipped "
+            "updates; Z > 0 turns client-level differential privacy on (FedAvg family; in process only; Poisson "
+            "sampling at rate --client-fraction, clients weighed uniformly) (default: 0, off)"
+        },
+    )
+    dp_clip: str = field(
+        default="adaptive",
+        metadata={
+            "help": "with --dp-noise-multiplier: the L2 bound C of each client's update (new weights - broadcast "
+            "weights), a number, or adaptive[:C0] (Andrew et al. 2021: C follows the --dp-target-quantile of the "
+            f"update norms, from C0 = {DP_INITIAL_CLIP:g} unless given)"
+        },
+    )
+    dp_target_quantile: float = field(
+        default=0.5,
+        metadata={"help": "with --dp-clip adaptive: the share of updates the clip should leave unclipped"},
+    )
+    dp_clip_lr: float = field(
+        default=0.2,
+        metadata={"help": "with --dp-clip adaptive: the learning rate of the clip's geometric update"},
+    )
+    dp_delta: float = field(
+        default=0.0,
+        metadata={"help": "with --dp-noise-multiplier: the delta epsilon is reported at (0: 1 / num_clients^1.1)"},
+    )
+    dp_epsilon_budget: float = field(
+        default=0.0,
+        metadata={
+            "help": "with --dp-noise-multiplier: stop before the round whose epsilon would exceed this (0: no budget)"
+        },
+    )
+    dp_accountant: str = field(
+        default="rdp",
+        metadata={"help": "with --dp-noise-multiplier: rdp (Renyi DP) or pld (privacy loss distributions, tighter)"},
+    )
+    dp_noise_seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "with --dp-noise-multiplier: seed the noise, for reproducible simulations only (refused by fedge "
+            "coordinator) (default: none, the noise is seeded from os.urandom each round)"
+        },
+    )
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgorithmSettings = field(default_factory=AlgorithmSettings)  # the settings of ``algorithm``; the base: its
     # defaults
@@ -163,6 +214,7 @@ class RunConfig:
             )
         if self.secure_aggregation:
             self._fit_secure_aggregation()
+        self._check_differential_privacy()
 
     def _fit_secure_aggregation(self) -> None:
         """ConfigError naming what secure aggregation cannot run with: it hands the server the sum of the round's
@@ -190,6 +242,12 @@ class RunConfig:
             "every update in the clear; under secure aggregation each client clips its own update to --secagg-clip "
             "before masking: set --clip-factor 0",
         )
+        noise = getattr(algo, "noise_factor", 0.0)
+        _check(
+            noise == 0,
+            f"--noise-factor {noise:g} scales the server's noise by the round's median update norm, which needs every "
+            "update in the clear; under secure aggregation set --noise-factor 0",
+        )
         ratio = getattr(algo, "max_update_ratio", 0.0)
         if ratio > 0:
             default = next(f.default for f in dataclasses.fields(algo) if f.name == "max_update_ratio")
@@ -214,6 +272,108 @@ class RunConfig:
             self.secagg_threshold == 0 or self.secagg_degree == 0 or self.secagg_threshold <= self.secagg_degree,
             f"secagg_threshold ({self.secagg_threshold}) cannot exceed secagg_degree ({self.secagg_degree})",
         )
+
+    @property
+    def differential_privacy(self) -> bool:
+        """Whether the run is DP-FedAvg (``dp_noise_multiplier > 0``)."""
+        return self.dp_noise_multiplier > 0
+
+    @property
+    def dp_fixed_clip(self) -> float | None:
+        """The fixed clip of ``dp_clip``; None when it is adaptive."""
+        return None if self.dp_clip.startswith("adaptive") else float(self.dp_clip)
+
+    @property
+    def dp_initial_clip(self) -> float:
+        """The clip of round 1: the fixed clip, or adaptive clipping's C0."""
+        fixed = self.dp_fixed_clip
+        if fixed is not None:
+            return fixed
+        _, _, given = self.dp_clip.partition(":")
+        return float(given) if given else DP_INITIAL_CLIP
+
+    @property
+    def dp_delta_used(self) -> float:
+        """``dp_delta``, or ``1 / num_clients^1.1`` when it is 0."""
+        return self.dp_delta or 1.0 / self.num_clients**1.1
+
+    def _check_differential_privacy(self) -> None:
+        """ConfigError for a DP setting out of range, or one DP-FedAvg cannot run with (one line naming the
+        conflict)."""
+        _check(
+            math.isfinite(self.dp_noise_multiplier) and self.dp_noise_multiplier >= 0,
+            f"dp_noise_multiplier must be >= 0 (0: off), got {self.dp_noise_multiplier}",
+        )
+        try:
+            clip = self.dp_initial_clip
+        except ValueError:
+            raise ConfigError(f"dp_clip must be a positive number or adaptive[:C0], got {self.dp_clip!r}") from None
+        _check(math.isfinite(clip) and clip > 0, f"dp_clip must be positive, got {self.dp_clip!r}")
+        _check(0 < self.dp_target_quantile < 1, f"dp_target_quantile must be in (0, 1), got {self.dp_target_quantile}")
+        _check(self.dp_clip_lr > 0, f"dp_clip_lr must be > 0, got {self.dp_clip_lr}")
+        _check(0 <= self.dp_delta < 1, f"dp_delta must be in [0, 1) (0: 1 / num_clients^1.1), got {self.dp_delta}")
+        _check(self.dp_epsilon_budget >= 0, f"dp_epsilon_budget must be >= 0 (0: none), got {self.dp_epsilon_budget}")
+        _check(self.dp_accountant in ("rdp", "pld"), f"dp_accountant must be rdp or pld, got {self.dp_accountant!r}")
+        if not self.differential_privacy:
+            changed = [
+                f.name
+                for f in dataclasses.fields(self)
+                if f.name.startswith("dp_") and f.name != "dp_noise_multiplier" and getattr(self, f.name) != f.default
+            ]
+            _check(not changed, f"--{changed[0].replace('_', '-') if changed else ''} needs --dp-noise-multiplier > 0")
+            return
+        spec = get_algorithm(self.algorithm)
+        if spec.name in ("dsfl", "fd"):
+            raise ConfigError(
+                f"--dp-noise-multiplier cannot run --algorithm {self.algorithm}: it uploads outputs (logits) on shared "
+                "inputs, not weights; DP for them would clip and noise those outputs, which is not built "
+                "(docs/privacy.md)"
+            )
+        if spec.secagg_gap:
+            supported = ", ".join(name for name, a in ALGORITHMS.items() if not a.secagg_gap)
+            raise ConfigError(
+                f"--dp-noise-multiplier cannot run --algorithm {self.algorithm}: DP-FedAvg noises a mean of the "
+                f"returned weights, and {spec.secagg_gap}. It runs: {supported}"
+            )
+        algo = self.algo
+        robust = getattr(algo, "robust", "mean")
+        _check(
+            robust == "mean",
+            f"--robust {robust} with --dp-noise-multiplier: DP-FedAvg bounds each client's part of a noised mean; a "
+            "robust rule's output can move with one client by more than the clip: use --robust mean",
+        )
+        clip_factor = getattr(algo, "clip_factor", 0.0)
+        _check(
+            clip_factor == 0,
+            f"--clip-factor {clip_factor:g} with --dp-noise-multiplier: clipping against the round's median norm makes "
+            "one client's bound depend on the others; DP-FedAvg clips to --dp-clip: set --clip-factor 0",
+        )
+        ratio = getattr(algo, "max_update_ratio", 0.0)
+        if ratio > 0:
+            default = next(f.default for f in dataclasses.fields(algo) if f.name == "max_update_ratio")
+            _check(
+                ratio == default,
+                f"--max-update-ratio {ratio:g} with --dp-noise-multiplier: its reference is the recent noised global "
+                "updates, against which clean client updates look huge; DP-FedAvg's clip to --dp-clip bounds each "
+                "update instead: leave --max-update-ratio at its default (DP turns it off) or 0",
+            )
+            algo = dataclasses.replace(algo, **{"max_update_ratio": 0.0})
+            object.__setattr__(self, "algo", algo)
+        _check(
+            self.upload_codec == "float32" and self.broadcast_codec == "float32",
+            "--upload-codec/--broadcast-codec with --dp-noise-multiplier: DP-FedAvg clips the exact delta from the "
+            "broadcast weights; compressed exchanges are not supported with it yet: use float32",
+        )
+        if getattr(algo, "weighting", "uniform") != "uniform":
+            # User-level DP bounds each client's contribution by the clip; a weight by data size would let one
+            # client's grow with its data. Uniform is DP-FedAvg's estimator (McMahan et al. 2018, w_k = 1).
+            object.__setattr__(self, "algo", dataclasses.replace(algo, **{"weighting": "uniform"}))
+        if self.secure_aggregation:
+            _check(
+                self.secagg_clip == SECAGG_CLIP,
+                "--secagg-clip with --dp-noise-multiplier: each client clips its update to --dp-clip, not "
+                "--secagg-clip; leave --secagg-clip at its default",
+            )
 
     @property
     def clients_per_round(self) -> int:

@@ -21,6 +21,8 @@ def round_line(r: RoundRecord) -> str:
             line += f"  F {r.forgetting:.3f}"
     if "global_logit_entropy" in r.metrics:
         line += f"  H {r.metrics['global_logit_entropy']:.3f}"
+    if "dp_epsilon" in r.metrics:
+        line += f"  eps {r.metrics['dp_epsilon']:.3f}"
     b = r.bytes
     line += (
         f"  up {format_bytes(b.tensor_up)}  down {format_bytes(b.tensor_down['multicast'])}"

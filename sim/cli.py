@@ -37,6 +37,13 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
             f"final accuracy {100 * s['final_accuracy']:.2f}%  best {100 * s['best_accuracy']:.2f}%  "
             f"forgetting F {s['final_forgetting']:.3f}"
         )
+    if "dp_epsilon" in s:
+        print(
+            f"privacy: epsilon {s['dp_epsilon']:.3f} at delta {s['dp_delta']:.3g} after {s['dp_rounds']} round(s) "
+            f"({s['dp_accountant']} accountant, noise multiplier {s['dp_noise_multiplier']:g})"
+        )
+    if s.get("stopped"):
+        print(f"stopped early: {s['stopped']}")
     tb = s.get("total_bytes", {})
     print(
         f"communication (tensor level): {format_bytes(tb.get('tensor_bytes_multicast', 0))} multicast, "

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from coordinator.engine import RoundEngine
+from coordinator.engine import RoundEngine, RunHistory
 from coordinator.resume import RunJournal
 from edge_client.client import EdgeClient
 from fedge.accounting.records import RoundRecord
@@ -19,6 +20,23 @@ from fedge_io.rundir import RunResult
 from sim.executors import ExecutorTransport, ExperimentClients, gpu_sharing_advice, make_executor, overlap_choice
 
 log = logging.getLogger(__name__)
+
+
+def privacy_summary(config: RunConfig, history: RunHistory) -> dict[str, Any]:
+    """A DP run's summary fields: epsilon at delta after its last round, and why it stopped early if it did."""
+    if not config.differential_privacy:
+        return {}
+    last = next((r.metrics for r in reversed(history.rounds) if "dp_epsilon" in r.metrics), {})
+    out: dict[str, Any] = {
+        "dp_epsilon": last.get("dp_epsilon", 0.0),
+        "dp_delta": config.dp_delta_used,
+        "dp_noise_multiplier": config.dp_noise_multiplier,
+        "dp_accountant": config.dp_accountant,
+        "dp_rounds": len(history.rounds),
+    }
+    if history.stopped:
+        out["stopped"] = history.stopped
+    return out
 
 
 def run_inprocess(
@@ -105,6 +123,10 @@ def run_inprocess(
     summary = journal.finish(
         strategy.global_weights(),
         initial_bytes=exp.initial_bytes(),
-        extra={**extra, **({"resumed_after": journal.resumed_after} if journal.resumed_after else {})},
+        extra={
+            **extra,
+            **({"resumed_after": journal.resumed_after} if journal.resumed_after else {}),
+            **privacy_summary(config, history),
+        },
     )
     return RunResult(run_dir, config, history.rounds, summary)

@@ -1,23 +1,26 @@
 """The algorithms, one module each, and the two calls that dispatch a round to them: :func:`make_strategy` (the
-server half of a run's algorithm, wrapped in the run's compression and secure aggregation) and
+server half of a run's algorithm, wrapped in the run's compression and secure aggregation or differential privacy) and
 :func:`run_client_step` (a task to the client half it names). Which algorithms exist is :mod:`fedge.registry`'s list.
 """
 
 from __future__ import annotations
 
-from fedge.algorithms.base import ClientData, ClientStore, ServerContext, Strategy
+from fedge.algorithms.base import CheckedReply, ClientData, ClientStore, ServerContext, Strategy
 from fedge.compression.strategy import compressed, decode_broadcast, encode_update
 from fedge.config import RunConfig
 from fedge.errors import CodecError
 from fedge.learning.backend import Backend
+from fedge.privacy.strategy import privatized
 from fedge.registry import ALGORITHMS, get_algorithm
 from fedge.secagg.strategy import secured
 from fedge.wire.message import Message
 
 
 def make_strategy(config: RunConfig, context: ServerContext) -> Strategy:
-    """The server half of ``config.algorithm``, as the run's compression and secure aggregation wrap it."""
-    return secured(compressed(get_algorithm(config.algorithm).server(config, context), config), config)
+    """The server half of ``config.algorithm``, as the run's compression and secure aggregation (or DP-FedAvg, which
+    runs secure aggregation itself) wrap it."""
+    inner = compressed(get_algorithm(config.algorithm).server(config, context), config)
+    return privatized(inner, config, CheckedReply) if config.differential_privacy else secured(inner, config)
 
 
 def run_client_step(

@@ -223,6 +223,11 @@ class Strategy(ABC, Generic[SettingsT]):
         gave up. The round engine asks right after :meth:`aggregate`."""
         return AggregationRecord()
 
+    def stop_before(self, rnd: int) -> str:
+        """Why the run must stop before round ``rnd`` (a DP run's privacy budget), or "" to go on. The round engine asks
+        before each round."""
+        return ""
+
     def state(self) -> StrategyState:
         """Everything :meth:`aggregate` changes, as (tensors, JSON-able values): with :meth:`load_state`, all a run
         needs to continue after its last completed round bit for bit (sampling and seeds derive from (seed, round))."""

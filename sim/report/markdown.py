@@ -63,12 +63,32 @@ def secure_aggregation(run: Run) -> str:
     return f", secure aggregation (SecAgg+: updates clipped to L2 norm {c.secagg_clip:g}{ring}{dropouts}{gave_up})"
 
 
+def differential_privacy(run: Run) -> str:
+    """The run's DP-FedAvg settings and the epsilon it spent, as its config and round metrics say; "" for a run
+    without it."""
+    c = run.config
+    if not c.differential_privacy:
+        return ""
+    last = next((r.metrics for r in reversed(run.rounds) if "dp_epsilon" in r.metrics), {})
+    spent = f", epsilon {last['dp_epsilon']:.3f}" if last else ""
+    clip = (
+        f"adaptive from {c.dp_initial_clip:g} to quantile {c.dp_target_quantile:g}"
+        if c.dp_fixed_clip is None
+        else (f"{c.dp_fixed_clip:g}")
+    )
+    stopped = ", stopped at its budget" if run.summary.get("stopped") else ""
+    return (
+        f", DP-FedAvg (noise multiplier {c.dp_noise_multiplier:g}, clip {clip}, Poisson q = {c.client_fraction:g}"
+        f"{spent} at delta {c.dp_delta_used:.3g}, {c.dp_accountant} accountant{stopped})"
+    )
+
+
 def markdown(runs: Sequence[Run], out: Path, plots: dict[str, str], accounting: str) -> str:
     parts = [f"# fedge report: {', '.join(r.label for r in runs)}\n"]
     parts.append(
         "\n".join(
             f"- **{r.label}**: [`{_rel(r.path, out)}`]({_rel(r.path, out)}), {_provenance(r)}, seed {r.config.seed}, "
-            f"{training_data(r.config)}{secure_aggregation(r)}"
+            f"{training_data(r.config)}{secure_aggregation(r)}{differential_privacy(r)}"
             for r in runs
         )
     )

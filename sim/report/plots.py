@@ -56,6 +56,10 @@ def _plot_specs(accounting: str) -> list[_PlotSpec]:
                   log_bytes_y=True),
         _PlotSpec("entropy_vs_round.png", "Entropy of the global soft labels (DS-FL eq. 12) vs. round", "Round",
                   "Mean entropy (nats)", "global_logit_entropy"),
+        _PlotSpec("epsilon_vs_round.png", "Privacy spent (epsilon at the run's delta) vs. round", "Round",
+                  "Epsilon", "dp_epsilon"),
+        _PlotSpec("accuracy_vs_epsilon.png", "Test accuracy vs. privacy spent", "Epsilon at the run's delta",
+                  "Test accuracy (%)", "accuracy", x_key="dp_epsilon", percent=True),
         _PlotSpec("forgetting_vs_round.png", "Forgetting F vs. round", "Round",
                   "Forgetting F (mean per-class accuracy drop)", "forgetting"),
     ]  # fmt: skip

@@ -1,0 +1,363 @@
+"""Client-level differential privacy of the FedAvg family: DP-FedAvg (McMahan et al., ICLR 2018, Algorithm 1) with
+adaptive clipping (Andrew et al., NeurIPS 2021, Algorithm 1) and a privacy accountant (:mod:`fedge.privacy.accountant`).
+
+:class:`DifferentialPrivacyStrategy` wraps an algorithm's :class:`~fedge.algorithms.base.Strategy` whose aggregation
+is a mean of the returned weights. Per round ``r``, with ``w`` the broadcast weights, ``N`` the client population,
+``q`` the sampling rate (``client_fraction``), ``m = q N`` the expected cohort and ``C`` the round's clip:
+
+1. The cohort is Poisson-sampled by the round engine (:func:`fedge.privacy.mechanism.poisson_sample`): each client
+   joins with probability ``q``; the cohort may be empty.
+2. Each reply becomes ``clip_C(w_k - w)`` (and, for adaptive clipping, the bit ``||w_k - w|| <= C``).
+3. The sum over the replies gets Gaussian noise of std ``z_delta C`` per coordinate (the bits' sum: std ``sigma_b =
+   m / 20``), where ``z_delta`` is ``z`` for a fixed clip and Andrew et al.'s raised multiplier for an adaptive one.
+   Without secure aggregation the coordinator adds it; with it, each client adds ``N(0, (z_delta C)^2 / t)`` before
+   masking, ``t`` the fewest survivors the protocol's threshold lets a round complete with, so the survivors' noise
+   has at least the stated std and the coordinator never sees an un-noised sum.
+4. The new weights are ``w + (noised sum) / m`` (the fixed-denominator estimator ``f_f``: a dropped client leaves
+   the round valid; an empty cohort moves the model by noise only, the mechanism the accountant counts). The inner
+   strategy aggregates one reply carrying them.
+5. Adaptive clipping: ``C <- C exp(-lr (b / m - target))`` with ``b`` the noised count (public: it is noised).
+
+Every round is one Poisson-sampled Gaussian event to the accountant, aggregated or not (an abandoned secure round is
+counted too: conservative). Clients are weighed uniformly (``weighting`` is set to uniform by the config): user-level
+DP bounds each client's contribution by ``C``, which a weight by data size would scale.
+
+Randomness: the noise comes from :func:`fedge.privacy.mechanism.noise_rng` (os.urandom-seeded PCG64, or the
+``dp_noise_seed`` for reproducible simulations); sampling derives from the run's seed and the round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from fedge.accounting.records import AggregationRecord
+from fedge.errors import ConfigError
+from fedge.privacy.accountant import epsilon, update_noise_multiplier
+from fedge.privacy.mechanism import adapted_clip, clip, count_std, noise_rng
+from fedge.secagg.driver import run_round
+from fedge.secagg.errors import RoundAbandoned
+from fedge.secagg.protocol import Stage
+from fedge.secagg.shamir import RandBytes
+from fedge.secagg.strategy import (
+    RING_BITS,
+    SUM_CLIENT,
+    _drops,
+    _ProtocolLedger,
+    graph_seed,
+    rounding_rng,
+    simulated_dropouts,
+)
+from fedge.wire.message import Message
+
+if TYPE_CHECKING:
+    from fedge.algorithms.base import (
+        CheckedReply,
+        Evaluation,
+        RoundPlan,
+        Strategy,
+        StrategyState,
+        TensorSpec,
+        UpdateReport,
+    )
+    from fedge.config import RunConfig
+    from fedge.secagg.config import RoundConfig
+    from fedge.types import ClientId
+
+log = logging.getLogger(__name__)
+
+NOISE_BOUND_STDS = 10.0
+"""Under secure aggregation the ring clips each value to its bound: it is set this many per-client noise stds beyond
+the clip, so a noised value is clipped with probability about 1e-23 per value."""
+
+
+@dataclass(frozen=True)
+class _Round:
+    round: int
+    cohort: tuple[ClientId, ...]
+    reference: npt.NDArray[np.float64]  # (dim,) the broadcast weights, flattened in reply-tensor order
+    clip: float
+
+
+@dataclass(frozen=True)
+class PrivateRound:
+    """The last aggregated round as the simulator saw it (for tests): each reply's clipped delta, the noise that was
+    added to their sum (over the survivors, in total), and the weights before and after."""
+
+    clipped: Mapping[ClientId, npt.NDArray[np.float64]]  # (dim,) each
+    noise: npt.NDArray[np.float64]  # (dim,) the noise in the released sum
+    survivors: tuple[ClientId, ...]
+    before: npt.NDArray[np.float64]  # (dim,)
+    after: npt.NDArray[np.float64]  # (dim,)
+    clip: float
+
+
+class DifferentialPrivacyStrategy:
+    """A :class:`~fedge.algorithms.base.Strategy` whose aggregation is DP-FedAvg's noised, clipped mean."""
+
+    def __init__(
+        self,
+        inner: Strategy,
+        config: RunConfig,
+        reply_type: type[CheckedReply],
+        *,
+        rand_bytes: RandBytes = os.urandom,
+    ) -> None:
+        self.inner = inner
+        self._reply_type = reply_type  # passed in: the core's privacy sits below the algorithms
+        self.dp_config = config
+        self._rand = rand_bytes
+        self._session = rand_bytes(8).hex()
+        specs = inner.reply_tensors()
+        weights = inner.global_weights()
+        if weights is None:
+            raise ConfigError(f"differential privacy needs a global model; {inner.name} has none")
+        odd = [k for k, (shape, dtype) in specs.items() if dtype != torch.float32 or k not in weights]
+        if odd:
+            raise ConfigError(f"DP-FedAvg noises float32 weights; this model also exchanges {odd[:3]}")
+        self._specs: dict[str, TensorSpec] = dict(specs)
+        self._dim = sum(math.prod(shape) for shape, _ in specs.values())
+        self.population = config.num_clients
+        self.q = config.client_fraction
+        self.expected_cohort = self.q * self.population  # m = qN, the fixed denominator
+        self.z = config.dp_noise_multiplier
+        self.adaptive = config.dp_fixed_clip is None
+        self.count_std = count_std(self.expected_cohort) if self.adaptive else 0.0
+        self.z_update = update_noise_multiplier(self.z, self.count_std) if self.adaptive else self.z
+        self.delta = config.dp_delta_used
+        self.clip = config.dp_initial_clip
+        self._epsilons: dict[int, float] = {}
+        self._round: _Round | None = None
+        self._record = AggregationRecord()
+        self.last: PrivateRound | None = None
+        log.info(
+            "DP-FedAvg: noise multiplier %g (%g on the update%s), clip %s, q = %g of %d clients (expected cohort "
+            "%g), delta = %.3g%s, %s accountant; noise seeded from %s",
+            self.z,
+            self.z_update,
+            f", clipped-count std {self.count_std:g}" if self.adaptive else "",
+            f"adaptive from {self.clip:g}" if self.adaptive else f"{self.clip:g}",
+            self.q,
+            self.population,
+            self.expected_cohort,
+            self.delta,
+            "" if config.dp_delta else " (1 / N^1.1)",
+            config.dp_accountant,
+            f"--dp-noise-seed {config.dp_noise_seed}" if config.dp_noise_seed is not None else "os.urandom",
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def epsilon_after(self, rounds: int) -> float:
+        """Epsilon at the run's delta after ``rounds`` rounds (cached: a pure function of the round count)."""
+        if rounds not in self._epsilons:
+            c = self.dp_config
+            self._epsilons[rounds] = epsilon(self.q, self.z, rounds, self.delta, c.dp_accountant)
+        return self._epsilons[rounds]
+
+    def stop_before(self, rnd: int) -> str:
+        """Why round ``rnd`` must not run (its epsilon would exceed the budget), or ""."""
+        budget = self.dp_config.dp_epsilon_budget
+        if budget <= 0:
+            return ""
+        spent, would = self.epsilon_after(rnd - 1), self.epsilon_after(rnd)
+        if would <= budget:
+            return ""
+        return (
+            f"privacy budget: round {rnd} would spend epsilon {would:.3f} > --dp-epsilon-budget {budget:g} at delta "
+            f"{self.delta:.3g}; stopped after round {rnd - 1} at epsilon {spent:.3f}"
+        )
+
+    def _flatten(self, tensors: Mapping[str, torch.Tensor]) -> npt.NDArray[np.float64]:
+        parts = [tensors[k].detach().cpu().reshape(-1).to(torch.float64).numpy() for k in self._specs]
+        return np.concatenate(parts)  # (dim,)
+
+    def _unflatten(self, flat: npt.NDArray[np.float64]) -> dict[str, torch.Tensor]:
+        out, start = {}, 0
+        for k, (shape, dtype) in self._specs.items():
+            size = math.prod(shape)
+            out[k] = torch.from_numpy(flat[start : start + size].copy()).reshape(shape).to(dtype)
+            start += size
+        return out
+
+    # --- the round protocol -----------------------------------------------------------------------------------------
+
+    def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
+        plan = self.inner.configure(rnd, clients)
+        weights = self.inner.global_weights()
+        assert weights is not None  # checked in __init__
+        self._round = _Round(rnd, tuple(sorted(clients)), self._flatten(weights), self.clip)
+        return plan
+
+    def accept(self, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
+        return self.inner.accept(rnd, client, reply)
+
+    def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
+        return self.accept(rnd, client, reply).report
+
+    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
+        """Clip, noise and sum the replies (securely when the run asks); hand the inner strategy ``w + sum / m``."""
+        state = self._round
+        if state is None or state.round != rnd:
+            raise RuntimeError(f"round {rnd} was not configured by this strategy")
+        cfg, bound = self.dp_config, state.clip
+        ordered = sorted(replies)
+        vectors: dict[ClientId, npt.NDArray[np.float64]] = {}
+        clipped: dict[ClientId, npt.NDArray[np.float64]] = {}
+        for c in ordered:
+            delta, norm = clip(self._flatten(replies[c].update.tensors) - state.reference, bound)
+            clipped[c] = delta
+            vectors[c] = np.append(delta, 1.0 if norm <= bound else 0.0)  # (dim + 1,) the last: unclipped bit
+        stds = np.full(self._dim + 1, self.z_update * bound)  # (dim + 1,) the noise of the released sum
+        stds[-1] = self.count_std
+        rng = noise_rng(cfg.dp_noise_seed, rnd)
+        metrics = {
+            "dp_epsilon": self.epsilon_after(rnd),
+            "dp_delta": self.delta,
+            "dp_clip": bound,
+            "dp_noise_std": float(stds[0]),
+            "dp_cohort": float(len(state.cohort)),
+        }
+        if cfg.secure_aggregation and len(state.cohort) >= 2:
+            try:
+                total, noise, survivors = self._secure_sum(rnd, state, vectors, stds, rng)
+            except RoundAbandoned:
+                return metrics
+        else:
+            noise = rng.normal(0.0, stds)  # (dim + 1,) the coordinator's draw (also a lone client's, in effect)
+            total = sum(vectors.values(), np.zeros(self._dim + 1)) + noise
+            survivors = tuple(ordered)
+        after = state.reference + total[:-1] / self.expected_cohort  # (dim,) f_f: the fixed denominator
+        if self.adaptive:
+            self.clip = adapted_clip(
+                bound, float(total[-1]), self.expected_cohort, cfg.dp_target_quantile, cfg.dp_clip_lr
+            )
+            metrics["dp_unclipped_share"] = float(total[-1]) / self.expected_cohort  # noised: public
+        self.inner.aggregate(rnd, {SUM_CLIENT: self._mean_reply(rnd, replies, survivors, self._unflatten(after))})
+        self.last = PrivateRound(
+            {c: clipped[c] for c in survivors}, noise[:-1], survivors, state.reference, after, bound
+        )
+        return metrics
+
+    def _secure_sum(
+        self,
+        rnd: int,
+        state: _Round,
+        vectors: Mapping[ClientId, npt.NDArray[np.float64]],
+        stds: npt.NDArray[np.float64],
+        rng: np.random.Generator,
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], tuple[ClientId, ...]]:
+        """SecAgg+ over the vectors, each client's share of the noise added before masking: (the unmasked sum, the
+        noise in it, the survivors). Raises RoundAbandoned (its record kept) when too many clients vanish."""
+        cfg = self.dp_config
+        from fedge.secagg.config import RoundConfig
+
+        config: RoundConfig = RoundConfig.new(
+            run=self.inner.run_id,
+            session=self._session,
+            round=rnd,
+            clients=state.cohort,
+            round_seed=graph_seed(cfg.seed, rnd),
+            dim=self._dim + 1,
+            bound=1.0,  # replaced below, once t is known
+            ring_bits=RING_BITS,
+            degree=cfg.secagg_degree or None,
+            threshold=cfg.secagg_threshold or None,
+        )
+        t_min = config.min_survivors  # the fewest survivors a completed round can have
+        share = stds / math.sqrt(t_min)  # (dim + 1,) each client's noise std
+        ring_bound = max(state.clip, 1.0) + NOISE_BOUND_STDS * float(share.max())
+        noises: dict[ClientId, npt.NDArray[np.float64]] = {}
+        inputs: dict[ClientId, npt.NDArray[np.float64]] = {}
+        drop_at: dict[ClientId, Stage] = {}
+        for c in state.cohort:  # in id order: one stream, each client's draw in turn
+            if c in vectors:
+                noises[c] = rng.normal(0.0, share)
+                inputs[c] = vectors[c] + noises[c]
+            else:  # sampled, without a valid reply: never shows up in the protocol
+                inputs[c], drop_at[c] = np.zeros(self._dim + 1), "advertise"
+        simulated = simulated_dropouts(state.cohort, cfg.simulate_dropouts, cfg.seed, rnd)
+        drop_at.update({c: s for c, s in simulated.items() if c in vectors})
+        ledger = _ProtocolLedger(rnd)
+        try:
+            result = run_round(
+                inputs,
+                bound=ring_bound,
+                round_seed=config.round_seed,
+                run=config.run,
+                session=config.session,
+                round=rnd,
+                ring_bits=RING_BITS,
+                drop_at=drop_at,
+                degree=config.degree,
+                threshold=config.threshold,
+                rng=rounding_rng(cfg.seed, rnd),
+                rand_bytes=self._rand,
+                on_message=ledger,
+            )
+        except RoundAbandoned as exc:
+            gone = [c for c in sorted(drop_at) if c in vectors]
+            self._record = AggregationRecord(tuple(ledger.entries), _drops(gone, drop_at, config), str(exc))
+            raise
+        survivors = result.survivors
+        gone = [c for c in result.dropped if c in vectors]
+        self._record = AggregationRecord(tuple(ledger.entries), _drops(gone, drop_at, result.config), "")
+        noise = sum((noises[c] for c in survivors), np.zeros(self._dim + 1))
+        return result.decoded_sum, noise, survivors
+
+    def _mean_reply(
+        self,
+        rnd: int,
+        replies: Mapping[ClientId, CheckedReply],
+        survivors: Sequence[ClientId],
+        weights: dict[str, torch.Tensor],
+    ) -> CheckedReply:
+        """One reply carrying the noised weights; its report counts the survivors' examples and no loss (the clients'
+        losses are not noised, so they are not released)."""
+        examples = sum(replies[c].report.num_examples for c in survivors)
+        if survivors:
+            first = replies[survivors[0]]
+            report = dataclasses.replace(first.report, num_examples=examples, loss=None)
+            update = dataclasses.replace(first.update, client=SUM_CLIENT, tensors=weights)
+            return dataclasses.replace(first, report=report, update=update)
+        update = Message(kind="update", round=rnd, run=self.inner.run_id, client=SUM_CLIENT, tensors=weights)
+        return self._reply_type(self.inner.report_type(num_examples=0), update)
+
+    def aggregation_record(self, rnd: int) -> AggregationRecord:
+        record, self._record = self._record, AggregationRecord()
+        return record
+
+    # --- delegated, with the clip in the state ----------------------------------------------------------------------
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
+        return self.inner.evaluate(x, y)
+
+    def reply_tensors(self) -> dict[str, TensorSpec]:
+        return self.inner.reply_tensors()
+
+    def wire_reply_tensors(self) -> dict[str, TensorSpec]:
+        return self.inner.wire_reply_tensors()
+
+    def state(self) -> StrategyState:
+        tensors, values = self.inner.state()
+        return tensors, {**values, "dp_clip": self.clip}
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
+        rest = dict(values)
+        self.clip = float(rest.pop("dp_clip", self.clip))
+        self.inner.load_state(tensors, rest)
+
+
+def privatized(strategy: Strategy, config: RunConfig, reply_type: type[CheckedReply]) -> Strategy:
+    """``strategy`` wrapped for DP-FedAvg (secure aggregation inside, when asked)."""
+    return DifferentialPrivacyStrategy(strategy, config, reply_type)  # type: ignore[return-value]  # a Strategy by delegation
