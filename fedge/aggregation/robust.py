@@ -6,6 +6,9 @@
 - Coordinate-wise median and trimmed mean (Yin et al., ICML 2018): per coordinate, the median of the clients'
   values, or the mean after dropping the ``trim_ratio`` largest and smallest. Unweighted: a client's self-reported
   data size must not buy it a larger share of a robust statistic.
+- FLAME (Nguyen et al., USENIX Security 2022, sec. 4): keep the majority cluster of the round's updates by cosine
+  distance (:func:`majority_cluster`), clip each kept update to the round's median update norm, average, and add
+  Gaussian noise of ``noise_factor`` x that norm (the paper's adaptive noise, lambda x S_t).
 - The same two for soft labels (DS-FL): per sample and class over the clients, then rows renormalized to sum to 1.
 - The reference an update's norm is judged against (:class:`UpdateNormHistory`): the largest of the recent rounds'
   median update norms, which no single client can inflate and which follows the honest majority when the model moves.
@@ -30,6 +33,9 @@ from fedge.errors import ConfigError
 from fedge.types import Probs, StateDict
 
 RULES = ("mean", "median", "trimmed_mean")
+"""The rules for soft labels (DS-FL's uploads)."""
+WEIGHT_RULES = (*RULES, "flame")
+"""The rules for weight updates (the FedAvg family): also FLAME's cluster-clip-noise filter."""
 
 DEPLOYMENT_CLIP_FACTOR = 1.0
 """The norm clipping of ``fedge coordinator`` and the laptop runner over a broker (weight-exchange algorithms) unless
@@ -40,10 +46,10 @@ one, whatever it sends or claims. Measured on digits
 mean and median cost 30-34 points on shards. ``fedge sim`` keeps the papers' plain mean."""
 
 
-def check_rule(rule: str, trim_ratio: float) -> None:
-    """ConfigError unless ``rule`` is known and ``trim_ratio`` lies in [0, 0.5)."""
-    if rule not in RULES:
-        raise ConfigError(f"robust aggregation rule must be one of {', '.join(RULES)}, not {rule!r}")
+def check_rule(rule: str, trim_ratio: float, rules: Sequence[str] = RULES) -> None:
+    """ConfigError unless ``rule`` is one of ``rules`` and ``trim_ratio`` lies in [0, 0.5)."""
+    if rule not in rules:
+        raise ConfigError(f"robust aggregation rule must be one of {', '.join(rules)}, not {rule!r}")
     if not 0 <= trim_ratio < 0.5:
         raise ConfigError(f"trim_ratio must be in [0, 0.5), got {trim_ratio}")
 
@@ -65,6 +71,55 @@ def trimmed_mean(values: Tensor, trim_ratio: float) -> Tensor:
         cut = 1
     ordered = values.sort(dim=0).values
     return ordered[cut : k - cut].mean(dim=0)
+
+
+def majority_cluster(updates: Tensor) -> list[int]:
+    """The rows of ``updates`` (K, P) that FLAME keeps, in order: the majority cluster by cosine distance.
+
+    FLAME (sec. 4.2) clusters with HDBSCAN, ``min_cluster_size`` = K // 2 + 1, so that only a majority forms a
+    cluster. Written here in a few lines, so the core needs no clustering library: the core is the tightest majority
+    under single linkage (edges added shortest first, every edge of one length before looking, until a connected
+    group holds at least K // 2 + 1 updates); kept are the core and every update no farther from some core member
+    than the core's members are from each other at most (its diameter), so an honest update that is merely last to
+    join is not dropped. Updates pointing elsewhere than the majority (a colluding minority's backdoor direction, a
+    sign flip) are farther and stay out; a zero update has no direction and is as far as possible from every other.
+    Fewer than 3 updates are all kept.
+    """
+    k = updates.shape[0]
+    if k < 3:
+        return list(range(k))
+    flat = updates.double()
+    norms = flat.norm(dim=1, keepdim=True)  # (K, 1)
+    unit = torch.where(norms > 0, flat / norms.clamp_min(1e-300), torch.zeros_like(flat))
+    distance = (1 - unit @ unit.T).clamp(0, 2)  # (K, K) cosine distances
+    zero = (norms.squeeze(1) == 0).nonzero().flatten().tolist()
+    distance[zero, :] = 2.0
+    distance[:, zero] = 2.0
+    need = k // 2 + 1
+    parent = list(range(k))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    edges = sorted((float(distance[i, j]), i, j) for i in range(k) for j in range(i + 1, k))
+    at = 0
+    while at < len(edges):
+        length = edges[at][0]
+        while at < len(edges) and edges[at][0] == length:  # every edge of this length, then look
+            _, i, j = edges[at]
+            parent[root(i)] = root(j)
+            at += 1
+        groups: dict[int, list[int]] = {}
+        for i in range(k):
+            groups.setdefault(root(i), []).append(i)
+        core = max(groups.values(), key=len)
+        if len(core) >= need:
+            diameter = distance[core][:, core].max()
+            return [i for i in range(k) if i in core or bool(distance[i, core].min() <= diameter)]
+    return list(range(k))  # unreachable: all edges added join everything
 
 
 def state_norm(state: StateDict) -> float:
@@ -89,6 +144,8 @@ def robust_average(
     rule: str = "mean",
     trim_ratio: float = 0.2,
     clip_factor: float = 0.0,
+    noise_factor: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> StateDict:
     """Aggregate client weights ``states`` around the broadcast ``reference``.
 
@@ -96,12 +153,29 @@ def robust_average(
     update norm is scaled down to that length first, and every weight above ``clip_factor`` x the round's median
     weight is lowered to it: a self-reported data size must not buy one client the whole mean either. ``rule``
     "mean" is FedAvg's weighted average (``weights`` are the clients' data sizes); "median" and "trimmed_mean" are
-    coordinate-wise and unweighted.
+    coordinate-wise and unweighted; "flame" keeps the :func:`majority_cluster` of the updates, clips each kept one to
+    the round's median update norm (over all updates, FLAME's S_t) and takes the mean weighted by data size, each
+    weight capped at the round's median weight. With ``noise_factor`` > 0, Gaussian noise of standard deviation
+    ``noise_factor`` x the round's median update norm is added to every aggregated value (FLAME's adaptive noise;
+    with "mean" and clipping, Sun et al. 2019's norm clipping plus weak noise), drawn from ``generator``.
     """
-    check_rule(rule, trim_ratio)
+    check_rule(rule, trim_ratio, WEIGHT_RULES)
     if not states:
         raise ValueError("robust_average needs at least one state")
+    if noise_factor < 0:
+        raise ConfigError(f"noise_factor must be >= 0, got {noise_factor}")
     deltas = [{k: s[k].double() - reference[k].double() for k in reference} for s in states]
+    norms = [math.sqrt(sum(float(d.pow(2).sum()) for d in delta.values())) for delta in deltas]
+    median_norm = float(coordinate_median(torch.tensor(norms, dtype=torch.float64)))
+    if rule == "flame":
+        kept = majority_cluster(torch.stack([torch.cat([d.flatten() for d in delta.values()]) for delta in deltas]))
+        cap = statistics.median(float(w) for w in weights)
+        deltas = [
+            {k: d * (median_norm / norms[i]) for k, d in deltas[i].items()} if norms[i] > median_norm else deltas[i]
+            for i in kept
+        ]
+        weights = [min(float(weights[i]), cap) if cap > 0 else float(weights[i]) for i in kept]
+        rule = "mean"
     if clip_factor > 0:
         norms = [math.sqrt(sum(float(d.pow(2).sum()) for d in delta.values())) for delta in deltas]
         bound = clip_factor * float(coordinate_median(torch.tensor(norms, dtype=torch.float64)))
@@ -113,14 +187,20 @@ def robust_average(
         weights = [min(float(w), cap) for w in weights] if cap > 0 else weights
     if rule == "mean":
         moved = [{k: reference[k].double() + d for k, d in delta.items()} for delta in deltas]
-        averaged = weighted_average(moved, weights)
-        return {k: v.to(reference[k].dtype) for k, v in averaged.items()}
-    out: StateDict = {}
-    for k, ref in reference.items():
-        stacked = torch.stack([delta[k] for delta in deltas])  # (K, *shape)
-        agg = coordinate_median(stacked) if rule == "median" else trimmed_mean(stacked, trim_ratio)
-        out[k] = (ref.double() + agg).to(ref.dtype)
-    return out
+        out = weighted_average(moved, weights)
+    else:
+        out = {}
+        for k, ref in reference.items():
+            stacked = torch.stack([delta[k] for delta in deltas])  # (K, *shape)
+            agg = coordinate_median(stacked) if rule == "median" else trimmed_mean(stacked, trim_ratio)
+            out[k] = ref.double() + agg
+    if noise_factor > 0:
+        sigma = noise_factor * median_norm
+        for k, v in out.items():
+            if reference[k].is_floating_point():
+                noise = torch.randn(v.shape, generator=generator, dtype=torch.float64)
+                out[k] = v.double() + sigma * noise
+    return {k: v.to(reference[k].dtype) for k, v in out.items()}
 
 
 def robust_rows(client_probs: Sequence[Probs], *, rule: str, trim_ratio: float = 0.2) -> Probs:

@@ -10,6 +10,7 @@ as Flower's FedProx overrides one method.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
@@ -17,8 +18,16 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 import torch.nn.functional as F
 
+from fedge.accounting.records import AggregationRecord, Drop
 from fedge.aggregation.average import weighted_average
-from fedge.aggregation.robust import UpdateNormHistory, check_rule, robust_average, state_norm, update_norm
+from fedge.aggregation.robust import (
+    WEIGHT_RULES,
+    UpdateNormHistory,
+    check_rule,
+    robust_average,
+    state_norm,
+    update_norm,
+)
 from fedge.algorithms.base import (
     Algorithm,
     AlgorithmSettings,
@@ -34,6 +43,7 @@ from fedge.algorithms.base import (
     StrategyState,
     TensorSpec,
     UpdateReport,
+    derive_seed,
     evaluate_model,
     tensors_like,
     update_message,
@@ -62,7 +72,10 @@ class FedAvgSettings(AlgorithmSettings):
     )
     robust: str = field(
         default="mean",
-        metadata=server_only("mean (FedAvg), or coordinate-wise median or trimmed_mean of the updates"),
+        metadata=server_only(
+            "mean (FedAvg), or coordinate-wise median or trimmed_mean of the updates, or flame (the majority cluster "
+            "by cosine distance, clipped to the median update norm, averaged)"
+        ),
     )
     trim_ratio: float = field(default=0.2, metadata=server_only("share trimmed at each end by trimmed_mean"))
     clip_factor: float = field(
@@ -76,16 +89,23 @@ class FedAvgSettings(AlgorithmSettings):
         default=10.0,
         metadata=server_only(
             "reject an update whose norm exceeds this many times the recent rounds' median update norm (the initial "
-            "model's norm in round 1; 0: off)"
+            "model's norm at arrival in round 1, then round 1's own median at aggregation; 0: off)"
+        ),
+    )
+    noise_factor: float = field(
+        default=0.0,
+        metadata=server_only(
+            "Gaussian noise added to the aggregate, this many times the round's median update norm (FLAME's lambda, "
+            "0.001 in its paper; 0: none)"
         ),
     )
 
     def __post_init__(self) -> None:
         if self.weighting not in ("weighted", "uniform"):
             raise ConfigError(f"weighting must be weighted|uniform, not {self.weighting!r}")
-        check_rule(self.robust, self.trim_ratio)
-        if not (self.clip_factor >= 0 and self.max_update_ratio >= 0):
-            raise ConfigError("clip_factor and max_update_ratio must be >= 0")
+        check_rule(self.robust, self.trim_ratio, WEIGHT_RULES)
+        if not (self.clip_factor >= 0 and self.max_update_ratio >= 0 and self.noise_factor >= 0):
+            raise ConfigError("clip_factor, max_update_ratio and noise_factor must be >= 0")
 
 
 @register_objective
@@ -110,9 +130,14 @@ class FedAvg(Strategy[FedAvgSettingsT]):
         super().__init__(config, context)
         self._model = self.model_factory()  # scratch module for evaluation
         self._weights: StateDict = exchanged_state(self._model)
-        # The update bound's reference: before any round's median, the initial model's norm (no client set it).
+        # The update bound's reference: before any round's median, the initial model's norm (no client set it) at
+        # arrival; such a round is judged again at aggregation against its own median (calibrated).
         self._norms = UpdateNormHistory()
         self._initial_norm = max(state_norm(self._weights), 1.0)
+        # Rounds judged against that fallback (round 1 of a fresh run): re-judged at aggregation against their own
+        # median update norm, and who was left out then (handed to the round engine once).
+        self._uncalibrated: set[int] = set()
+        self._refused: dict[int, tuple[Drop, ...]] = {}
 
     def global_weights(self) -> StateDict:
         return self._weights
@@ -141,6 +166,8 @@ class FedAvg(Strategy[FedAvgSettingsT]):
         ratio = self.settings.max_update_ratio
         if ratio > 0:
             reference = self._norms.reference(rnd, self._initial_norm)
+            if not self._norms.medians:
+                self._uncalibrated.add(rnd)
             moved = update_norm({k: reply.tensors[k] for k in self._weights}, self._weights)
             self._norms.observe(rnd, client, moved)
             if not moved <= ratio * reference:  # also catches an overflow to inf
@@ -159,11 +186,45 @@ class FedAvg(Strategy[FedAvgSettingsT]):
             return [1.0] * len(replies)
         return [float(r.report.num_examples) for r in replies]
 
+    def calibrated(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[ClientId, CheckedReply]:
+        """``replies`` less those of a round judged without history (round 1) that the round's own median would
+        refuse: more than ``max_update_ratio`` x the median update norm of the round's replies, a reference the
+        honest majority sets and a minority cannot move. So nothing passes in round 1 that would be refused in
+        round 2. The refused become drops of the round (:meth:`aggregation_record`)."""
+        ratio = self.settings.max_update_ratio
+        if rnd not in self._uncalibrated or ratio <= 0 or len(replies) < self._norms.min_voters:
+            self._uncalibrated.discard(rnd)
+            return dict(replies)
+        self._uncalibrated.discard(rnd)
+        norms = {
+            c: update_norm({k: r.update.tensors[k] for k in self._weights}, self._weights) for c, r in replies.items()
+        }
+        median = statistics.median(norms.values())
+        refused = sorted(c for c, n in norms.items() if not n <= ratio * median)
+        self._refused[rnd] = tuple(
+            Drop(
+                c,
+                f"refused: the update moves the model by {norms[c]:.3g}, more than {ratio:g} x the round's median "
+                f"update norm ({median:.3g}; round {rnd} has no earlier round to judge by)",
+            )
+            for c in refused
+        )
+        return {c: r for c, r in replies.items() if c not in refused}
+
+    def aggregation_record(self, rnd: int) -> AggregationRecord:
+        """The clients :meth:`calibrated` left out of round ``rnd``, as drops."""
+        return AggregationRecord(drops=self._refused.pop(rnd, ()))
+
+    def noise_generator(self, rnd: int) -> torch.Generator:
+        """The generator of round ``rnd``'s aggregation noise, from (seed, round): a resumed run draws the same."""
+        return torch.Generator().manual_seed(derive_seed(self.config.seed, "aggregation-noise", rnd))
+
     def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
+        replies = self.calibrated(rnd, replies)
         ordered = [replies[c] for c in sorted(replies)]  # order-independent result, whatever arrived first
         states = [{k: r.update.tensors[k] for k in self._weights} for r in ordered]
         s = self.settings
-        if s.robust == "mean" and s.clip_factor == 0:
+        if s.robust == "mean" and s.clip_factor == 0 and s.noise_factor == 0:
             self._weights = weighted_average(states, self.averaging_weights(ordered))
         else:
             self._weights = robust_average(
@@ -173,6 +234,8 @@ class FedAvg(Strategy[FedAvgSettingsT]):
                 rule=s.robust,
                 trim_ratio=s.trim_ratio,
                 clip_factor=s.clip_factor,
+                noise_factor=s.noise_factor,
+                generator=self.noise_generator(rnd),
             )
         losses = [loss for r in ordered if (loss := r.report.loss) is not None]
         return {"mean_local_loss": sum(losses) / len(losses)} if losses else {}

@@ -36,8 +36,9 @@ def test_the_round_reports_the_mean_local_loss():
 def test_an_accepted_attacker_neither_raises_the_bound_nor_locks_honest_clients_out():
     """The issue's attack: an update just under ``max_update_ratio`` x the global model's norm, under the mean.
 
-    The bound's reference is the recent rounds' median update norm, so in round 2 the same attack (sized against the
-    model it moved) is refused, and honest updates of the moved model are accepted.
+    The bound's reference is the recent rounds' median update norm, so in round 2 the same attack is refused, and
+    honest updates are accepted. In round 1, with no earlier median, it passes the check at arrival but is left out
+    at aggregation against round 1's own median update norm (issue 52), so it does not move the model either.
     """
     import pytest
     from algorithm_support import NUM_CLASSES, linear
@@ -65,13 +66,16 @@ def test_an_accepted_attacker_neither_raises_the_bound_nor_locks_honest_clients_
         # honest: accepted in both rounds, whatever the attacker did to w_g
         checked = {c: strategy.accept(rnd, c, m) for c, m in replies.items()}
         attack = reply(rnd, plan, attacker, old_bound_attack(w_g))
-        if rnd == 1:  # no history yet: the initial model's norm is the reference, and the attack gets in
+        if rnd == 1:  # no history yet: the initial model's norm is the reference at arrival
             checked[attacker] = strategy.accept(rnd, attacker, attack)
         else:
             with pytest.raises(CodecError, match="reference update norm"):
                 strategy.check_reply(rnd, attacker, attack)
         strategy.aggregate(rnd, checked)
-    assert state_norm(strategy.global_weights()) > 2 * state_norm({"w": W0})  # round 1's attack did move the model
+        drops = strategy.aggregation_record(rnd).drops
+        assert [d.client for d in drops] == ([attacker] if rnd == 1 else [])  # round 1: left out at aggregation
+        assert "round's median update norm" in (drops[0].reason if drops else "round's median update norm")
+    assert state_norm(strategy.global_weights()) < 1.2 * state_norm({"w": W0})  # the attack never moved the model
 
 
 def test_the_server_evaluates_on_its_evaluation_device_without_moving_its_model(monkeypatch):
