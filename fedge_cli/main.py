@@ -20,15 +20,17 @@ import threading
 import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Union, cast, get_args, get_origin, get_type_hints
 
 from fedge.errors import ConfigError, FedgeError
 from fedge.registry import ALGORITHMS
+from fedge_io.signals import Terminated
 
 # Imported where used, not here: `fedge --help` and `fedge --version` answer without loading torch (2-7 s).
 if TYPE_CHECKING:
     from fedge.config import RunConfig
     from fedge.programs.spec import ModelSpec
+    from fedge_io.rundir import RunInterrupted
 
 DEPLOYMENT_MIN_REPLIES = 0.5
 """The quorum of ``fedge coordinator`` and the laptop runner over a broker: half the sampled clients, so a refused or
@@ -787,8 +789,7 @@ def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
 
 
 def _terminate(signum: int, frame: types.FrameType | None) -> None:
-    from fedge_io.rundir import Terminated
-
+    # Imports nothing: it runs wherever the main thread is, in the middle of an import too (see fedge_io.signals).
     raise Terminated()
 
 
@@ -849,15 +850,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     except KeyboardInterrupt as exc:
-        from fedge_io.rundir import RunInterrupted, Terminated
-
-        terminated = isinstance(exc, Terminated) or (isinstance(exc, RunInterrupted) and exc.terminated)
+        # A RunInterrupted comes from fedge_io.rundir: where it was never imported (fedge status), none was raised,
+        # and a stop is no time to import torch.
+        rundir = sys.modules.get("fedge_io.rundir")
+        run = cast("RunInterrupted", exc) if rundir is not None and isinstance(exc, rundir.RunInterrupted) else None
+        terminated = isinstance(exc, Terminated) or (run is not None and run.terminated)
         print(f"fedge: {'terminated (SIGTERM)' if terminated else 'interrupted'}", file=sys.stderr)
-        if isinstance(exc, RunInterrupted):
-            if exc.run_dir is None:
+        if run is not None:
+            if run.run_dir is None:
                 print("fedge: no round had completed, so there is nothing to resume", file=sys.stderr)
             else:
-                print(f"fedge: continue the run with: {resume_command(args, exc.run_dir)}", file=sys.stderr)
+                print(f"fedge: continue the run with: {resume_command(args, run.run_dir)}", file=sys.stderr)
         return 143 if terminated else 130
     finally:
         if in_main:

@@ -87,6 +87,9 @@ class Bundle:
     clients: tuple[str, ...] = ()  # for the coordinator: the ids provisioned in this run
     made_for_tls: bool = False  # the kit gave this device a CA: it must never connect without TLS unless told to
     program_ca: str | None = None  # the CA certificate every program's manifest must be signed by (None: unsigned ok)
+    # The monitor's read-only user names (``username`` first), all with its password: one per viewer at once, since a
+    # fleet broker binds a connection to its user name (MqttLink's ``logins``). Other roles: ``username`` alone.
+    usernames: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"Bundle({self.role} {self.client_id or ''} of run {self.run!r} at {self.address}, user {self.username})"
@@ -114,6 +117,7 @@ def load_bundle(directory: str | os.PathLike[str], *, broker: str | None = None)
         role, run, username = data["role"], check_name(data["run"], "run name"), data["username"]
         client_id = check_name(data["client_id"], "client id") if data.get("client_id") is not None else None
         clients = tuple(check_name(c, "client id") for c in data.get("clients", ()))
+        usernames = tuple(check_name(u, "user name") for u in data.get("usernames") or [username])
         base = BrokerAddress.parse(broker or data["broker"])
     except (KeyError, TypeError) as exc:
         raise ConfigError(f"fleet bundle {path} lacks or garbles {exc}; make a new fleet kit") from None
@@ -145,4 +149,6 @@ def load_bundle(directory: str | os.PathLike[str], *, broker: str | None = None)
         raise ConfigError(f"fleet bundle {path}: signed_programs must be true or false, and true needs its ca_file")
     program_ca = local("ca_file") if signed else None
     login = address.with_login(username, password)
-    return Bundle(role, run, username, login, client_id, clients, made_for_tls, program_ca)
+    if usernames[0] != username or (role != "monitor" and len(usernames) > 1):
+        raise ConfigError(f"fleet bundle {path}: usernames must begin with its username, and only a monitor has more")
+    return Bundle(role, run, username, login, client_id, clients, made_for_tls, program_ca, usernames)

@@ -14,6 +14,7 @@ import argparse
 import secrets
 import sys
 import time
+from collections.abc import Sequence
 from typing import TextIO
 
 from fedge.accounting.units import format_bytes
@@ -101,15 +102,18 @@ def watch(
     interval: float = 1.0,
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
+    logins: Sequence[str] = (),
 ) -> int:
-    """Show the run status of ``run`` until interrupted (or one snapshot with ``once``); the exit status."""
+    """Show the run status of ``run`` until interrupted (or one snapshot with ``once``); the exit status.
+    ``logins``: the monitor bundle's user names, one per viewer at once (:class:`fedge_io.mqtt.MqttLink`)."""
     if timeout <= 0 or interval <= 0:
         raise ConfigError("--timeout and --interval must be > 0 seconds")
     topic = Topics(run).run_status
     redraw = out.isatty() and not once
     latest: RunStatus | None = None
-    link = MqttLink(address, client_id, subscriptions=[(topic, 1)]).start(timeout)
+    link = MqttLink(address, client_id, subscriptions=[(topic, 1)], logins=logins)
     try:
+        link.start(timeout)  # in the try: Ctrl-C or SIGTERM while connecting also closes the link
         deadline = time.monotonic() + timeout
         while True:
             item = link.get(interval)
@@ -150,11 +154,13 @@ def run_status_cli(args: argparse.Namespace) -> int:
     if bundle is not None:
         if bundle.role != "monitor":
             # Its user name is its MQTT client id: logging in with it would push the running role off the broker.
+            # The monitor's are many (bundle.usernames): each viewer at once takes one of its own.
             raise ConfigError(f"{args.bundle} is the {bundle.role}'s bundle; fedge status needs the kit's monitor/")
         if args.run not in (None, bundle.run):
             raise ConfigError(f"--run {args.run} differs from the bundle's run {bundle.run!r}")
-        run, client_id = bundle.run, bundle.username
+        run, client_id, logins = bundle.run, bundle.username, bundle.usernames
     else:
+        logins = ()
         run = check_name(args.run or "default", "run name")
         client_id = f"fedge-{run}-monitor-{secrets.token_hex(4)}"  # unique: monitors must not push each other off
     if args.web is not None:
@@ -162,5 +168,7 @@ def run_status_cli(args: argparse.Namespace) -> int:
 
         if args.once:
             raise ConfigError("--once prints one snapshot; it does not go with --web")
-        return serve(connection.address, client_id, run, parse_web_address(args.web), timeout=args.timeout)
-    return watch(connection.address, client_id, run, once=args.once, timeout=args.timeout)
+        return serve(
+            connection.address, client_id, run, parse_web_address(args.web), timeout=args.timeout, logins=logins
+        )
+    return watch(connection.address, client_id, run, once=args.once, timeout=args.timeout, logins=logins)

@@ -130,6 +130,11 @@ class MqttLink:
     ``address`` says how to connect: TLS for ``mqtts://`` (its CA file, optional client certificate, hostname
     verification unless turned off), and its user name and password. A fleet broker binds MQTT client ids to user
     names, so with a fleet bundle pass ``client_id=bundle.username``.
+
+    ``logins``: user names interchangeable with ``address``'s, with its password (a fleet kit's monitor bundle: one
+    per viewer watching at once). Since a fleet broker binds a connection to its user name, two viewers on one name
+    push each other off: with ``logins``, each connection logs in as one of them at random, after a lost connection
+    never the one it had, so viewers that met on one name part at the next try.
     """
 
     def __init__(
@@ -144,6 +149,7 @@ class MqttLink:
         backoff: tuple[float, float] = (0.2, 10.0),
         max_packet_size: PacketLimit = "auto",
         clean_session: bool = True,
+        logins: Sequence[str] = (),
     ) -> None:
         """``clean_session=False`` asks the broker to keep this client's subscriptions and undelivered QoS-1
         messages while it is away (a flaky link, a broker restarted with persistence), under a fixed client id."""
@@ -151,6 +157,7 @@ class MqttLink:
             raise ConfigError(f"max packet size must be >= {MIN_PACKET_SIZE} bytes, got {max_packet_size}")
         self.address = address
         self.client_id = client_id
+        self._logins = tuple(logins)
         self.keepalive = keepalive
         self._subscriptions = list(subscriptions)
         self._on_ready = on_ready
@@ -214,6 +221,7 @@ class MqttLink:
         deadline = time.monotonic() + timeout
         delay = self._backoff[0]
         probed = False
+        self._take_login(self._logins)
         while True:
             try:
                 if not probed:  # before our own connection: a broker that binds ids to users would replace it
@@ -416,12 +424,23 @@ class MqttLink:
             log.warning("lost the connection to %s; reconnecting", self.address)
             while not self._stopping.wait(delay):
                 try:
+                    self._take_login([u for u in self._logins if u != self.address.username])
                     self._client.reconnect()
                     delay = self._backoff[0]
                     break
                 except OSError as exc:
                     delay = min(delay * 2, self._backoff[1])
                     log.warning("cannot reach broker at %s: %s; next try in %.1f s", self.address, exc, delay)
+
+    def _take_login(self, names: Sequence[str]) -> None:
+        """Log in as one of ``names`` from the next connection on (none: keep the current login)."""
+        if not names:
+            return
+        user = secrets.choice(list(names))
+        self.address = self.address.with_login(user, self.address.password)
+        self.client_id = user  # a fleet broker's client id is the user name (amqtt's FleetAuthPlugin checks it)
+        self._client.username_pw_set(user, self.address.password)
+        self._client._client_id = user.encode()  # paho has no setter; CONNECT reads it at every (re)connect
 
     def _read_stalled_packet(self) -> bool:
         """Handle a packet paho has read whole but left unhandled; False if the connection is gone.

@@ -38,6 +38,7 @@ from fedge.config import RunConfig
 from fedge.errors import ConfigError, JournalError
 from fedge.learning.metrics import comu_at
 from fedge_io.provenance import provenance
+from fedge_io.signals import Terminated  # SIGTERM's exception; its own module: the handler imports nothing
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +53,6 @@ class RunResult:
     config: RunConfig
     rounds: list[RoundRecord]
     summary: dict[str, Any]
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread by the ``fedge`` command's handler: a run stops as on Ctrl-C, cleanup
-    included (a KeyboardInterrupt, so every ``except KeyboardInterrupt`` treats it alike)."""
 
 
 class RunInterrupted(KeyboardInterrupt):

@@ -28,7 +28,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TextIO
 from urllib.parse import urlsplit
@@ -356,14 +356,17 @@ def serve(
     timeout: float = 10.0,
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
+    logins: Sequence[str] = (),
 ) -> int:
-    """Serve the status page of ``run`` on ``bind`` until interrupted; the exit status."""
+    """Serve the status page of ``run`` on ``bind`` until interrupted; the exit status. ``logins``: the monitor
+    bundle's user names, one per viewer at once (:class:`fedge_io.mqtt.MqttLink`)."""
     if timeout <= 0:
         raise ConfigError("--timeout must be > 0 seconds")
     topic = Topics(run).run_status
     board = Board(run)
-    link = MqttLink(address, client_id, subscriptions=[(topic, 1)]).start(timeout)
+    link = MqttLink(address, client_id, subscriptions=[(topic, 1)], logins=logins)
     try:
+        link.start(timeout)  # in the try: Ctrl-C or SIGTERM while connecting also closes the link
         try:
             server = StatusServer(bind, board)
         except OSError as exc:

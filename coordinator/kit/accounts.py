@@ -16,6 +16,11 @@ from fedge_io.mqtt import MIN_PACKET_SIZE
 
 COORDINATOR = "coordinator"
 MONITOR = "monitor"  # the read-only login of `fedge status`: it reads the run status and nothing else
+MONITOR_LOGINS = 8
+"""Read-only logins in the kit's monitor bundle, so that as many viewers (``fedge status``, its web page) watch at
+once: the broker binds a connection to its user name (``use_username_as_clientid``), so two viewers on one name push
+each other off. They share the bundle's one password; each connection takes one of the names
+(:class:`fedge_io.mqtt.MqttLink`'s ``logins``)."""
 PASSWORD_FILE = "password"
 # mosquitto_passwd 2.0 writes 101 iterations; the broker reads the count from the file. The passwords are 256-bit
 # random secrets, so the iteration count adds nothing against guessing; 1,000 cost about 1 ms per CONNECT.
@@ -31,6 +36,11 @@ def _is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def monitor_names(count: int = MONITOR_LOGINS) -> tuple[str, ...]:
+    """The monitor pool's names, as client ids are named: ``monitor``, ``monitor-2``, ... (reserved in every kit)."""
+    return (MONITOR, *(f"{MONITOR}-{k}" for k in range(2, count + 1)))
 
 
 def fleet_username(run: str, client: str | None) -> str:
@@ -59,6 +69,7 @@ class FleetSpec:
     headroom: float = 0.10  # on top of the largest message: metadata varies by a few bytes per round
     sys_interval: int = 10  # seconds between the broker's $SYS counter updates
     chunk_packet_size: int | None = None  # mosquitto's max_packet_size when messages travel as chunks
+    monitors: int = MONITOR_LOGINS  # read-only logins of the monitor bundle: viewers at once
 
     def __post_init__(self) -> None:
         for attr in ("clients", "broker_hosts"):  # accept any sequence, but never one string as many names
@@ -71,9 +82,12 @@ class FleetSpec:
             raise ConfigError("a fleet kit needs at least one client id")
         if len(set(self.clients)) != len(self.clients):
             raise ConfigError("client ids of a fleet kit must be unique")
-        for reserved in (COORDINATOR, MONITOR):
+        if self.monitors < 1:
+            raise ConfigError(f"a fleet kit needs at least one monitor login, got {self.monitors}")
+        for reserved in (COORDINATOR, *monitor_names(self.monitors)):
             if reserved in self.clients:
-                raise ConfigError(f"{reserved!r} is the name of the kit's {reserved} login; choose another client id")
+                role = COORDINATOR if reserved == COORDINATOR else MONITOR
+                raise ConfigError(f"{reserved!r} is the name of the kit's {role} login; choose another client id")
         if not self.broker_hosts:
             raise ConfigError("a fleet kit needs the broker's host name or IP address (what devices connect to)")
         for host in self.broker_hosts:
@@ -99,6 +113,14 @@ class FleetSpec:
         return Topics(self.run)
 
     @property
+    def monitor_logins(self) -> tuple[str, ...]:
+        """The monitor bundle's user names. With client certificates the broker takes the login from the certificate
+        (its common name), so the bundle's one certificate makes one login, and one viewer at a time."""
+        return tuple(
+            fleet_username(self.run, m) for m in monitor_names(1 if self.client_certificates else self.monitors)
+        )
+
+    @property
     def max_packet_size(self) -> int:
         """mosquitto's ``max_packet_size``: ``chunk_packet_size`` when set, else a QoS-1 PUBLISH of the largest
         message on the longest topic, plus headroom."""
@@ -122,16 +144,18 @@ class Grant:
     read: tuple[str, ...]
 
 
-def fleet_acl(run: str, clients: Sequence[str]) -> dict[str, Grant]:
-    """The least-privilege ACL of a run, by user name (the coordinator first, then the monitor)."""
+def fleet_acl(run: str, clients: Sequence[str], monitors: Sequence[str] | None = None) -> dict[str, Grant]:
+    """The least-privilege ACL of a run, by user name (the coordinator first, then the monitor logins: ``monitors``,
+    default the kit's :func:`monitor_names`)."""
     t = Topics(run)
     acl = {
         fleet_username(run, None): Grant(
             write=(f"{t.prefix}/task/+", t.broadcast, t.run_status),
             read=(t.all_updates, t.all_statuses, *SYS_FILTERS),
         ),
-        fleet_username(run, MONITOR): Grant(write=(), read=(t.run_status,)),
     }
+    for user in monitors if monitors is not None else [fleet_username(run, m) for m in monitor_names()]:
+        acl[user] = Grant(write=(), read=(t.run_status,))
     for c in clients:
         acl[fleet_username(run, c)] = Grant(write=(t.update(c), t.status(c)), read=(t.task(c), t.broadcast))
     return acl

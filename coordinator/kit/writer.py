@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordinator.broker_setup import mosquitto_command
-from coordinator.kit.accounts import COORDINATOR, MONITOR, PASSWORD_FILE, FleetSpec, fleet_acl, fleet_username
+from coordinator.kit.accounts import (
+    COORDINATOR,
+    MONITOR,
+    PASSWORD_FILE,
+    FleetSpec,
+    fleet_acl,
+    fleet_username,
+)
 from coordinator.kit.broker_files import amqtt_password_line, mosquitto_acl, mosquitto_conf, mosquitto_password_line
 from coordinator.kit.pki import Issued, issue, make_ca
 from fedge.errors import ConfigError
@@ -74,10 +81,13 @@ def generate_fleet_kit(
     now = issued_at or dt.datetime.now(dt.timezone.utc)
     broker = _mkdir(root / "broker")
     conf_dir = Path(broker_config_dir) if broker_config_dir is not None else broker
-    users = [None, MONITOR, *spec.clients]
+    users = [None, MONITOR, *spec.clients]  # one bundle each
     passwords = {fleet_username(spec.run, c): secrets.token_urlsafe(32) for c in users}
+    # The monitor bundle's other read-only names share its password: one secret, one bundle, several viewers.
+    monitors = list(spec.monitor_logins)
+    passwords.update(dict.fromkeys(monitors, passwords[monitors[0]]))
 
-    acl = fleet_acl(spec.run, spec.clients)
+    acl = fleet_acl(spec.run, spec.clients, monitors)
     _write(broker / "passwd", "".join(mosquitto_password_line(u, p) + "\n" for u, p in passwords.items()), private=True)
     _write(
         broker / "amqtt-passwd", "".join(amqtt_password_line(u, p) + "\n" for u, p in passwords.items()), private=True
@@ -124,6 +134,8 @@ def generate_fleet_kit(
                 bundle.update(cert_file="client.crt", key_file="client.key")
         if client is None:
             bundle["clients"] = list(spec.clients)
+        elif role == MONITOR:
+            bundle["usernames"] = monitors  # each viewer's connection takes one (fedge_io.mqtt.MqttLink's logins)
         elif role == "client":
             dirs[client] = folder
         _write(folder / BUNDLE_FILE, json.dumps(bundle, indent=1) + "\n")

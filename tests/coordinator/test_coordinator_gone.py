@@ -88,7 +88,7 @@ def test_a_killed_coordinator_shows_as_gone_and_a_clean_exit_as_stopped(tmp_path
     web_port = free_port()
     with fleet_mosquitto(kit.broker_dir):
         with coordinator(kit.root, tmp_path, "first") as first:
-            # The kit's monitor login is one MQTT client id: one `fedge status` at a time.
+            # The web page and the `--once` snapshots below share the kit's monitor bundle (a login each).
             web = subprocess.Popen(
                 [*FEDGE, "status", "--bundle", str(monitor), "--web", f"127.0.0.1:{web_port}"],
                 stdout=subprocess.DEVNULL,

@@ -245,7 +245,10 @@ def test_acl_is_least_privilege(tmp_path: Path) -> None:
         "topic read $SYS/broker/load/bytes/+",
         "topic read $SYS/broker/uptime",  # tells a restarted broker (its counters started again) from a running one
     ]
-    assert blocks["user fedge-lab-monitor"] == ["topic read fedge/lab/run-status"]  # fedge status: read only
+    # fedge status: read only, under any of the monitor bundle's names (one per viewer at once)
+    monitors = [f"user fedge-lab-monitor{suffix}" for suffix in ("", *(f"-{k}" for k in range(2, 9)))]
+    assert [b for b in blocks if "monitor" in b] == monitors
+    assert all(blocks[m] == ["topic read fedge/lab/run-status"] for m in monitors)
     assert not any(line.startswith(("topic", "pattern")) for line in acl.split("\n\nuser")[0].splitlines())
 
 
@@ -292,6 +295,8 @@ def test_spec_refuses_what_a_broker_or_topic_cannot_carry(tmp_path: Path) -> Non
         ({"clients": ("c 1",)}, "client id 'c 1'"),
         ({"clients": ("coordinator",)}, "the name of the kit's coordinator login"),
         ({"clients": ("monitor",)}, "the name of the kit's monitor login"),
+        ({"clients": ("monitor-8",)}, "'monitor-8' is the name of the kit's monitor login"),  # its pool of viewers
+        ({"monitors": 0}, "at least one monitor login"),
         ({"clients": ("a", "a")}, "must be unique"),
         ({"clients": ()}, "at least one client id"),
         ({"run": "a/b"}, "run name 'a/b'"),

@@ -200,7 +200,7 @@ def test_a_coordinator_only_environment_provisions_runs_watches_and_reports(
     kit = out / "kit"
     argv += ["--fleet-broker", "127.0.0.1", "--fleet-port", str(port), "--fleet-broker-dir", str(kit / "broker")]
     in_env(coordinator_python, *argv, cwd=tmp_path)
-    assert (kit / "broker" / "amqtt-passwd").read_text().count("$argon2") == 4  # coordinator, monitor, 2 clients
+    assert (kit / "broker" / "amqtt-passwd").read_text().count("$argon2") == 11  # coordinator, 8 monitors, 2 clients
 
     run_dir = tmp_path / "runs" / run
     with fleet_mosquitto(kit / "broker") as url:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import os
@@ -16,8 +17,9 @@ import pytest
 from mqtt_support import mosquitto_url  # noqa: F401 - a pytest fixture
 from signal_support import default_sigint
 
-from fedge_cli.main import main
+from fedge_cli.main import _terminate, main
 from fedge_io.journal import JOURNAL
+from fedge_io.signals import Terminated
 
 FLAGS = ["--dataset", "synthetic", "--model", "tiny_mlp", "--num-clients", "3", "--partition", "iid"]
 
@@ -114,6 +116,18 @@ def test_an_interrupt_before_the_first_round_says_there_is_nothing_to_resume(tmp
     assert proc.returncode == 143 and "Traceback" not in err
     assert "fedge: terminated (SIGTERM)\nfedge: no round had completed, so there is nothing to resume" in err
     assert list((tmp_path / "runs").iterdir()) == []  # and no half-written directory
+
+
+def test_the_sigterm_handler_imports_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It runs wherever the main thread is, in the middle of an import too, where an import of its own can meet a
+    partly initialized module and fail with an ImportError instead of stopping (`fedge status`, 2 tries in 4)."""
+
+    def no_import(name: str, *args: object, **kwargs: object) -> None:
+        raise ImportError(f"the SIGTERM handler imported {name}")
+
+    monkeypatch.setattr(builtins, "__import__", no_import)
+    with pytest.raises(Terminated):
+        _terminate(signal.SIGTERM, None)
 
 
 def test_the_coordinators_resume_command_repeats_how_it_ran_but_never_a_password() -> None:
