@@ -19,6 +19,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterator
+from typing import Any
 
 from fedge.errors import ConfigError
 
@@ -47,25 +48,55 @@ def update_noise_multiplier(z: float, count_std: float) -> float:
 
 def epsilon(q: float, z: float, rounds: int, delta: float, accountant: str = "rdp") -> float:
     """Epsilon at ``delta`` after ``rounds`` Poisson-sampled (rate ``q``) Gaussian (noise multiplier ``z``) rounds."""
-    if rounds == 0:
-        return 0.0
-    import dp_accounting
-    from dp_accounting import pld, rdp
+    return Ledger(q, z, delta, accountant).epsilon(rounds)
 
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), rounds
-    )
-    account: dp_accounting.PrivacyAccountant
-    if accountant == "rdp":
-        account = rdp.RdpAccountant()
-    elif accountant == "pld":
-        account = pld.PLDAccountant()
-    else:
-        raise ConfigError(f"dp_accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
-    with _quiet_absl():
-        account.compose(event)
-        value = float(account.get_epsilon(delta))
-    return value if math.isfinite(value) else math.inf
+
+class Ledger:
+    """Epsilon after any number of rounds of one (q, z) mechanism, the one-round analysis computed once: RDP adds up
+    over rounds (``T`` times one round's RDP curve, converted at ``delta`` as dp-accounting's RdpAccountant does),
+    and one round's privacy loss distribution self-composes ``T`` times (as its PLDAccountant does). The same numbers
+    as composing ``T`` events into those accountants, at a fraction of the cost per round (RDP: about 3 s a round
+    at q = 0.1, z = 1 otherwise)."""
+
+    def __init__(self, q: float, z: float, delta: float, accountant: str = "rdp") -> None:
+        if accountant not in ACCOUNTANTS:
+            raise ConfigError(f"dp_accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
+        self.q, self.z, self.delta, self.accountant = q, z, delta, accountant
+        self._one: Any = None  # one round's RDP curve (orders, values), or its privacy loss distribution
+
+    def _one_round(self) -> Any:
+        if self._one is None:
+            import dp_accounting
+            from dp_accounting.pld import privacy_loss_distribution
+            from dp_accounting.rdp import RdpAccountant
+
+            if self.accountant == "rdp":
+                account = RdpAccountant()
+                with _quiet_absl():
+                    account.compose(dp_accounting.PoissonSampledDpEvent(self.q, dp_accounting.GaussianDpEvent(self.z)))
+                self._one = (account._orders, account._rdp)  # one round's curve, to scale by T
+            else:
+                self._one = privacy_loss_distribution.from_gaussian_mechanism(
+                    standard_deviation=self.z,
+                    value_discretization_interval=1e-4,  # PLDAccountant's default
+                    sampling_prob=self.q,
+                    neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+                )
+        return self._one
+
+    def epsilon(self, rounds: int) -> float:
+        """Epsilon at the ledger's delta after ``rounds`` rounds (0 after none)."""
+        if rounds == 0:
+            return 0.0
+        from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+        one = self._one_round()
+        if self.accountant == "rdp":
+            orders, curve = one
+            value = float(compute_epsilon(orders, rounds * curve, self.delta)[0])
+        else:
+            value = float(one.self_compose(rounds).get_epsilon_for_delta(self.delta))
+        return value if math.isfinite(value) else math.inf
 
 
 class _DropExcludedOrders(logging.Filter):

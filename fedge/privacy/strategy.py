@@ -42,7 +42,7 @@ import torch
 
 from fedge.accounting.records import AggregationRecord
 from fedge.errors import ConfigError
-from fedge.privacy.accountant import epsilon, update_noise_multiplier
+from fedge.privacy.accountant import Ledger, update_noise_multiplier
 from fedge.privacy.mechanism import adapted_clip, clip, count_std, noise_rng
 from fedge.secagg.driver import run_round
 from fedge.secagg.errors import RoundAbandoned
@@ -135,6 +135,7 @@ class DifferentialPrivacyStrategy:
         self.z_update = update_noise_multiplier(self.z, self.count_std) if self.adaptive else self.z
         self.delta = config.dp_delta_used
         self.clip = config.dp_initial_clip
+        self.ledger = Ledger(self.q, self.z, self.delta, config.dp_accountant)
         self._epsilons: dict[int, float] = {}
         self._round: _Round | None = None
         self._record = AggregationRecord()
@@ -161,8 +162,7 @@ class DifferentialPrivacyStrategy:
     def epsilon_after(self, rounds: int) -> float:
         """Epsilon at the run's delta after ``rounds`` rounds (cached: a pure function of the round count)."""
         if rounds not in self._epsilons:
-            c = self.dp_config
-            self._epsilons[rounds] = epsilon(self.q, self.z, rounds, self.delta, c.dp_accountant)
+            self._epsilons[rounds] = self.ledger.epsilon(rounds)
         return self._epsilons[rounds]
 
     def stop_before(self, rnd: int) -> str:
