@@ -31,10 +31,16 @@ from fedge.wire.protocol import BrokerAddress, ClientStatus
 from fedge_io.experiment import Experiment, prepare
 from fedge_io.mqtt import PacketLimit
 from fedge_io.rundir import RunResult
+from fedge_io.signals import Terminated
 
 log = logging.getLogger(__name__)
 
 COORDINATOR_LOG = "coordinator.log"
+STOPPED = (
+    "run stopped by %s: leaving now (the round under way is not kept; the clients stay, waiting for a coordinator); "
+    "the journal keeps the completed rounds, and the same command with --run-dir (or --resume RUN_DIR) continues after"
+    " them"
+)
 
 
 def refuse_secure_aggregation(config: RunConfig) -> None:
@@ -55,6 +61,15 @@ def refuse_differential_privacy(config: RunConfig) -> None:
         raise ConfigError(
             "--dp-noise-multiplier runs in process only for now (fedge sim without --transport mqtt): the clients' "
             "noise shares and the clipped-count bits do not travel over MQTT yet"
+        )
+
+
+def refuse_simulated_time(config: RunConfig) -> None:
+    """ConfigError when ``config`` asks for a simulated clock: a coordinator runs on the real one."""
+    if config.simulated_time or config.sim_deadline:
+        raise ConfigError(
+            "--client-profiles, --link and --sim-deadline are for fedge sim (simulated time); a coordinator's "
+            "rounds take real time (see --round-timeout)"
         )
 
 
@@ -119,6 +134,7 @@ def run_coordinator(
     """
     refuse_secure_aggregation(config)
     refuse_differential_privacy(config)
+    refuse_simulated_time(config)
     exp = experiment or prepare(config)
     config = exp.config
     run = run or run_dir.name
@@ -238,6 +254,11 @@ def coordinator_log(run_dir: Path) -> Iterator[None]:
     root.addHandler(handler)  # at the level the CLI set (INFO, or DEBUG with -v)
     try:
         yield
+    except KeyboardInterrupt as exc:
+        # Asked to stop (Ctrl-C, or SIGTERM: systemd, docker stop, kill): no error. Into the file only, as below.
+        how = "SIGTERM" if isinstance(exc, Terminated) or getattr(exc, "terminated", False) else "Ctrl-C"
+        handler.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, STOPPED, (how,), None))
+        raise
     except BaseException as exc:
         # Why the run stopped, into the file only: the CLI prints the error itself, the console needs no copy.
         why = printable(str(exc) or type(exc).__name__, 1000)

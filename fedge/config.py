@@ -175,6 +175,33 @@ class RunConfig:
             "coordinator) (default: none, the noise is seeded from os.urandom each round)"
         },
     )
+    # Simulated time (docs/simulated_time.md): each client's compute speed, link and availability give every round a
+    # simulated duration from the bytes it exchanged. In process only (fedge sim).
+    client_profiles: str = field(
+        default="",
+        metadata={
+            "help": "simulated time: every client's compute, link and availability: uniform, "
+            "tail:fraction=0.1,slowdown=10, lognormal:sigma=1 (each with compute=SECONDS per sample-step or "
+            "measure, and optional period=SECONDS,duty=F availability), or a .csv/.json file with a row per client "
+            "(docs/simulated_time.md) (default: none; uniform when only --link is given)"
+        },
+    )
+    link: str = field(
+        default="",
+        metadata={
+            "help": "simulated time: every client's link (unless its profile row names its own): ethernet "
+            "(1000/1000 Mbit/s, 0.5 ms), wifi (50 up/100 down Mbit/s, 5 ms), lte (10/30 Mbit/s, 50 ms), "
+            "cellular-edge (1/5 Mbit/s, 120 ms), PRESET:latency=80ms, or up=1Mbit,down=10Mbit,latency=80ms; "
+            "nominal figures, assumed (default: wifi when --client-profiles is given)"
+        },
+    )
+    sim_deadline: float = field(
+        default=0.0,
+        metadata={
+            "help": "simulated time: a sampled client whose simulated round (transfers, compute, latency) exceeds this "
+            "many seconds is dropped from the round, as a coordinator's round timeout drops it (default: 0, none)"
+        },
+    )
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgorithmSettings = field(default_factory=AlgorithmSettings)  # the settings of ``algorithm``; the base: its
     # defaults
@@ -215,6 +242,29 @@ class RunConfig:
         if self.secure_aggregation:
             self._fit_secure_aggregation()
         self._check_differential_privacy()
+        self._check_simulated_time()
+
+    @property
+    def simulated_time(self) -> bool:
+        """Whether ``fedge sim`` keeps a simulated clock (``client_profiles`` or ``link`` given)."""
+        return bool(self.client_profiles or self.link)
+
+    def _check_simulated_time(self) -> None:
+        """ConfigError for a profiles or link SPEC that does not parse (a profiles file is read when the run starts)."""
+        from fedge.profiles import parse_link, parse_profiles
+
+        if self.link:
+            parse_link(self.link)
+        if self.client_profiles:
+            parse_profiles(self.client_profiles)
+        _check(
+            math.isfinite(self.sim_deadline) and self.sim_deadline >= 0,
+            f"sim_deadline must be >= 0 s, got {self.sim_deadline}",
+        )
+        _check(
+            self.sim_deadline == 0 or self.simulated_time,
+            "--sim-deadline acts on simulated time: give --client-profiles or --link too",
+        )
 
     def _fit_secure_aggregation(self) -> None:
         """ConfigError naming what secure aggregation cannot run with: it hands the server the sum of the round's

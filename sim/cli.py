@@ -26,6 +26,10 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
         raise ConfigError(f"--executor {args.executor} is for in-process runs; over MQTT every client is a process")
     if args.transport == "mqtt" and args.overlap != "auto":
         raise ConfigError("--overlap is for in-process runs; over MQTT the coordinator evaluates between rounds")
+    if args.transport == "mqtt" and config.simulated_time:
+        raise ConfigError(
+            "--client-profiles, --link and --sim-deadline simulate time in process; over MQTT time is real"
+        )
     if args.tensorboard is not None:
         check_tensorboard()  # before a run directory exists
     with run_directory(args.out, config, args.name, resume=args.resume) as run_dir:  # removed if the start fails
@@ -41,6 +45,13 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
         print(
             f"privacy: epsilon {s['dp_epsilon']:.3f} at delta {s['dp_delta']:.3g} after {s['dp_rounds']} round(s) "
             f"({s['dp_accountant']} accountant, noise multiplier {s['dp_noise_multiplier']:g})"
+        )
+    if "time_to" in s:
+        clock = s["sim_clock"]
+        reached = ", ".join(f"{100 * float(k):g}% after {v:,.1f} s" for k, v in s["time_to"].items() if v is not None)
+        print(
+            f"simulated time: {clock['total_s']:,.1f} s ({clock['link']}: {clock['link_figures']})"
+            + (f"; reached {reached}" if reached else "")
         )
     if s.get("stopped"):
         print(f"stopped early: {s['stopped']}")

@@ -9,6 +9,7 @@ from typing import Any
 
 from coordinator.engine import RoundEngine, RunHistory
 from coordinator.resume import RunJournal
+from coordinator.transport import Transport
 from edge_client.client import EdgeClient
 from fedge.accounting.records import RoundRecord
 from fedge.config import RunConfig
@@ -16,7 +17,8 @@ from fedge.errors import ConfigError
 from fedge.learning.backend import Backend, TorchBackend
 from fedge.types import ClientId
 from fedge_io.experiment import Experiment, prepare
-from fedge_io.rundir import RunResult
+from fedge_io.rundir import COMU_THRESHOLDS, RunResult
+from sim.clock import SimClockTransport, load_profiles, measure_compute, time_summary
 from sim.executors import ExecutorTransport, ExperimentClients, gpu_sharing_advice, make_executor, overlap_choice
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,32 @@ def privacy_summary(config: RunConfig, history: RunHistory) -> dict[str, Any]:
     if history.stopped:
         out["stopped"] = history.stopped
     return out
+
+
+def _measure(exp: Experiment) -> float:
+    """Seconds per sample-step of the run's model measured on this machine (``compute=measure``)."""
+    model = exp.model_factory()
+    return measure_compute(model, exp.input_shape, exp.num_classes, exp.config.train.batch_size)
+
+
+def _stamped(
+    prepare: Callable[[int], Callable[[RoundRecord], None]], clock: SimClockTransport, engine: RoundEngine
+) -> Callable[[int], Callable[[RoundRecord], None]]:
+    """``prepare`` whose commit writes the record with its simulated time (and keeps that record in the history)."""
+
+    def prepared(rnd: int) -> Callable[[RoundRecord], None]:
+        commit = prepare(rnd)
+
+        def stamped(record: RoundRecord) -> None:
+            timed = clock.stamp(record)
+            rounds = engine.history.rounds
+            if rounds and rounds[-1] is record:  # conclusions run in round order: this one was just appended
+                rounds[-1] = timed
+            commit(timed)
+
+        return stamped
+
+    return prepared
 
 
 def run_inprocess(
@@ -96,7 +124,14 @@ def run_inprocess(
         advice = gpu_sharing_advice(device, exe.name, exe.workers)
         if advice:
             log.warning(advice)
-        transport = ExecutorTransport(exe, sorted(exp.parts), declared=sizes)
+        inner = ExecutorTransport(exe, sorted(exp.parts), declared=sizes)
+        transport: Transport = inner
+        clock: SimClockTransport | None = None
+        clock_about: dict[str, Any] = {}
+        if config.simulated_time:  # docs/simulated_time.md
+            profiles, clock_about = load_profiles(config, sorted(exp.parts), lambda: _measure(exp))
+            clock = SimClockTransport(inner, profiles, sizes, config.train.local_epochs, deadline_s=config.sim_deadline)
+            transport = clock
         engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
         overlap, why = overlap_choice(exe, threads_per_worker, overlap)
         log.info("evaluation %s the next round's clients: %s", "overlaps" if overlap else "runs before", why)
@@ -106,10 +141,14 @@ def run_inprocess(
             exp.partition_summary(),
             engine,
             resume=resume,
-            stores=transport.stores,
-            changed=transport.pop_changed,
+            stores=inner.stores,
+            changed=inner.pop_changed,
         )
-        history = engine.run(on_round, overlap=overlap, prepare=journal.prepare)
+        commits: Callable[[int], Callable[[RoundRecord], None]] = journal.prepare
+        if clock is not None:
+            clock.resume_at(engine.history.rounds)
+            commits = _stamped(journal.prepare, clock, engine)
+        history = engine.run(on_round, overlap=overlap, prepare=commits)
         extra = {
             "model": exp.model,
             "transport": "inprocess",
@@ -127,6 +166,7 @@ def run_inprocess(
             **extra,
             **({"resumed_after": journal.resumed_after} if journal.resumed_after else {}),
             **privacy_summary(config, history),
+            **(time_summary(history.rounds, COMU_THRESHOLDS, clock_about) if clock is not None else {}),
         },
     )
     return RunResult(run_dir, config, history.rounds, summary)
