@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import threading
 import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union, cast, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, NoReturn, Union, cast, get_args, get_origin, get_type_hints
 
 from fedge.errors import ConfigError, FedgeError
 from fedge.registry import ALGORITHMS
@@ -448,8 +449,33 @@ COMMANDS = {
 """Every subcommand and its one-line help, in the order `fedge --help` lists them."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose "unrecognized arguments" names the flag meant: a mistyped ``--join-timout`` gets
+    "did you mean --join-timeout?" from the flags of the command given (and fedge's own). Python 3.14's
+    ``suggest_on_error`` suggests command and choice names only."""
+
+    _words: Sequence[str] = ()
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        self._words = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        unrecognized = "unrecognized arguments: "
+        if message.startswith(unrecognized):
+            flags = set(self._option_string_actions)
+            commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+            given = next((commands[w] for w in self._words if isinstance(commands, dict) and w in commands), None)
+            flags |= set(given._option_string_actions) if given is not None else set()
+            for word in message.removeprefix(unrecognized).split():
+                flag = word.split("=", 1)[0]
+                meant = difflib.get_close_matches(flag, flags, n=1) if flag.startswith("--") else []
+                message += f"; {flag}: did you mean {meant[0]}?" if meant else ""
+        super().error(message)
+
+
 def _top_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fedge",
         description="Federated learning for edge devices: " + ", ".join(ALGORITHMS) + ", "
         "simulated in one process or deployed over MQTT, with every byte accounted for.",

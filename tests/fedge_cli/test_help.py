@@ -60,3 +60,30 @@ def test_the_overview_help_and_the_version_answer_without_importing_torch() -> N
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "meant"),
+    [
+        (["coordinator", "--join-timout", "5"], "--join-timout: did you mean --join-timeout?"),
+        (["sim", "--roundz=3"], "--roundz: did you mean --rounds?"),  # a value glued on with '='
+        (["status", "--onse"], "--onse: did you mean --once?"),  # status's own parser, without torch
+        (["report", "run", "--verbos"], "--verbos: did you mean --verbose?"),  # fedge's own flags too
+    ],
+)
+def test_a_mistyped_flag_is_answered_with_the_flag_meant(
+    argv: list[str], meant: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedge_cli.main import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and meant in err, err
+
+
+def test_a_flag_like_none_other_gets_no_guess(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["report", "run", "--zzzzzz"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --zzzzzz" in err and "did you mean" not in err

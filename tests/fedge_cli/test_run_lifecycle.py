@@ -17,6 +17,7 @@ import pytest
 from mqtt_support import mosquitto_url  # noqa: F401 - a pytest fixture
 from signal_support import default_sigint
 
+from coordinator.run import COORDINATOR_LOG, coordinator_log
 from fedge_cli.main import _terminate, main
 from fedge_io.journal import JOURNAL
 from fedge_io.signals import Terminated
@@ -128,6 +129,20 @@ def test_the_sigterm_handler_imports_nothing(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(builtins, "__import__", no_import)
     with pytest.raises(Terminated):
         _terminate(signal.SIGTERM, None)
+
+
+@pytest.mark.parametrize(("stop", "how"), [(Terminated(), "SIGTERM"), (KeyboardInterrupt(), "Ctrl-C")])
+def test_the_coordinator_logs_a_stop_it_was_asked_for_as_info_with_what_comes_next(
+    tmp_path: Path, stop: KeyboardInterrupt, how: str
+) -> None:
+    with pytest.raises(KeyboardInterrupt), coordinator_log(tmp_path):
+        raise stop
+    logged = (tmp_path / COORDINATOR_LOG).read_text()
+    assert f"INFO coordinator.run: run stopped by {how}: leaving now" in logged and "ERROR" not in logged
+    assert "continues after them" in logged
+    with pytest.raises(TimeoutError), coordinator_log(tmp_path):  # a failure is still an error
+        raise TimeoutError("the broker went away")
+    assert "ERROR coordinator.run: run stopped: the broker went away" in (tmp_path / COORDINATOR_LOG).read_text()
 
 
 def test_the_coordinators_resume_command_repeats_how_it_ran_but_never_a_password() -> None:
