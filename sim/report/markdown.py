@@ -104,6 +104,10 @@ def markdown(runs: Sequence[Run], out: Path, plots: dict[str, str], accounting: 
         parts.extend(f"![{title}]({name})\n" for name, title in plots.items())
     if not any(r.has("accuracy") for r in runs):
         parts.append("\nNo run recorded a test accuracy, so there are no accuracy plots.")
+    timed = _time_table(runs)
+    if timed:
+        parts.append("\n## Simulated time\n")
+        parts.append(timed)
     parts.append("\n## Bytes\n")
     for r in runs:
         parts.append(f"### {r.label}\n")
@@ -157,6 +161,37 @@ def _summary_table(runs: Sequence[Run], accounting: str) -> str:
     return _table(header, rows)
 
 
+def _time_table(runs: Sequence[Run]) -> str:
+    """The simulated clock of the runs that kept one (docs/simulated_time.md): profiles, link, time to each accuracy."""
+    timed = [r for r in runs if "time_to" in r.summary]
+    if not timed:
+        return ""
+    reached = [f"{t:g}" for t in COMU_THRESHOLDS if any(r.summary["time_to"].get(f"{t:g}") is not None for r in timed)]
+    header = ["Run", "Client profiles", "Link", "Reference compute (s/sample-step)", "Deadline", "Simulated time"]
+    header += [f"Time to {100 * float(t):g}%" for t in reached]
+    rows = []
+    for r in timed:
+        clock = r.summary.get("sim_clock", {})
+        ref = clock.get("reference_compute_s")
+        row = [
+            r.label,
+            f"`{clock.get('client_profiles', _NONE)}`",
+            f"`{clock.get('link', _NONE)}` ({clock.get('link_figures', '')})",
+            f"{ref:.3g} ({clock.get('reference_compute', '')})" if ref is not None else _NONE,
+            f"{clock['deadline_s']:g} s" if clock.get("deadline_s") else _NONE,
+            _seconds(clock.get("total_s")),
+        ]
+        row += [_seconds(r.summary["time_to"].get(t)) for t in reached]
+        rows.append(row)
+    return _table(header, rows)
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return _NONE
+    return f"{value:,.1f} s" if value < 3600 else f"{value / 3600:,.2f} h"
+
+
 def _algorithm_details(config: RunConfig) -> str:
     """The algorithm with the hyperparameters that set it apart (papers' symbols)."""
     details = get_algorithm(config.algorithm).describe(config.algo)
@@ -169,6 +204,7 @@ def _round_table(run: Run, accounting: str) -> str:
         ("global_logit_entropy", "Entropy H", _num),
         ("mean_local_loss", "Local loss", _num),
         ("wall_s", "Time (s)", lambda v: f"{v:.2f}"),
+        ("sim_time_s", "Simulated (s)", lambda v: f"{v:,.2f}"),
     ]
     shown = [(key, title, fmt) for key, title, fmt in optional if run.has(key)]
     notes = {r.round: _round_notes(r) for r in run.rounds}

@@ -34,6 +34,7 @@ class _PlotSpec:
     percent: bool = False  # y is a 0..1 fraction, shown in %
     log_bytes_x: bool = False
     log_bytes_y: bool = False
+    integer_x: bool = True  # x counts rounds (else a quantity such as simulated seconds)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ def _plot_specs(accounting: str) -> list[_PlotSpec]:
         _PlotSpec("accuracy_vs_bytes.png", "Test accuracy vs. cumulative communication",
                   f"Cumulative communication (tensor bytes, {accounting}, log scale)", "Test accuracy (%)",
                   "accuracy", x_key=f"cum_tensor_bytes_{accounting}", percent=True, log_bytes_x=True),
+        _PlotSpec("accuracy_vs_sim_time.png", "Test accuracy vs. simulated time", "Simulated time (s)",
+                  "Test accuracy (%)", "accuracy", x_key="sim_clock_s", percent=True, integer_x=False),
         _PlotSpec("bytes_per_round.png", "Communication per round", "Round",
                   f"Bytes per round (tensor, {accounting}, log scale)", f"tensor_bytes_{accounting}",
                   log_bytes_y=True),
@@ -99,7 +102,7 @@ def _plot(path: Path, spec: _PlotSpec, title: str, series: Sequence[_Series]) ->
     if spec.log_bytes_x:
         ax.set_xscale("log")
         _byte_ticks(ax.xaxis, [v for s in series for v in s.x])
-    else:
+    elif spec.integer_x:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # rounds
     if spec.log_bytes_y:
         ax.set_yscale("log")
