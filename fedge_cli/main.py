@@ -456,8 +456,10 @@ class _Parser(argparse.ArgumentParser):
 
     _words: Sequence[str] = ()
 
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
-        self._words = list(sys.argv[1:] if args is None else args)
+    def parse_known_args(  # type: ignore[override]  # one signature for typeshed's three overloads
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self._words = list(sys.argv[1:] if args is None else args)  # for error(): which command was given
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
