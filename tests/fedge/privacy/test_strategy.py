@@ -6,6 +6,7 @@ budget stop; and the start-up refusals."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from scipy import stats
 from torch import nn
 
 from fedge.algorithms import make_strategy
-from fedge.algorithms.base import CheckedReply, ServerContext, Strategy, UpdateReport
+from fedge.algorithms.base import CheckedReply, ServerContext, UpdateReport
 from fedge.algorithms.fedavg import FedAvgSettings
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
@@ -57,7 +58,7 @@ def _flat(tensors: dict[str, torch.Tensor]) -> np.ndarray:
     return np.concatenate([t.reshape(-1).double().numpy() for t in tensors.values()])
 
 
-def _replies(strategy: Strategy, rnd: int, steps: dict[str, float], seed: int = 0) -> dict[str, CheckedReply]:
+def _replies(strategy: Any, rnd: int, steps: dict[str, float], seed: int = 0) -> dict[str, CheckedReply]:
     """Each client's new weights: the global ones plus a random step of L2 norm ``steps[c]``."""
     gen = torch.Generator().manual_seed(seed + rnd)
     weights = strategy.global_weights()
@@ -73,7 +74,9 @@ def _replies(strategy: Strategy, rnd: int, steps: dict[str, float], seed: int = 
     return out
 
 
-def _round(strategy: DifferentialPrivacyStrategy, rnd: int, steps: dict[str, float], cohort: list[str] | None = None):
+def _round(
+    strategy: DifferentialPrivacyStrategy, rnd: int, steps: dict[str, float], cohort: list[str] | None = None
+) -> tuple[np.ndarray, dict[str, CheckedReply], dict[str, float], np.ndarray]:
     weights = strategy.global_weights()
     assert weights is not None
     before = _flat(weights)

@@ -1,0 +1,146 @@
+"""``fedge sim --dp-noise-multiplier`` end to end on the bundled digits: epsilon per round is dp-accounting's, in
+metrics.jsonl, summary.json, the console and the report; the same seeds give the same model bit for bit and other
+options another; a killed run resumes to the same model and ledger; the budget stop; the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedge.config import RunConfig, TrainConfig
+from fedge.privacy.accountant import Ledger
+from fedge_cli.main import main
+from fedge_io.rundir import RunResult
+from sim.report import write_report
+from sim.run import run_inprocess
+from tests.sim.test_resume import Interrupted, interrupt_after, lines
+
+TRAIN = TrainConfig(lr=0.05, momentum=0.9, local_epochs=1, batch_size=32)
+BASE = ["sim", "--dataset", "digits", "--model", "tiny_mlp", "--num-clients", "20", "--client-fraction", "0.5"]
+
+
+def _config(**overrides: object) -> RunConfig:
+    base: dict[str, object] = dict(
+        algorithm="fedavg",
+        dataset="digits",
+        model="tiny_mlp",
+        num_clients=20,
+        client_fraction=0.5,
+        rounds=3,
+        partition="iid",
+        train=TRAIN,
+        dp_noise_multiplier=0.3,
+        dp_clip="1.0",
+        dp_noise_seed=1,
+    )
+    base.update(overrides)
+    return RunConfig(**base)  # type: ignore[arg-type]
+
+
+def _run(tmp_path: Path, name: str, **overrides: object) -> RunResult:
+    return run_inprocess(_config(**overrides), tmp_path / name, executor="sequential")
+
+
+def _same_model(a: RunResult, b: RunResult) -> bool:
+    x, y = load_file(a.path / "global_model.safetensors"), load_file(b.path / "global_model.safetensors")
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_epsilon_per_round_is_the_accountants_everywhere(tmp_path: Path) -> None:
+    result = _run(tmp_path, "dp")
+    ledger = Ledger(0.5, 0.3, 20**-1.1)
+    rows = [json.loads(line) for line in (result.path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["dp_epsilon"] for row in rows] == [ledger.epsilon(t) for t in (1, 2, 3)]
+    assert all(row["dp_clip"] == 1.0 and row["dp_noise_std"] == 0.3 for row in rows)
+    assert [row["dp_cohort"] for row in rows] == [len(r.sampled) for r in result.rounds]
+    s = result.summary
+    assert s["dp_epsilon"] == ledger.epsilon(3) and s["dp_delta"] == 20**-1.1 and "stopped" not in s
+    report = write_report([result.path], tmp_path / "report")
+    text = report.read_text()
+    assert "DP-FedAvg (noise multiplier 0.3, clip 1, Poisson q = 0.5, epsilon" in text
+    assert (tmp_path / "report" / "epsilon_vs_round.png").is_file()
+    assert (tmp_path / "report" / "accuracy_vs_epsilon.png").is_file()
+
+
+def test_same_seeds_same_model_and_options_change_it(tmp_path: Path) -> None:
+    a = _run(tmp_path, "a")
+    assert _same_model(a, _run(tmp_path, "b"))
+    assert not _same_model(a, _run(tmp_path, "z", dp_noise_multiplier=0.6))
+    assert not _same_model(a, _run(tmp_path, "clip", dp_clip="0.2"))
+    adaptive = _run(tmp_path, "adaptive", dp_clip="adaptive:1.0", dp_noise_multiplier=0.5, rounds=2)
+    clips = [r.metrics["dp_clip"] for r in adaptive.rounds]
+    assert clips[0] == 1.0 and clips[1] != 1.0  # the clip moved after round 1
+    secure = _run(tmp_path, "secure", secure_aggregation=True, rounds=2)
+    assert secure.rounds[0].metrics["dp_epsilon"] == a.rounds[0].metrics["dp_epsilon"]
+    pld = _run(tmp_path, "pld", dp_accountant="pld", rounds=1)
+    assert pld.rounds[0].metrics["dp_epsilon"] < a.rounds[0].metrics["dp_epsilon"]
+
+
+def test_an_interrupted_run_resumes_to_the_same_model_and_ledger(tmp_path: Path) -> None:
+    cfg = _config(dp_clip="adaptive:1.0", dp_noise_multiplier=0.5)  # the clip is state: it must survive the restart
+    reference = run_inprocess(cfg, tmp_path / "ref" / "run", executor="sequential")
+    with pytest.raises(Interrupted):
+        run_inprocess(cfg, tmp_path / "killed" / "run", executor="sequential", on_round=interrupt_after(1))
+    resumed = run_inprocess(cfg, tmp_path / "killed" / "run", executor="sequential", resume=True)
+    assert resumed.summary["resumed_after"] == [1]
+    assert _same_model(reference, resumed)
+    assert lines(reference.path) == lines(resumed.path)  # dp_epsilon, dp_clip, accuracy: every round
+    assert resumed.summary["dp_epsilon"] == reference.summary["dp_epsilon"]
+
+
+def test_the_budget_stops_the_run_with_exit_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ledger = Ledger(0.5, 0.3, 20**-1.1)
+    budget = (ledger.epsilon(2) + ledger.epsilon(3)) / 2
+    flags = ["--rounds", "5", "--dp-noise-multiplier", "0.3", "--dp-clip", "1", "--dp-epsilon-budget", f"{budget}"]
+    assert main([*BASE, *flags, "--quiet", "--no-report", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "stopped early: privacy budget: round 3 would spend epsilon" in out
+    assert f"privacy: epsilon {ledger.epsilon(2):.3f}" in out
+    (run_dir,) = tmp_path.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped"].startswith("privacy budget: round 3") and summary["dp_rounds"] == 2
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--algorithm", "scaffold"], "cannot run --algorithm scaffold: DP-FedAvg noises a mean"),
+        (["--algorithm", "dsfl"], "cannot run --algorithm dsfl: it uploads outputs (logits)"),
+        (["--algorithm", "fedavg", "--robust", "median"], "--robust median with --dp-noise-multiplier"),
+        (["--algorithm", "fedavg", "--transport", "mqtt"], "--dp-noise-multiplier runs in process only for now"),
+    ],
+)
+def test_refusals_are_one_line_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    assert main([*BASE, "--rounds", "1", "--dp-noise-multiplier", "1", "--dp-clip", "1", *flags, "--quiet",
+                 "--out", str(tmp_path)]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.startswith("fedge: error:") and message in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_coordinator_refuses_a_noise_seed() -> None:
+    from coordinator.run import refuse_differential_privacy
+    from fedge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--dp-noise-seed makes the noise predictable"):
+        refuse_differential_privacy(_config())
+    with pytest.raises(ConfigError, match="runs in process only"):
+        refuse_differential_privacy(_config(dp_noise_seed=None))
+    refuse_differential_privacy(RunConfig())  # no DP: nothing to refuse
+
+
+def test_help_describes_the_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["sim", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for flag in ("--dp-noise-multiplier", "--dp-clip", "--dp-target-quantile", "--dp-clip-lr", "--dp-delta",
+                 "--dp-epsilon-budget", "--dp-accountant", "--dp-noise-seed"):  # fmt: skip
+        assert flag in out
+    assert "Z > 0 turns client-level differential privacy on" in out
