@@ -828,7 +828,6 @@ MISSING_EXTRA = {
     "argon2": "coordinator",
     "matplotlib": "coordinator",
     "sklearn": "coordinator",
-    "cryptography": "coordinator",
     "amqtt": "sim",
     "tqdm": "sim",
     "ray": "ray",
