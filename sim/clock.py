@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -43,23 +42,31 @@ SIM_TIME = "sim_time_s"
 SIM_CLOCK = "sim_clock_s"
 
 
-def measure_compute(model: torch.nn.Module, input_shape: Sequence[int], num_classes: int, batch_size: int) -> float:
-    """Seconds per sample-step of ``model`` on this machine's CPU: the median of 5 timed SGD steps on a random batch of
-    ``batch_size`` (after 2 untimed ones), divided by the batch size."""
+def measure_compute(
+    model: torch.nn.Module, input_shape: Sequence[int], num_classes: int, batch_size: int, *, threads: int = 1
+) -> float:
+    """Seconds per sample-step of ``model`` on this machine's CPU with ``threads`` torch threads (as the simulator's
+    clients train): the fastest of 7 timed SGD steps on a random batch of ``batch_size`` (after 3 untimed ones),
+    divided by the batch size. The fastest, not the mean: on a shared machine the others include waiting for a core."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn((batch_size, *input_shape), generator=gen)  # (B, *input_shape)
     y = torch.randint(0, num_classes, (batch_size,), generator=gen)  # (B,)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the timing, not the weights, is wanted
     model.train()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     times = []
-    for i in range(7):
-        started = time.perf_counter()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        if i >= 2:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times) / batch_size
+    try:
+        for i in range(10):
+            started = time.perf_counter()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            if i >= 3:
+                times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(before)
+    return min(times) / batch_size
 
 
 def load_profiles(

@@ -41,10 +41,10 @@ def privacy_summary(config: RunConfig, history: RunHistory) -> dict[str, Any]:
     return out
 
 
-def _measure(exp: Experiment) -> float:
+def _measure(exp: Experiment, threads: int) -> float:
     """Seconds per sample-step of the run's model measured on this machine (``compute=measure``)."""
     model = exp.model_factory()
-    return measure_compute(model, exp.input_shape, exp.num_classes, exp.config.train.batch_size)
+    return measure_compute(model, exp.input_shape, exp.num_classes, exp.config.train.batch_size, threads=threads)
 
 
 def _stamped(
@@ -129,7 +129,7 @@ def run_inprocess(
         clock: SimClockTransport | None = None
         clock_about: dict[str, Any] = {}
         if config.simulated_time:  # docs/simulated_time.md
-            profiles, clock_about = load_profiles(config, sorted(exp.parts), lambda: _measure(exp))
+            profiles, clock_about = load_profiles(config, sorted(exp.parts), lambda: _measure(exp, threads_per_worker))
             clock = SimClockTransport(inner, profiles, sizes, config.train.local_epochs, deadline_s=config.sim_deadline)
             transport = clock
         engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
