@@ -192,7 +192,7 @@ _GENERATOR_OPTIONS = {
 }
 _COMMON_OPTIONS = ("compute", "period", "duty")
 FILE_COLUMNS = {
-    "client": "the client's id as the run names it (c00, c01, ...); every client of the run needs one row",
+    "client": "the client's id as the run names it (c000, c001, ...); every client of the run needs one row",
     "compute_s": "seconds per sample-step (absolute); or",
     "slowdown": "a factor on the reference compute (compute= of the SPEC, else measured here); default 1",
     "up": "uplink, e.g. 1Mbit (default: --link's)",
@@ -316,6 +316,8 @@ def read_profiles(
         raise ConfigError("client profiles: a JSON file holds a list of objects, one per client")
     out: dict[ClientId, ClientProfile] = {}
     for i, raw in enumerate(rows, start=1):
+        if None in raw:  # csv.DictReader's key for the fields beyond the header's
+            raise ConfigError(f"client profiles, row {i}: more fields than the header has columns")
         row = {str(k).strip(): "" if v is None else str(v).strip() for k, v in raw.items()}
         where = f"client profiles, row {i}"
         unknown = set(row) - set(FILE_COLUMNS)
