@@ -99,7 +99,8 @@ def _simulate(args: argparse.Namespace, config: RunConfig, run_dir: Path) -> Run
         )
         bar.update(1)
         if not args.quiet:
-            bar.write(round_line(r), file=sys.stdout)
+            clock = f"  sim clock {r.metrics['sim_clock_s']:,.1f} s" if "sim_clock_s" in r.metrics else ""
+            bar.write(round_line(r) + clock, file=sys.stdout)
             sys.stdout.flush()
 
     try:

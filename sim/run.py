@@ -67,6 +67,12 @@ def _stamped(
     return prepared
 
 
+def _then(
+    first: Callable[[RoundRecord], RoundRecord], then: Callable[[RoundRecord], None]
+) -> Callable[[RoundRecord], None]:
+    return lambda record: then(first(record))
+
+
 def run_inprocess(
     config: RunConfig,
     run_dir: Path,
@@ -148,6 +154,8 @@ def run_inprocess(
         if clock is not None:
             clock.resume_at(engine.history.rounds)
             commits = _stamped(journal.prepare, clock, engine)
+            if on_round is not None:  # the progress line and TensorBoard see the simulated time too
+                on_round = _then(clock.stamp, on_round)
         history = engine.run(on_round, overlap=overlap, prepare=commits)
         extra = {
             "model": exp.model,

@@ -12,6 +12,7 @@ from fedge.accounting.ledger import read_ledger_csv
 from fedge.accounting.records import RoundRecord
 from fedge.accounting.sim_clock import round_time
 from fedge.config import RunConfig, TrainConfig
+from fedge.errors import ConfigError
 from fedge.profiles import ClientProfile, parse_link
 from fedge_cli.main import main
 from fedge_io.experiment import prepare
@@ -136,3 +137,11 @@ def test_bad_options_are_one_line_errors(
     assert main([*args, "--out", str(tmp_path), "--quiet", "--no-report", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
+
+
+def test_a_coordinator_refuses_simulated_time():
+    from coordinator.run import refuse_simulated_time
+
+    refuse_simulated_time(RunConfig())
+    with pytest.raises(ConfigError, match="are for fedge sim"):
+        refuse_simulated_time(RunConfig(link="lte"))
