@@ -125,11 +125,13 @@ class SimClockTransport:
         self.times: dict[int, RoundTime] = {}
         self._clock_after: dict[int, float] = {}
         self._wait_s = 0.0
+        self._round = 1  # the engine exchanges once a round, in order
 
     def resume_at(self, records: Sequence[RoundRecord]) -> None:
         """Continue the clock of a resumed run from its last recorded round."""
         if records:
             self.clock_s = float(records[-1].metrics.get(SIM_CLOCK, 0.0))
+            self._round = records[-1].round + 1
 
     def available_clients(self) -> Sequence[ClientId]:
         offered = list(self.inner.available_clients())
@@ -141,9 +143,8 @@ class SimClockTransport:
 
     def exchange(self, plan: RoundPlan, check: ReplyCheck) -> Exchange:
         out = self.inner.exchange(plan, check)
-        if not plan.tasks:
-            return out
-        rnd = next(iter(plan.tasks.values())).round
+        rnd, self._round = self._round, self._round + 1
+        assert all(t.round == rnd for t in plan.tasks.values()), f"round {rnd}'s plan holds another round's task"
         timed = round_time(
             rnd,
             out.entries,
@@ -165,14 +166,9 @@ class SimClockTransport:
 
     def stamp(self, record: RoundRecord) -> RoundRecord:
         """``record`` with its round's ``sim_time_s`` and the cumulative ``sim_clock_s``."""
-        timed = self.times.get(record.round)
-        if timed is None:  # the strategy planned no task: nothing ran
-            return record
+        timed = self.times[record.round]
         clock = self._clock_after[record.round]
         return dataclasses.replace(record, metrics={**record.metrics, SIM_TIME: timed.seconds, SIM_CLOCK: clock})
-
-    def __getattr__(self, name: str) -> Any:  # the inner transport's stores, pop_changed, ...
-        return getattr(self.inner, name)
 
 
 def time_summary(
