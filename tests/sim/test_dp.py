@@ -52,13 +52,13 @@ def _same_model(a: RunResult, b: RunResult) -> bool:
 
 def test_epsilon_per_round_is_the_accountants_everywhere(tmp_path: Path) -> None:
     result = _run(tmp_path, "dp")
-    ledger = Ledger(0.5, 0.3, 20**-1.1)
+    ledger = Ledger(0.5, 0.3, 1 / 20**1.1)
     rows = [json.loads(line) for line in (result.path / "metrics.jsonl").read_text().splitlines()]
     assert [row["dp_epsilon"] for row in rows] == [ledger.epsilon(t) for t in (1, 2, 3)]
     assert all(row["dp_clip"] == 1.0 and row["dp_noise_std"] == 0.3 for row in rows)
     assert [row["dp_cohort"] for row in rows] == [len(r.sampled) for r in result.rounds]
     s = result.summary
-    assert s["dp_epsilon"] == ledger.epsilon(3) and s["dp_delta"] == 20**-1.1 and "stopped" not in s
+    assert s["dp_epsilon"] == ledger.epsilon(3) and s["dp_delta"] == 1 / 20**1.1 and "stopped" not in s
     report = write_report([result.path], tmp_path / "report")
     text = report.read_text()
     assert "DP-FedAvg (noise multiplier 0.3, clip 1, Poisson q = 0.5, epsilon" in text
@@ -93,7 +93,7 @@ def test_an_interrupted_run_resumes_to_the_same_model_and_ledger(tmp_path: Path)
 
 
 def test_the_budget_stops_the_run_with_exit_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    ledger = Ledger(0.5, 0.3, 20**-1.1)
+    ledger = Ledger(0.5, 0.3, 1 / 20**1.1)
     budget = (ledger.epsilon(2) + ledger.epsilon(3)) / 2
     flags = ["--rounds", "5", "--dp-noise-multiplier", "0.3", "--dp-clip", "1", "--dp-epsilon-budget", f"{budget}"]
     assert main([*BASE, *flags, "--quiet", "--no-report", "--out", str(tmp_path)]) == 0
@@ -144,3 +144,12 @@ def test_help_describes_the_options(capsys: pytest.CaptureFixture[str]) -> None:
                  "--dp-epsilon-budget", "--dp-accountant", "--dp-noise-seed"):  # fmt: skip
         assert flag in out
     assert "Z > 0 turns client-level differential privacy on" in out
+
+
+def test_empty_poisson_cohorts_are_valid_rounds(tmp_path: Path) -> None:
+    """4 clients at q = 0.1: most rounds sample nobody; each still aggregates (noise only) and counts its epsilon."""
+    result = _run(tmp_path, "empty", num_clients=4, client_fraction=0.1, rounds=4)
+    assert any(not r.sampled for r in result.rounds)
+    assert all(r.aggregated for r in result.rounds)
+    ledger = Ledger(0.1, 0.3, 1 / 4**1.1)
+    assert [r.metrics["dp_epsilon"] for r in result.rounds] == [ledger.epsilon(t) for t in (1, 2, 3, 4)]

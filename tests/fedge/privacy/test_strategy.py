@@ -102,7 +102,7 @@ def test_the_model_is_the_broadcast_plus_clipped_sum_and_noise_over_qn() -> None
     expected = before + (np.sum(clipped, axis=0) + noise) / (0.5 * 10)
     assert np.allclose(after, expected, atol=1e-6)  # float32 weights
     assert metrics["dp_noise_std"] == 0.5 and metrics["dp_clip"] == 0.5
-    assert metrics["dp_epsilon"] == Ledger(0.5, 1.0, 10**-1.1).epsilon(1)
+    assert metrics["dp_epsilon"] == Ledger(0.5, 1.0, 1 / 10**1.1).epsilon(1)
 
 
 def test_each_clients_contribution_is_bounded_by_the_clip() -> None:
@@ -187,7 +187,7 @@ def test_adaptive_clipping_steps_the_clip_from_the_noised_count() -> None:
 
 
 def test_the_budget_stops_before_the_round_that_would_exceed_it() -> None:
-    ledger = Ledger(0.5, 1.0, 10**-1.1)
+    ledger = Ledger(0.5, 1.0, 1 / 10**1.1)
     budget = (ledger.epsilon(3) + ledger.epsilon(4)) / 2
     strategy = _strategy(_config(dp_epsilon_budget=budget))
     assert [strategy.stop_before(r) for r in (1, 2, 3)] == ["", "", ""]
