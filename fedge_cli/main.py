@@ -127,20 +127,22 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
 
     Algorithm settings apply to the run's algorithm; one that belongs only to other algorithms is an error that
     names them. ``deployment`` (a coordinator over a broker, where any admitted client may be hostile): what neither
-    ``base``, ``--config`` nor a flag sets takes the deployment's defaults: norm clipping at
-    :data:`fedge.aggregation.robust.DEPLOYMENT_CLIP_FACTOR` for an algorithm with a ``clip_factor`` setting instead of
-    the papers' plain mean, and a quorum of :data:`DEPLOYMENT_MIN_REPLIES` instead of every sampled client (one refused
-    reply
-    must not skip a round).
+    ``base``, ``--config`` nor a flag sets takes the deployment's defaults instead of the papers' plain mean: for an
+    algorithm that exchanges weights, the rule :data:`fedge.aggregation.robust.DEPLOYMENT_RULE` (under another rule
+    than FLAME, the clipping :data:`fedge.aggregation.robust.DEPLOYMENT_CLIP_FACTOR`); for one that exchanges soft
+    labels (DS-FL),
+    :data:`fedge.aggregation.robust.DEPLOYMENT_SOFT_LABEL_RULE`; and a quorum of :data:`DEPLOYMENT_MIN_REPLIES`
+    instead of every sampled client (one refused reply must not skip a round).
     """
-    from fedge.aggregation.robust import DEPLOYMENT_CLIP_FACTOR
+    from fedge.aggregation.robust import DEPLOYMENT_CLIP_FACTOR, DEPLOYMENT_RULE, DEPLOYMENT_SOFT_LABEL_RULE
     from fedge.config import RunConfig
 
-    chosen_clip = chosen_quorum = base is not None  # a resumed run keeps what its config.json says
+    chosen_clip = chosen_quorum = chosen_rule = base is not None  # a resumed run keeps what its config.json says
     config = base or (RunConfig.from_json_file(args.config) if getattr(args, "config", None) else RunConfig())
     if getattr(args, "config", None):
         raw = json.loads(Path(args.config).read_text())  # valid: from_json_file read it (one-line errors)
         chosen_clip, chosen_quorum = "clip_factor" in (raw.get("algo") or {}), "min_replies" in raw
+        chosen_rule = "robust" in (raw.get("algo") or {})
     changes: dict[str, dict[str, Any]] = {"run": {}, "train": {}, "algo": {}}
     for key, value in vars(args).items():
         if "." in key and value is not None:
@@ -159,7 +161,14 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
     base_algo = config.algo if algorithm == config.algorithm else spec.settings()
     # Secure aggregation refuses a server-side clip (it needs the plaintext), and over a broker it is refused whole.
     secure = changes["run"].get("secure_aggregation", config.secure_aggregation)
-    if deployment and not chosen_clip and "clip_factor" in own and not secure:
+    # DP-FedAvg refuses robust rules and a server-side clip too (and runs in fedge sim only).
+    private = changes["run"].get("dp_noise_multiplier", getattr(config, "dp_noise_multiplier", 0.0)) > 0
+    if deployment and not chosen_rule and "robust" in own and not (secure or private):
+        rule = DEPLOYMENT_RULE if "clip_factor" in own else DEPLOYMENT_SOFT_LABEL_RULE
+        base_algo = dataclasses.replace(base_algo, **{"robust": rule})
+    # The median-norm clip, except under FLAME, which clips every kept update to the median norm itself.
+    flame = changes["algo"].get("robust", getattr(base_algo, "robust", "mean")) == "flame"
+    if deployment and not chosen_clip and "clip_factor" in own and not (flame or secure or private):
         base_algo = dataclasses.replace(base_algo, **{"clip_factor": DEPLOYMENT_CLIP_FACTOR})
     if deployment and not chosen_quorum:
         config = dataclasses.replace(config, min_replies=DEPLOYMENT_MIN_REPLIES)

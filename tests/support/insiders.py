@@ -99,8 +99,10 @@ class Insider(EdgeClient):
         return encode_update(task, crafted, plain, self.store)
 
 
-def dsfl_accuracies(robust: str, attackers: int, rounds: int = 10, seed: int = 0) -> list[float]:
-    """DS-FL on digits (tiny_mlp, IID, 10 clients, ERA): the accuracy after each round, in process through the
+def dsfl_accuracies(
+    robust: str, attackers: int, rounds: int = 10, seed: int = 0, aggregation: str = "era"
+) -> list[float]:
+    """DS-FL on digits (tiny_mlp, IID, 10 clients, ERA or SA): the accuracy after each round, in process through the
     coordinator's round engine, the first ``attackers`` clients uploading confidently wrong rows."""
     config = RunConfig(
         algorithm="dsfl",
@@ -111,7 +113,7 @@ def dsfl_accuracies(robust: str, attackers: int, rounds: int = 10, seed: int = 0
         seed=seed,
         partition="iid",
         train=TrainConfig(local_epochs=2, lr=0.1),
-        algo=DSFLSettings(robust=robust, open_per_round=300),
+        algo=DSFLSettings(robust=robust, open_per_round=300, aggregation=aggregation),
     )
     exp = prepare(config)
     open_x = exp.open_x()

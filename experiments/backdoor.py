@@ -1,0 +1,227 @@
+"""Issue 52: deployment defaults measured against a data-poisoning backdoor, confident liars in DS-FL, and their
+honest-run cost.
+
+Three experiments, each cell an in-process run through the same round engine, reply policy and strategy as
+``fedge coordinator`` (quorum 0.5, ``max_update_ratio`` 10), the attackers being ordinary clients or the
+``confident_wrong`` insider of ``tests/support/insiders.py``:
+
+- ``backdoor``: digits, tiny_mlp, 10 clients (IID), 20 rounds, 2 local epochs at lr 0.1. The first 0, 1 or 3 clients
+  poison their own data (no boosting, no crafted update): half of their samples, chosen once, get the 3x3 top-left
+  corner set to the data set's largest pixel value and the label ``TARGET``. Reported: clean accuracy on the test
+  set, attack success (the share of triggered test images outside ``TARGET`` classified as ``TARGET``; the honest run
+  gives the baseline), rounds skipped and updates refused or left out.
+- ``dsfl``: DS-FL on digits (tiny_mlp, IID, 10 clients, 300 open samples a round), 0, 1 or 3 clients uploading
+  confidently wrong one-hot rows, 20 rounds, accuracy after every round.
+- ``cost``: honest MNIST runs, tiny_mlp, 10 clients, 10 rounds, 1 local epoch at lr 0.05, shards s = 2
+  and Dirichlet (LDA) alpha 0.1, under each candidate rule.
+
+Every cell is written to ``--out/cells/<experiment>-<cell>.json`` as it finishes, and a cell already there is not run
+again (resumable). ``--table`` prints the README tables from the cells.
+
+Run: ``nice -n 10 python experiments/backdoor.py backdoor|dsfl|cost [--out DIR]`` then ``... --table``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+
+from insiders import dsfl_accuracies
+
+from coordinator.engine import RoundEngine
+from edge_client.client import EdgeClient
+from fedge.algorithms.base import ClientData, evaluate_model
+from fedge.algorithms.fedavg import FedAvgSettings
+from fedge.config import RunConfig, TrainConfig
+from fedge.learning.backend import TorchBackend
+from fedge.learning.models import build_model, load_exchanged_state
+from fedge_io.experiment import Experiment, prepare
+from sim.inprocess import InProcessTransport
+
+TARGET = 0
+POISON_SHARE = 0.5
+RULES: dict[str, FedAvgSettings] = {  # the FedAvg-family candidates, each with max_update_ratio 10 and quorum 0.5
+    "mean": FedAvgSettings(),
+    "clip1": FedAvgSettings(clip_factor=1.0),  # the deployment default before issue 52
+    "clip1+noise": FedAvgSettings(clip_factor=1.0, noise_factor=0.01),  # Sun et al. 2019: clipping + weak noise
+    "median": FedAvgSettings(robust="median"),
+    "trimmed_mean": FedAvgSettings(robust="trimmed_mean"),
+    "flame": FedAvgSettings(robust="flame"),
+    "flame+noise": FedAvgSettings(robust="flame", noise_factor=0.001),  # FLAME's lambda for image tasks
+}
+DSFL_RULES = ("mean/era", "median/era", "mean/sa", "median/sa")
+COST_RULES = ("mean", "clip1", "median", "flame")
+
+
+def trigger(x: torch.Tensor, value: float) -> torch.Tensor:
+    """``x`` (N, C, H, W) with its 3x3 top-left corner set to ``value``."""
+    out = x.clone()
+    out[..., :3, :3] = value
+    return out
+
+
+def poisoned(data: ClientData, value: float, seed: int) -> ClientData:
+    """The client's own data with a fixed half of it triggered and relabelled to ``TARGET``."""
+    g = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(len(data.y), generator=g)[: int(POISON_SHARE * len(data.y))]
+    x, y = data.x.clone(), data.y.clone()
+    x[chosen] = trigger(x[chosen], value)
+    y[chosen] = TARGET
+    return ClientData(x, y, data.num_classes, data.open_x)
+
+
+def fedavg_config(dataset: str, partition: str, rule: str, *, rounds: int, epochs: int, lr: float) -> RunConfig:
+    return RunConfig(
+        algorithm="fedavg",
+        dataset=dataset,
+        model="tiny_mlp",
+        num_clients=10,
+        rounds=rounds,
+        partition=partition,
+        min_replies=0.5,
+        data_dir="/work/shared/data" if dataset == "mnist" else None,
+        train=TrainConfig(local_epochs=epochs, lr=lr),
+        algo=RULES[rule],
+    )
+
+
+def run_fedavg(exp: Experiment, attackers: int) -> dict[str, Any]:
+    """One run; the first ``attackers`` clients poison their data. Clean accuracy and attack success per round."""
+    backend = TorchBackend(exp.model, exp.input_shape, exp.num_classes)
+    test_x, test_y = exp.test_tensors()
+    value = float(exp.train.x.max())
+    clients = [EdgeClient(c, exp.client_data(c), backend) for c in sorted(exp.parts)]
+    for i in range(attackers):
+        c = clients[i]
+        clients[i] = EdgeClient(c.client_id, poisoned(c.data, value, seed=i), backend)
+    strategy = exp.strategy("backdoor")
+    keep = test_y != TARGET
+    triggered_x, triggered_y = trigger(test_x[keep], value), torch.full_like(test_y[keep], TARGET)
+    model = build_model(exp.model, input_shape=exp.input_shape, num_classes=exp.num_classes)
+    success: list[float] = []
+
+    def on_round(_: Any) -> None:
+        weights = strategy.global_weights()
+        assert weights is not None
+        load_exchanged_state(model, weights)
+        success.append(evaluate_model(model, triggered_x, triggered_y, exp.num_classes).accuracy)
+
+    engine = RoundEngine(exp.config, strategy, InProcessTransport(clients), test_x, test_y)
+    history = engine.run(on_round)
+    attacker_ids = {c.client_id for c in clients[:attackers]}
+    return {
+        "clean_by_round": [round(float(r.accuracy or 0.0), 4) for r in history.rounds],
+        "success_by_round": [round(s, 4) for s in success],
+        "skipped": sum(not r.aggregated for r in history.rounds),
+        "refused": sum(
+            len({x.client for x in r.rejections} | {d.client for d in r.drops if d.reason.startswith("refused")})
+            for r in history.rounds
+        ),
+        "attackers_refused": sum(
+            len(attacker_ids & ({x.client for x in r.rejections} | {d.client for d in r.drops})) for r in history.rounds
+        ),
+    }
+
+
+def cells(experiment: str) -> list[tuple[str, Any]]:
+    """(cell name, thunk) of one experiment, in run order."""
+    out: list[tuple[str, Any]] = []
+    if experiment == "backdoor":
+        for attackers in (0, 1, 3):
+            for rule in RULES:
+                config = fedavg_config("digits", "iid", rule, rounds=20, epochs=2, lr=0.1)
+                out.append((f"{rule}-a{attackers}", lambda c=config, a=attackers: run_fedavg(prepare(c), a)))
+    elif experiment == "dsfl":
+        for name in DSFL_RULES:
+            for attackers in (0, 1, 3):
+                robust, aggregation = name.split("/")
+
+                def thunk(r: str = robust, g: str = aggregation, a: int = attackers) -> dict[str, Any]:
+                    return {"accuracy_by_round": [round(x, 4) for x in dsfl_accuracies(r, a, 20, aggregation=g)]}
+
+                out.append((f"{robust}-{aggregation}-a{attackers}", thunk))
+    else:
+        for rules in (COST_RULES, ("trimmed_mean", "flame+noise")):  # the second group only if time allows
+            for partition in ("shards", "dirichlet"):
+                for rule in rules:
+                    config = fedavg_config("mnist", partition, rule, rounds=10, epochs=1, lr=0.05)
+                    out.append((f"{partition}-{rule}", lambda c=config: run_fedavg(prepare(c), 0)))
+    return out
+
+
+def table(out: Path) -> None:
+    """The README's tables from the cells written so far."""
+    got = {p.stem: json.loads(p.read_text()) for p in sorted((out / "cells").glob("*.json"))}
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.1f}%"
+
+    print("Backdoor (digits, 10 clients, 20 rounds): clean accuracy / attack success / skipped rounds / refusals")
+    print("| rule | honest | 1 of 10 poisoning | 3 of 10 poisoning |")
+    print("|---|---|---|---|")
+    for rule in RULES:
+        row = []
+        for a in (0, 1, 3):
+            c = got.get(f"backdoor-{rule}-a{a}")
+            row.append(
+                "-"
+                if c is None
+                else f"{pct(c['clean_by_round'][-1])} / {pct(c['success_by_round'][-1])} / {c['skipped']} / "
+                f"{c['refused']}"
+            )
+        print(f"| {rule} | " + " | ".join(row) + " |")
+    print("\nDS-FL (digits, 10 clients, 20 rounds): final accuracy, lowest from round 3, round 4")
+    print("| rule | honest | 1 confidently wrong | 3 confidently wrong |")
+    print("|---|---|---|---|")
+    for name in DSFL_RULES:
+        robust, aggregation = name.split("/")
+        row = []
+        for a in (0, 1, 3):
+            c = got.get(f"dsfl-{robust}-{aggregation}-a{a}")
+            acc = c["accuracy_by_round"] if c else None
+            row.append("-" if acc is None else f"{pct(acc[-1])}, min {pct(min(acc[2:]))}, r4 {pct(acc[3])}")
+        print(f"| {name} | " + " | ".join(row) + " |")
+    print("\nHonest-run cost (MNIST, tiny_mlp, 10 clients, 10 rounds): final accuracy (best round)")
+    print("| rule | shards s=2 | LDA alpha 0.1 |")
+    print("|---|---|---|")
+    for rule in ("mean", "clip1", "median", "trimmed_mean", "flame", "flame+noise"):
+        row = []
+        for partition in ("shards", "dirichlet"):
+            c = got.get(f"cost-{partition}-{rule}")
+            acc = c["clean_by_round"] if c else None
+            row.append("-" if acc is None else f"{pct(acc[-1])} ({pct(max(acc))})")
+        print(f"| {rule} | " + " | ".join(row) + " |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("experiment", nargs="?", choices=("backdoor", "dsfl", "cost"))
+    p.add_argument("--out", type=Path, default=Path("experiments/results/backdoor-defaults"))
+    p.add_argument("--only", nargs="*", default=None, help="cell names to run (default: all)")
+    p.add_argument("--table", action="store_true")
+    args = p.parse_args()
+    if args.table or args.experiment is None:
+        table(args.out)
+        return
+    (args.out / "cells").mkdir(parents=True, exist_ok=True)
+    for name, thunk in cells(args.experiment):
+        path = args.out / "cells" / f"{args.experiment}-{name}.json"
+        if path.exists() or (args.only is not None and name not in args.only):
+            continue
+        started = time.perf_counter()
+        result = thunk()
+        result["wall_s"] = round(time.perf_counter() - started, 1)
+        path.write_text(json.dumps(result) + "\n")
+        print(f"{args.experiment} {name}: {json.dumps(result)[:300]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
