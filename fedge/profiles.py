@@ -5,7 +5,7 @@ step, amortized over a batch). Links and profile SPECs are parsed here, with one
 that uses them is :mod:`fedge.accounting.sim_clock`; docs/simulated_time.md states where each figure comes from.
 
 SPEC of ``--client-profiles`` (``--link`` gives every client's default link):
-- ``uniform``: every client the reference compute (the default when only ``--link`` is given);
+- ``uniform``: every client the reference compute (the default when only ``--link`` is given); ``measure``: the same;
 - ``tail:fraction=0.1,slowdown=10``: ``round(fraction * N)`` clients, chosen by the run's seed, ``slowdown`` x slower;
 - ``lognormal:sigma=1``: slowdown factors ``exp(sigma * z)``, z standard normal (median 1), by the run's seed;
 - a ``.csv`` or ``.json`` file, one row per client (columns in :data:`FILE_COLUMNS`).
@@ -225,6 +225,8 @@ def parse_profiles(spec: str) -> ProfileSpec:
     """Parse a ``--client-profiles`` SPEC (checks the generators' options; a file is read by the simulator)."""
     head, _, rest = spec.strip().partition(":")
     what = f"--client-profiles {spec!r}"
+    if head == MEASURE and not rest:  # every client at the speed measured here
+        return ProfileSpec("uniform", {"compute": MEASURE})
     if head.lower().endswith((".csv", ".json")):
         opts = _options(rest, what, ("compute",))
         out = ProfileSpec("file", opts, head)
@@ -232,7 +234,7 @@ def parse_profiles(spec: str) -> ProfileSpec:
         opts = _options(rest, what, (*_GENERATOR_OPTIONS[head], *_COMMON_OPTIONS))
         out = ProfileSpec(head, opts)
     else:
-        raise ConfigError(f"{what}: not one of {', '.join(GENERATORS)} nor a .csv or .json file")
+        raise ConfigError(f"{what}: not one of {', '.join(GENERATORS)}, {MEASURE} nor a .csv or .json file")
     ref = out.reference_s()
     if ref is not None and ref <= 0:
         raise ConfigError(f"{what}: compute must be > 0 seconds per sample-step, or measure")

@@ -107,6 +107,7 @@ def test_lognormal_factors_have_median_one_and_repeat_with_the_seed():
     assert factors[-1] > 10 and factors[0] < 0.1  # a spread of e^(+-3 sigma)
     assert generate_profiles(spec, many, WIFI, 0.001, seed=3) == profiles
     assert parse_profiles("uniform").reference_s() is None  # measured on this machine by the simulator
+    assert parse_profiles("measure") == parse_profiles("uniform:compute=measure")
 
 
 def test_periodic_availability():
