@@ -128,9 +128,8 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
     Algorithm settings apply to the run's algorithm; one that belongs only to other algorithms is an error that
     names them. ``deployment`` (a coordinator over a broker, where any admitted client may be hostile): what neither
     ``base``, ``--config`` nor a flag sets takes the deployment's defaults instead of the papers' plain mean: for an
-    algorithm that exchanges weights, the rule :data:`fedge.aggregation.robust.DEPLOYMENT_RULE` (under another rule
-    than FLAME, the clipping :data:`fedge.aggregation.robust.DEPLOYMENT_CLIP_FACTOR`); for one that exchanges soft
-    labels (DS-FL),
+    algorithm that exchanges weights, the rule :data:`fedge.aggregation.robust.DEPLOYMENT_RULE` and the clipping
+    :data:`fedge.aggregation.robust.DEPLOYMENT_CLIP_FACTOR`; for one that exchanges soft labels (DS-FL),
     :data:`fedge.aggregation.robust.DEPLOYMENT_SOFT_LABEL_RULE`; and a quorum of :data:`DEPLOYMENT_MIN_REPLIES`
     instead of every sampled client (one refused reply must not skip a round).
     """
@@ -166,9 +165,7 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
     if deployment and not chosen_rule and "robust" in own and not (secure or private):
         rule = DEPLOYMENT_RULE if "clip_factor" in own else DEPLOYMENT_SOFT_LABEL_RULE
         base_algo = dataclasses.replace(base_algo, **{"robust": rule})
-    # The median-norm clip, except under FLAME, which clips every kept update to the median norm itself.
-    flame = changes["algo"].get("robust", getattr(base_algo, "robust", "mean")) == "flame"
-    if deployment and not chosen_clip and "clip_factor" in own and not (flame or secure or private):
+    if deployment and not chosen_clip and "clip_factor" in own and not (secure or private):
         base_algo = dataclasses.replace(base_algo, **{"clip_factor": DEPLOYMENT_CLIP_FACTOR})
     if deployment and not chosen_quorum:
         config = dataclasses.replace(config, min_replies=DEPLOYMENT_MIN_REPLIES)

@@ -47,10 +47,11 @@ median-norm clip that was the default before; FLAME keeps it at the honest run's
 papers' plain mean."""
 
 DEPLOYMENT_CLIP_FACTOR = 1.0
-"""The norm clipping a deployment gets under a rule other than FLAME (which clips to the median norm itself) unless
-the user sets one: every update is shortened to at most the round's median update norm, and every averaging weight
-to at most the median weight, so one admitted client moves the model no further than an honest one, whatever it
-sends or claims. It stops the untargeted attacks of ``experiments/insiders.py`` but not a data-poisoning backdoor."""
+"""The norm clipping a deployment gets unless the user sets one (FLAME clips to the median norm itself and does not
+apply it again; FedCurv also caps its Fisher terms by it): every update is shortened to at most the round's median
+update norm, and every averaging weight to at most the median weight, so one admitted client moves the model no
+further than an honest one, whatever it sends or claims. It stops the untargeted attacks of
+``experiments/insiders.py`` but not a data-poisoning backdoor."""
 
 DEPLOYMENT_SOFT_LABEL_RULE = "median"
 """The same for soft-label exchanges (DS-FL): the per-sample, per-class median of the clients' rows, which holds
@@ -167,9 +168,10 @@ def robust_average(
     "mean" is FedAvg's weighted average (``weights`` are the clients' data sizes); "median" and "trimmed_mean" are
     coordinate-wise and unweighted; "flame" keeps the :func:`majority_cluster` of the updates, clips each kept one to
     the round's median update norm (over all updates, FLAME's S_t) and takes the mean weighted by data size, each
-    weight capped at the round's median weight. With ``noise_factor`` > 0, Gaussian noise of standard deviation
-    ``noise_factor`` x the round's median update norm is added to every aggregated value (FLAME's adaptive noise;
-    with "mean" and clipping, Sun et al. 2019's norm clipping plus weak noise), drawn from ``generator``.
+    weight capped at the round's median weight (``clip_factor`` is not applied on top). With ``noise_factor`` > 0,
+    Gaussian noise of standard deviation ``noise_factor`` x the round's median update norm is added to every
+    aggregated value (FLAME's adaptive noise; with "mean" and clipping, Sun et al. 2019's norm clipping plus weak
+    noise), drawn from ``generator``.
     """
     check_rule(rule, trim_ratio, WEIGHT_RULES)
     if not states:
@@ -187,7 +189,7 @@ def robust_average(
             for i in kept
         ]
         weights = [min(float(weights[i]), cap) if cap > 0 else float(weights[i]) for i in kept]
-        rule = "mean"
+        rule, clip_factor = "mean", 0.0  # clipped and capped already: ``clip_factor`` does not clip a second time
     if clip_factor > 0:
         norms = [math.sqrt(sum(float(d.pow(2).sum()) for d in delta.values())) for delta in deltas]
         bound = clip_factor * float(coordinate_median(torch.tensor(norms, dtype=torch.float64)))

@@ -65,7 +65,7 @@ def test_a_deployment_clips_updates_by_default_and_the_simulator_keeps_the_plain
     from fedge_cli.main import _run_config
 
     def clip(*argv: str) -> float:
-        """The clip under the mean (a deployment's default rule clips itself: test_deployment_defaults)."""
+        """The clip under the mean (the default rule is in test_deployment_defaults)."""
         args = build_parser().parse_args([*argv, "--robust", "mean"])
         config = _run_config(args, deployment=argv[0] == "coordinator" or "mqtt" in argv)
         assert config.algo.robust == "mean"

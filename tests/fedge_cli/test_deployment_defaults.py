@@ -26,8 +26,8 @@ def test_provision_writes_the_deployment_defaults(tmp_path: Path, algorithm: str
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["algo"]["robust"] == robust
     assert written["min_replies"] == DEPLOYMENT_MIN_REPLIES
-    if algorithm == "fedavg":  # FLAME clips to the median norm itself
-        assert (written["algo"]["clip_factor"], written["algo"]["max_update_ratio"]) == (0.0, 10.0)
+    if algorithm == "fedavg":
+        assert (written["algo"]["clip_factor"], written["algo"]["max_update_ratio"]) == (DEPLOYMENT_CLIP_FACTOR, 10.0)
 
 
 def _algo(*argv: str, deployment: bool = True) -> tuple[str, float]:
@@ -37,10 +37,9 @@ def _algo(*argv: str, deployment: bool = True) -> tuple[str, float]:
 
 def test_the_coordinator_runs_them_and_the_simulator_keeps_the_papers_mean(tmp_path: Path) -> None:
     for algorithm in ("fedavg", "fedntd", "scaffold"):
-        assert _algo("coordinator", "--algorithm", algorithm) == (DEPLOYMENT_RULE, 0.0)
+        assert _algo("coordinator", "--algorithm", algorithm) == (DEPLOYMENT_RULE, DEPLOYMENT_CLIP_FACTOR)
         assert _algo("sim", "--algorithm", algorithm, deployment=False) == ("mean", 0.0)
-        # another rule, asked for, keeps the median-norm clip every rule had by default before FLAME
-        assert _algo("coordinator", "--algorithm", algorithm, "--robust", "median") == ("median", 1.0)
+        assert _algo("coordinator", "--algorithm", algorithm, "--robust", "median") == ("median", 1.0)  # asked for
         assert _algo("coordinator", "--algorithm", algorithm, "--robust", "mean") == ("mean", DEPLOYMENT_CLIP_FACTOR)
     assert _algo("coordinator", "--algorithm", "dsfl") == (DEPLOYMENT_SOFT_LABEL_RULE, 0.0)
     assert _algo("sim", "--algorithm", "dsfl", deployment=False) == ("mean", 0.0)

@@ -84,3 +84,12 @@ def test_the_noise_has_the_asked_scale_and_is_seeded() -> None:
     assert not torch.equal(noisy(1), noisy(2))
     with pytest.raises(ConfigError):
         robust_average(states, [1.0] * 5, reference, rule="flame", noise_factor=-1.0)
+
+
+def test_flame_does_not_clip_a_second_time() -> None:
+    """A deployment's clip_factor (1) leaves FLAME's own clip to the median norm as it is."""
+    rows = _updates(7, 3) * torch.linspace(0.5, 2.0, 10, dtype=torch.float64).unsqueeze(1)
+    reference = {"w": torch.zeros(10, 20)}
+    alone = robust_average(_states(rows), [1.0] * 10, reference, rule="flame")
+    clipped = robust_average(_states(rows), [1.0] * 10, reference, rule="flame", clip_factor=1.0)
+    torch.testing.assert_close(alone["w"], clipped["w"])
