@@ -43,7 +43,7 @@ import torch
 from fedge.accounting.records import AggregationRecord
 from fedge.errors import ConfigError
 from fedge.privacy.accountant import Ledger, update_noise_multiplier
-from fedge.privacy.mechanism import adapted_clip, clip, count_std, noise_rng
+from fedge.privacy.mechanism import adapted_clip, count_std, noise_rng
 from fedge.secagg.driver import run_round
 from fedge.secagg.errors import RoundAbandoned
 from fedge.secagg.protocol import Stage
@@ -90,10 +90,11 @@ class _Round:
 
 @dataclass(frozen=True)
 class PrivateRound:
-    """The last aggregated round as the simulator saw it (for tests): each reply's clipped delta, the noise that was
-    added to their sum (over the survivors, in total), and the weights before and after."""
+    """The last aggregated round as the simulator saw it (for tests): each survivor's clipped norm, the sum of their
+    clipped deltas, the noise that was added to it (over the survivors, in total), and the weights before and after."""
 
-    clipped: Mapping[ClientId, npt.NDArray[np.float64]]  # (dim,) each
+    clipped_norms: Mapping[ClientId, float]
+    clipped_sum: npt.NDArray[np.float64]  # (dim,)
     noise: npt.NDArray[np.float64]  # (dim,) the noise in the released sum
     survivors: tuple[ClientId, ...]
     before: npt.NDArray[np.float64]  # (dim,)
@@ -212,12 +213,22 @@ class DifferentialPrivacyStrategy:
             raise RuntimeError(f"round {rnd} was not configured by this strategy")
         cfg, bound = self.dp_config, state.clip
         ordered = sorted(replies)
-        vectors: dict[ClientId, npt.NDArray[np.float64]] = {}
-        clipped: dict[ClientId, npt.NDArray[np.float64]] = {}
+        secure = cfg.secure_aggregation and len(state.cohort) >= 2
+        vectors: dict[ClientId, npt.NDArray[np.float64]] = {}  # each client's input to the secure sum
+        plain = np.zeros(self._dim + 1)  # (dim + 1,) the sum of the clipped deltas and bits, without the protocol
+        norms: dict[ClientId, float] = {}
         for c in ordered:
-            delta, norm = clip(self._flatten(replies[c].update.tensors) - state.reference, bound)
-            clipped[c] = delta
-            vectors[c] = np.append(delta, 1.0 if norm <= bound else 0.0)  # (dim + 1,) the last: unclipped bit
+            vector = np.empty(self._dim + 1)  # (dim + 1,) clip_C(delta), then the bit ||delta|| <= C
+            np.subtract(self._flatten(replies[c].update.tensors), state.reference, out=vector[:-1])
+            norm = float(np.linalg.norm(vector[:-1]))
+            if norm > bound:
+                vector[:-1] *= bound / norm
+            vector[-1] = 1.0 if norm <= bound else 0.0
+            norms[c] = min(norm, bound)
+            if secure:
+                vectors[c] = vector
+            else:
+                plain += vector
         stds = np.full(self._dim + 1, self.z_update * bound)  # (dim + 1,) the noise of the released sum
         stds[-1] = self.count_std
         rng = noise_rng(cfg.dp_noise_seed, rnd)
@@ -228,15 +239,15 @@ class DifferentialPrivacyStrategy:
             "dp_noise_std": float(stds[0]),
             "dp_cohort": float(len(state.cohort)),
         }
-        if cfg.secure_aggregation and len(state.cohort) >= 2:
+        if secure:
             try:
                 total, noise, survivors = self._secure_sum(rnd, state, vectors, stds, rng)
             except RoundAbandoned:
                 return metrics
+            clipped_sum = sum((vectors[c][:-1] for c in survivors), np.zeros(self._dim))
         else:
             noise = rng.normal(0.0, stds)  # (dim + 1,) the coordinator's draw (also a lone client's, in effect)
-            total = sum(vectors.values(), np.zeros(self._dim + 1)) + noise
-            survivors = tuple(ordered)
+            clipped_sum, total, survivors = plain[:-1], plain + noise, tuple(ordered)
         after = state.reference + total[:-1] / self.expected_cohort  # (dim,) f_f: the fixed denominator
         if self.adaptive:
             self.clip = adapted_clip(
@@ -245,7 +256,7 @@ class DifferentialPrivacyStrategy:
             metrics["dp_unclipped_share"] = float(total[-1]) / self.expected_cohort  # noised: public
         self.inner.aggregate(rnd, {SUM_CLIENT: self._mean_reply(rnd, replies, survivors, self._unflatten(after))})
         self.last = PrivateRound(
-            {c: clipped[c] for c in survivors}, noise[:-1], survivors, state.reference, after, bound
+            {c: norms[c] for c in survivors}, clipped_sum, noise[:-1], survivors, state.reference, after, bound
         )
         return metrics
 
