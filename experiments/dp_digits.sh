@@ -9,7 +9,7 @@
 # Usage: bash experiments/dp_digits.sh [ROUNDS] [OUT]
 set -euo pipefail
 ROUNDS=${1:-100}
-OUT=${2:-experiments/results/dp-digits/runs}
+OUT=${2:-experiments/results/dp-digits}
 FEDGE=${FEDGE:-fedge}
 common=(--dataset digits --model tiny_mlp --num-clients 300 --client-fraction 0.2 --partition shards
         --shards-per-client 2 --local-epochs 3 --batch-size 10 --lr 0.05 --momentum 0.9 --rounds "$ROUNDS" --seed 0
@@ -41,5 +41,5 @@ for clip in 0.3 1 3; do
   run "fedavg-z1-clip$clip" --algorithm fedavg --dp-noise-multiplier 1 --dp-clip "$clip" "${dp[@]}"
 done
 run "fedavg-z1-secagg" --algorithm fedavg --dp-noise-multiplier 1 --dp-clip adaptive --secure-aggregation "${dp[@]}"
-"$FEDGE" report "$OUT"/*-fedavg-* --out "$OUT/../report-fedavg"
-"$FEDGE" report "$OUT"/*-fedntd-* --out "$OUT/../report-fedntd"
+"$FEDGE" report "$OUT"/*-fedavg-* --out "$OUT/report-fedavg"
+"$FEDGE" report "$OUT"/*-fedntd-* --out "$OUT/report-fedntd"

@@ -140,6 +140,7 @@ class DifferentialPrivacyStrategy:
         self._epsilons: dict[int, float] = {}
         self._round: _Round | None = None
         self._record = AggregationRecord()
+        self._secure_metrics: dict[str, float] = {}
         self.last: PrivateRound | None = None
         log.info(
             "DP-FedAvg: noise multiplier %g (%g on the update%s), clip %s, q = %g of %d clients (expected cohort "
@@ -245,6 +246,7 @@ class DifferentialPrivacyStrategy:
             except RoundAbandoned:
                 return metrics
             clipped_sum = sum((vectors[c][:-1] for c in survivors), np.zeros(self._dim))
+            metrics.update(self._secure_metrics)  # the survivors' noise: dp_noise_std * sqrt(survivors / t)
         else:
             noise = rng.normal(0.0, stds)  # (dim + 1,) the coordinator's draw (also a lone client's, in effect)
             clipped_sum, total, survivors = plain[:-1], plain + noise, tuple(ordered)
@@ -324,6 +326,7 @@ class DifferentialPrivacyStrategy:
         gone = [c for c in result.dropped if c in vectors]
         self._record = AggregationRecord(tuple(ledger.entries), _drops(gone, drop_at, result.config), "")
         noise = sum((noises[c] for c in survivors), np.zeros(self._dim + 1))
+        self._secure_metrics = {"dp_min_survivors": float(t_min), "dp_survivors": float(len(survivors))}
         return result.decoded_sum, noise, survivors
 
     def _mean_reply(

@@ -145,7 +145,8 @@ def test_the_noise_has_the_stated_std(secure: bool) -> None:
 def test_secure_aggregation_sums_noised_vectors_only() -> None:
     """Under secure aggregation the released sum is the clipped updates plus the survivors' noise shares."""
     strategy = _strategy(_config(secure_aggregation=True))
-    before, _, _, after = _round(strategy, 1, {"c0": 0.3, "c1": 3.0, "c2": 0.1, "c3": 1.0})
+    before, _, metrics, after = _round(strategy, 1, {"c0": 0.3, "c1": 3.0, "c2": 0.1, "c3": 1.0})
+    assert metrics["dp_survivors"] == 4 and 1 <= metrics["dp_min_survivors"] < 4
     last = strategy.last
     assert last is not None and len(last.survivors) == 4
     expected = before + (last.clipped_sum + last.noise) / 5.0
