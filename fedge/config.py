@@ -414,9 +414,11 @@ class RunConfig:
             "--upload-codec/--broadcast-codec with --dp-noise-multiplier: DP-FedAvg clips the exact delta from the "
             "broadcast weights; compressed exchanges are not supported with it yet: use float32",
         )
-        if getattr(algo, "weighting", "uniform") != "uniform":
+        weighting = getattr(algo, "weighting", "uniform")
+        if weighting != "uniform":
             # User-level DP bounds each client's contribution by the clip; a weight by data size would let one
             # client's grow with its data. Uniform is DP-FedAvg's estimator (McMahan et al. 2018, w_k = 1).
+            log.info("differential privacy weighs every client alike: --weighting uniform (was %s)", weighting)
             object.__setattr__(self, "algo", dataclasses.replace(algo, **{"weighting": "uniform"}))
         if self.secure_aggregation:
             _check(
