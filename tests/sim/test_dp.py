@@ -153,3 +153,21 @@ def test_empty_poisson_cohorts_are_valid_rounds(tmp_path: Path) -> None:
     assert all(r.aggregated for r in result.rounds)
     ledger = Ledger(0.1, 0.3, 1 / 4**1.1)
     assert [r.metrics["dp_epsilon"] for r in result.rounds] == [ledger.epsilon(t) for t in (1, 2, 3, 4)]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--dp-noise-seed", "3"], "--dp-noise-seed makes the noise predictable: it is for fedge sim only"),
+        ([], "--dp-noise-multiplier runs in process only for now"),
+    ],
+)
+def test_fedge_coordinator_refuses_dp_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    argv = ["coordinator", "--dataset", "digits", "--num-clients", "2", "--dp-noise-multiplier", "1", "--dp-clip", "1",
+            "--broker", "mqtt://127.0.0.1:1", "--run-dir", str(tmp_path / "run"), *flags]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedge: error:") and message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # refused before anything was written or connected
