@@ -44,6 +44,7 @@ from fedge.accounting.records import AggregationRecord
 from fedge.errors import ConfigError
 from fedge.privacy.accountant import Ledger, update_noise_multiplier
 from fedge.privacy.mechanism import adapted_clip, count_std, noise_rng
+from fedge.secagg.config import RoundConfig
 from fedge.secagg.driver import run_round
 from fedge.secagg.errors import RoundAbandoned
 from fedge.secagg.protocol import Stage
@@ -70,7 +71,6 @@ if TYPE_CHECKING:
         UpdateReport,
     )
     from fedge.config import RunConfig
-    from fedge.secagg.config import RoundConfig
     from fedge.types import ClientId
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class DifferentialPrivacyStrategy:
             norm = float(np.linalg.norm(vector[:-1]))
             if norm > bound:
                 vector[:-1] *= bound / norm
-            vector[-1] = 1.0 if norm <= bound else 0.0
+            vector[-1] = 1.0 if self.adaptive and norm <= bound else 0.0  # a fixed clip releases no count
             norms[c] = min(norm, bound)
             if secure:
                 vectors[c] = vector
@@ -273,16 +273,14 @@ class DifferentialPrivacyStrategy:
         """SecAgg+ over the vectors, each client's share of the noise added before masking: (the unmasked sum, the
         noise in it, the survivors). Raises RoundAbandoned (its record kept) when too many clients vanish."""
         cfg = self.dp_config
-        from fedge.secagg.config import RoundConfig
-
-        config: RoundConfig = RoundConfig.new(
+        config = RoundConfig.new(  # the round's degree and threshold (run_round makes its own, with the ring's bound)
             run=self.inner.run_id,
             session=self._session,
             round=rnd,
             clients=state.cohort,
             round_seed=graph_seed(cfg.seed, rnd),
             dim=self._dim + 1,
-            bound=1.0,  # replaced below, once t is known
+            bound=1.0,  # not used: the ring's bound depends on t
             ring_bits=RING_BITS,
             degree=cfg.secagg_degree or None,
             threshold=cfg.secagg_threshold or None,
