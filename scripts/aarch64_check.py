@@ -82,8 +82,15 @@ def loss(batch: int) -> None:
             f"{mode:22s} loss {value:.7f} (float64 {ref_loss:.7f}, diff {value - ref_loss:+.2e}) grad L-inf "
             f"{linf:.7g}, grad max diff from float64 {gdiff:.2e} ({gdiff / ref_linf:.2e} of L-inf), {seconds:.2f} s"
         )
-        _result(check="loss", mode=mode, loss=value, loss_diff=value - ref_loss, grad_linf=linf, grad_diff=gdiff,
-                seconds=round(seconds, 3))
+        _result(
+            check="loss",
+            mode=mode,
+            loss=value,
+            loss_diff=value - ref_loss,
+            grad_linf=linf,
+            grad_diff=gdiff,
+            seconds=round(seconds, 3),
+        )
     print(f"{'float64':22s} loss {ref_loss:.12f} grad L-inf {ref_linf:.12g}, {ref_s:.2f} s")
     _result(check="loss", mode="float64", loss=ref_loss, grad_linf=ref_linf, seconds=round(ref_s, 3))
 
@@ -138,9 +145,18 @@ def gate(name: str, steps: int | None) -> None:
     verdict = "PASS" if report.passed and report.max_scaled_diff < 1e-6 and explained and not spreads else "FAIL"
     print(f"{name}: {verdict} ({'accepted' if report.passed else 'REFUSED'}) {report}")
     print(f"  suspect steps (ties flipped): {flipped}; jitter allowance at steps: {spreads}; {seconds:.1f} s")
-    _result(check="gate", model=name, steps=len(request.x) // request.batch_size, verdict=verdict,
-            passed=report.passed, max_scaled_diff=report.max_scaled_diff, worst=report.worst, flips=flipped,
-            allowance_steps=spreads, seconds=round(seconds, 1))
+    _result(
+        check="gate",
+        model=name,
+        steps=len(request.x) // request.batch_size,
+        verdict=verdict,
+        passed=report.passed,
+        max_scaled_diff=report.max_scaled_diff,
+        worst=report.worst,
+        flips=flipped,
+        allowance_steps=spreads,
+        seconds=round(seconds, 1),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
