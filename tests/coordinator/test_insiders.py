@@ -175,8 +175,9 @@ def test_the_deployment_defaults_survive_one_admitted_attacker(
         "replacement",
         "label_rotation",
         "int8_offset",
-    ):  # inside every bound: the aggregation alone must hold it off
-        assert ATTACKER in result.rounds[0].replied
+    ):  # inside the bound in some round (round 1 judges against its own median since issue 52): the aggregation
+        # alone must hold it off there
+        assert any(ATTACKER in r.replied for r in result.rounds), [r.drops for r in result.rounds]
     accuracy = result.rounds[-1].accuracy
     # 2 points = 9 of the 450 test images; the sign flip lands on exactly that (measured: 92.67% vs 94.67%).
     assert accuracy is not None and abs(accuracy - honest_accuracy) <= 0.02 + 1e-9, (attack, accuracy, honest_accuracy)
@@ -198,6 +199,8 @@ def test_a_median_deployment_survives_three_colluding_attackers_of_ten(tmp_path:
     with fleet_mosquitto(kit.broker_dir) as url, served(clients, exp, bundles, url):
         result = coordinate(exp, kit.coordinator_dir, url, tmp_path / "attacked")
     assert all(r.aggregated for r in result.rounds), [(r.round, r.replied, r.drops) for r in result.rounds]
-    assert set(attackers) <= set(result.rounds[0].replied)  # admitted and inside the bound: the median holds them
+    # admitted and inside the bound in some round (round 1 judges against its own median since issue 52): the median
+    # holds them there
+    assert any(set(attackers) <= set(r.replied) for r in result.rounds), [r.drops for r in result.rounds]
     accuracy = result.rounds[-1].accuracy
     assert accuracy is not None and honest - accuracy <= 0.05, (accuracy, honest)
