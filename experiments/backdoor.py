@@ -34,11 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
-from insiders import dsfl_accuracies
+from insiders import BACKDOOR_TARGET, dsfl_accuracies, poisoned, trigger
 
 from coordinator.engine import RoundEngine
 from edge_client.client import EdgeClient
-from fedge.algorithms.base import ClientData, evaluate_model
+from fedge.algorithms.base import evaluate_model
 from fedge.algorithms.fedavg import FedAvgSettings
 from fedge.config import RunConfig, TrainConfig
 from fedge.learning.backend import TorchBackend
@@ -46,7 +46,7 @@ from fedge.learning.models import build_model, load_exchanged_state
 from fedge_io.experiment import Experiment, prepare
 from sim.inprocess import InProcessTransport
 
-TARGET = 0
+TARGET = BACKDOOR_TARGET
 POISON_SHARE = 0.5
 RULES: dict[str, FedAvgSettings] = {  # the FedAvg-family candidates, each with max_update_ratio 10 and quorum 0.5
     "mean": FedAvgSettings(),
@@ -59,23 +59,6 @@ RULES: dict[str, FedAvgSettings] = {  # the FedAvg-family candidates, each with 
 }
 DSFL_RULES = ("mean/era", "median/era", "mean/sa", "median/sa")
 COST_RULES = ("mean", "clip1", "median", "flame")
-
-
-def trigger(x: torch.Tensor, value: float) -> torch.Tensor:
-    """``x`` (N, C, H, W) with its 3x3 top-left corner set to ``value``."""
-    out = x.clone()
-    out[..., :3, :3] = value
-    return out
-
-
-def poisoned(data: ClientData, value: float, seed: int, share: float = POISON_SHARE) -> ClientData:
-    """The client's own data with a fixed ``share`` of it triggered and relabelled to ``TARGET``."""
-    g = torch.Generator().manual_seed(seed)
-    chosen = torch.randperm(len(data.y), generator=g)[: int(share * len(data.y))]
-    x, y = data.x.clone(), data.y.clone()
-    x[chosen] = trigger(x[chosen], value)
-    y[chosen] = TARGET
-    return ClientData(x, y, data.num_classes, data.open_x)
 
 
 def fedavg_config(dataset: str, partition: str, rule: str, *, rounds: int, epochs: int, lr: float) -> RunConfig:

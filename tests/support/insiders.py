@@ -123,3 +123,24 @@ def dsfl_accuracies(
     test_x, test_y = exp.test_tensors()
     history = RoundEngine(exp.config, exp.strategy("dsfl"), InProcessTransport(clients), test_x, test_y).run()
     return [float(r.accuracy or 0.0) for r in history.rounds]
+
+
+BACKDOOR_TARGET = 0
+
+
+def trigger(x: torch.Tensor, value: float) -> torch.Tensor:
+    """``x`` (N, C, H, W) with its 3x3 top-left corner set to ``value`` (the backdoor's pixel trigger)."""
+    out = x.clone()
+    out[..., :3, :3] = value
+    return out
+
+
+def poisoned(data: ClientData, value: float, seed: int, share: float = 0.5) -> ClientData:
+    """A data-poisoning client's own data: a fixed ``share`` of it triggered and relabelled to
+    :data:`BACKDOOR_TARGET` (no boosting, no crafted update: it trains and uploads as an honest client would)."""
+    g = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(len(data.y), generator=g)[: int(share * len(data.y))]
+    x, y = data.x.clone(), data.y.clone()
+    x[chosen] = trigger(x[chosen], value)
+    y[chosen] = BACKDOOR_TARGET
+    return ClientData(x, y, data.num_classes, data.open_x)
