@@ -32,9 +32,9 @@ RULES = {  # name -> (aggregation, quorum)
     "sim default (mean, quorum 1)": (FedAvgSettings(), 1.0),
     "trimmed_mean (quorum 0.5)": (FedAvgSettings(robust="trimmed_mean"), 0.5),
     "median (quorum 0.5)": (FedAvgSettings(robust="median"), 0.5),
-    "deployment default: clip 1x (mean, quorum 0.5)": (FedAvgSettings(clip_factor=1.0), 0.5),
+    "clip 1x, the deployment default before issue 52 (mean, quorum 0.5)": (FedAvgSettings(clip_factor=1.0), 0.5),
     "clip 2x (mean, quorum 0.5)": (FedAvgSettings(clip_factor=2.0), 0.5),
-    "flame (quorum 0.5)": (FedAvgSettings(robust="flame"), 0.5),
+    "flame, the deployment default (quorum 0.5)": (FedAvgSettings(robust="flame", clip_factor=1.0), 0.5),
 }
 ATTACKS = ("replacement", "sign_flip", "int8_offset", "label_rotation")
 
