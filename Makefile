@@ -58,14 +58,13 @@ test: install ort-training mosquitto chromium lint typecheck
 	$(MAKE) --no-print-directory test-isa
 
 # The tests whose verdict rests on the CPU's float kernels (marker `isa`: the parity gate, its ties, the exported
-# models' logits), again under each kernel choice this machine can make: PyTorch's ATen dispatch (default = no SIMD,
-# AVX2, AVX-512) and oneDNN's instruction-set cap (its convolutions and max-pools). Another CPU (an Intel AVX-512/AMX
-# host, an ARM board) picks other kernels and breaks other float32 ties; the gate must give every correct program the
-# same verdict there. A cap above what the CPU has runs its best. docs/on_device.md, "The same verdict on every CPU".
-ISA_CAPS := ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=avx512 \
-	ONEDNN_MAX_CPU_ISA=SSE41 ONEDNN_MAX_CPU_ISA=AVX2 ONEDNN_MAX_CPU_ISA=AVX512_CORE
+# models' logits), again under each kernel choice this machine can make (scripts/isa-caps.sh): PyTorch's ATen dispatch
+# (default = no SIMD, AVX2, AVX-512 where the CPU has them) and oneDNN's instruction-set cap (its convolutions and
+# max-pools; a cap above what the CPU has runs its best). Another CPU (an Intel AVX-512/AMX host, an ARM board) picks
+# other kernels and breaks other float32 ties; the gate must give every correct program the same verdict there.
+# docs/on_device.md, "The same verdict on every CPU".
 test-isa: install
-	@for cap in $(ISA_CAPS); do \
+	@for cap in $$(bash scripts/isa-caps.sh); do \
 		echo "== $$cap"; env $$cap $(BIN)/pytest -q -p no:cacheprovider -n 2 -m isa tests/export || exit 1; \
 	done
 
