@@ -41,6 +41,7 @@ import numpy.typing as npt
 import torch
 
 from fedge.accounting.records import AggregationRecord
+from fedge.aggregation.flat import FlatLayout
 from fedge.errors import ConfigError
 from fedge.privacy.accountant import Ledger, update_noise_multiplier
 from fedge.privacy.mechanism import adapted_clip, count_std, noise_rng
@@ -125,8 +126,8 @@ class DifferentialPrivacyStrategy:
         odd = [k for k, (shape, dtype) in specs.items() if dtype != torch.float32 or k not in weights]
         if odd:
             raise ConfigError(f"DP-FedAvg noises float32 weights; this model also exchanges {odd[:3]}")
-        self._specs: dict[str, TensorSpec] = dict(specs)
-        self._dim = sum(math.prod(shape) for shape, _ in specs.values())
+        self._layout = FlatLayout(specs)  # one flat vector per client
+        self._dim = self._layout.dim
         self.population = config.num_clients
         self.q = config.client_fraction
         self.expected_cohort = self.q * self.population  # m = qN, the fixed denominator
@@ -180,25 +181,13 @@ class DifferentialPrivacyStrategy:
             f"{self.delta:.3g}; stopped after round {rnd - 1} at epsilon {spent:.3f}"
         )
 
-    def _flatten(self, tensors: Mapping[str, torch.Tensor]) -> npt.NDArray[np.float64]:
-        parts = [tensors[k].detach().cpu().reshape(-1).to(torch.float64).numpy() for k in self._specs]
-        return np.concatenate(parts)  # (dim,)
-
-    def _unflatten(self, flat: npt.NDArray[np.float64]) -> dict[str, torch.Tensor]:
-        out, start = {}, 0
-        for k, (shape, dtype) in self._specs.items():
-            size = math.prod(shape)
-            out[k] = torch.from_numpy(flat[start : start + size].copy()).reshape(shape).to(dtype)
-            start += size
-        return out
-
     # --- the round protocol -----------------------------------------------------------------------------------------
 
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
         plan = self.inner.configure(rnd, clients)
         weights = self.inner.global_weights()
         assert weights is not None  # checked in __init__
-        self._round = _Round(rnd, tuple(sorted(clients)), self._flatten(weights), self.clip)
+        self._round = _Round(rnd, tuple(sorted(clients)), self._layout.flatten(weights), self.clip)
         return plan
 
     def accept(self, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
@@ -220,7 +209,7 @@ class DifferentialPrivacyStrategy:
         norms: dict[ClientId, float] = {}
         for c in ordered:
             vector = np.empty(self._dim + 1)  # (dim + 1,) clip_C(delta), then the bit ||delta|| <= C
-            np.subtract(self._flatten(replies[c].update.tensors), state.reference, out=vector[:-1])
+            np.subtract(self._layout.flatten(replies[c].update.tensors), state.reference, out=vector[:-1])
             norm = float(np.linalg.norm(vector[:-1]))
             if norm > bound:
                 vector[:-1] *= bound / norm
@@ -256,7 +245,9 @@ class DifferentialPrivacyStrategy:
                 bound, float(total[-1]), self.expected_cohort, cfg.dp_target_quantile, cfg.dp_clip_lr
             )
             metrics["dp_unclipped_share"] = float(total[-1]) / self.expected_cohort  # noised: public
-        self.inner.aggregate(rnd, {SUM_CLIENT: self._mean_reply(rnd, replies, survivors, self._unflatten(after))})
+        self.inner.aggregate(
+            rnd, {SUM_CLIENT: self._mean_reply(rnd, replies, survivors, self._layout.unflatten(after))}
+        )
         self.last = PrivateRound(
             {c: norms[c] for c in survivors}, clipped_sum, noise[:-1], survivors, state.reference, after, bound
         )

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ import torch
 
 from fedge.accounting.ledger import Direction, LedgerEntry
 from fedge.accounting.records import AggregationRecord, Drop
+from fedge.aggregation.flat import FlatLayout
 from fedge.errors import ConfigError
 from fedge.secagg.config import RoundConfig
 from fedge.secagg.driver import RoundResult, run_round
@@ -165,8 +165,8 @@ class SecureAggregationStrategy:
                 f"secure aggregation sums float32 weights; this model also exchanges {odd[:3]} (not float32 or not "
                 "in the global model), which is not supported yet"
             )
-        self._specs: dict[str, TensorSpec] = dict(specs)
-        self._dim = sum(math.prod(shape) for shape, _ in specs.values())
+        self._layout = FlatLayout(specs)  # one flat vector per client
+        self._dim = self._layout.dim
         self._round: _Round | None = None
         self._record = AggregationRecord()
         self.last: SecureRound | None = None
@@ -196,18 +196,6 @@ class SecureAggregationStrategy:
             threshold=c.secagg_threshold or None,
         )
 
-    def _flatten(self, tensors: Mapping[str, torch.Tensor]) -> npt.NDArray[np.float64]:
-        parts = [tensors[k].detach().cpu().reshape(-1).to(torch.float64).numpy() for k in self._specs]
-        return np.concatenate(parts)  # (dim,)
-
-    def _unflatten(self, flat: npt.NDArray[np.float64]) -> dict[str, torch.Tensor]:
-        out, start = {}, 0
-        for k, (shape, dtype) in self._specs.items():
-            size = math.prod(shape)
-            out[k] = torch.from_numpy(flat[start : start + size].copy()).reshape(shape).to(dtype)
-            start += size
-        return out
-
     # --- the round protocol -----------------------------------------------------------------------------------------
 
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
@@ -215,7 +203,7 @@ class SecureAggregationStrategy:
         weights = self.inner.global_weights()
         assert weights is not None  # checked in __init__
         config = self._round_config(rnd, clients)
-        self._round = _Round(rnd, config, self._flatten(weights))
+        self._round = _Round(rnd, config, self._layout.flatten(weights))
         if plan.broadcast is None:
             return plan
         tensors, meta = config.to_fields()
@@ -243,7 +231,7 @@ class SecureAggregationStrategy:
         vectors: dict[ClientId, npt.NDArray[np.float64]] = {}
         clipped = 0
         for c in ordered:
-            new = self._flatten(replies[c].update.tensors)  # (dim,) w_k
+            new = self._layout.flatten(replies[c].update.tensors)  # (dim,) w_k
             delta, was_clipped = clipped_delta(new, state.reference, cfg.secagg_clip)
             vectors[c] = delta * shares[c]  # (dim,) each coordinate in [-C, C]
             clipped += was_clipped
@@ -284,7 +272,7 @@ class SecureAggregationStrategy:
         assert result.config == config, "the protocol ran with other parameters than the round announced"
         survivors = result.survivors
         weight = sum(shares[c] for c in survivors)  # sum_{U3} a_k / A
-        after = self._unflatten(state.reference + result.decoded_sum / weight)
+        after = self._layout.unflatten(state.reference + result.decoded_sum / weight)
         metrics.update(self.inner.aggregate(rnd, {SUM_CLIENT: _mean_reply(replies, survivors, after)}))
         gone = [c for c in result.dropped if c in replies]
         self._record = AggregationRecord(tuple(ledger.entries), _drops(gone, drop_at, config), "")
