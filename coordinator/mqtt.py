@@ -45,6 +45,7 @@ from fedge.wire.fields import printable
 from fedge.wire.message import Message, decode, encode
 from fedge.wire.protocol import (
     BROADCAST_ROUND,
+    CANCELLED,
     COMPUTE_CPU_S,
     COMPUTE_S,
     DEADLINE,
@@ -63,6 +64,8 @@ MAX_PAYLOAD_SLACK = 64 * 1024
 """Bytes of metadata a legitimate update may carry beyond its tensors (header, fields, transport timings)."""
 
 _ROUND_ENDED = "the round ended"
+SETTLE_S = 2.0
+"""Seconds after connecting by which the retained hellos of the clients already waiting have arrived."""
 MAX_REFUSED_MEMO = 4096
 """Refused chunked messages remembered per round, so that their further chunks are counted without a rejection each."""
 
@@ -221,10 +224,37 @@ class MqttTransport:
     ) -> list[ClientId]:
         """Block until ``n`` clients are available; TransportError after ``timeout`` s or when ``abort`` says why.
 
-        ``among``: the only clients that can join (a fleet kit's): once refusals leave fewer than ``n`` of them, the
-        wait stops at once with the refusals, rather than at the timeout.
+        ``among``: the clients the run was provisioned for (a fleet kit's, or the config's partition). Once fewer
+        than ``n`` of them (and of the other admitted clients) can still join, because refusals took the rest or
+        ``n`` exceeds them from the start, the wait stops at once instead of at the timeout. However the wait
+        fails, every client online at the time is told why (a ``cancelled`` notice) and stops waiting.
         """
+        try:
+            return self._wait_for_clients(n, timeout, abort, among)
+        except TransportError as exc:
+            self.cancel(str(exc))
+            raise
+
+    def cancel(self, reason: str) -> None:
+        """Tell every online client that this run will not start, and why: each stops instead of waiting on."""
+        self._drain()
+        notice = {"reason": reason[:1000], "at": f"{time.time():.3f}"}
+        for client in self.presence.online():
+            msg = Message(CANCELLED, 0, self.topics.run, client, notice, transport={SESSION: self.session})
+            try:
+                self.link.send(self.topics.task(client), encode(msg), qos=self.qos)
+            except TransportError as exc:  # telling is a courtesy: the run stops either way
+                log.warning("could not tell %s the run will not start: %s", client, exc)
+
+    def _wait_for_clients(
+        self,
+        n: int,
+        timeout: float,
+        abort: Callable[[], str | None] | None,
+        among: Collection[ClientId] | None,
+    ) -> list[ClientId]:
         deadline = time.monotonic() + timeout
+        settled = self._opened_at + SETTLE_S  # the retained hellos of clients already waiting have arrived by then
         last = -1
         self._wanted = n
         while True:
@@ -242,7 +272,15 @@ class MqttTransport:
                 raise TransportError(f"stopped waiting for clients: {reason}")
             if among is not None:
                 out = {c: why for c, why in self.presence.refused.items() if c in among}
-                if len(among) - len(out) < n:
+                others = [c for c in ready if c not in among]  # admitted without being provisioned (no kit)
+                if len(among) + len(others) < n:  # the cause, whatever was refused: once the waiting ones are known
+                    if time.monotonic() >= settled:
+                        raise TransportError(
+                            f"{n} clients cannot join run {self.topics.run!r}: only {len(among)} were provisioned "
+                            f"({', '.join(sorted(among)) or 'none'}); lower --min-clients to {len(among)} or less, "
+                            "or provision more clients"
+                        )
+                elif out and len(among) - len(out) + len(others) < n:
                     refusals = "; ".join(f"{c} refused: {why}" for c, why in sorted(out.items()))
                     raise TransportError(
                         f"{n} clients cannot join run {self.topics.run!r}: of the {len(among)} provisioned, "

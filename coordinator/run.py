@@ -166,7 +166,10 @@ def run_coordinator(
     with coordinator_log(run_dir), transport:
         try:
             if remaining:
-                transport.wait_for_clients(needed, join_timeout, abort=abort, among=provisioned)
+                # Without a kit, the clients the config's partition was written for: the wait fails at once when
+                # refusals (or --min-clients itself) leave too few of them, as with a kit.
+                among = provisioned if provisioned is not None else sorted(exp.parts)
+                transport.wait_for_clients(needed, join_timeout, abort=abort, among=among)
             before = transport.broker_counters() if broker_counters and remaining else None
             status_before = board.wire_bytes
 

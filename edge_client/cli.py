@@ -164,6 +164,11 @@ def run_client(
         raise ConfigError(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    unrunnable = unrunnable_algorithm(args)  # before any program is built for a run this runtime cannot serve
+    if unrunnable is not None:
+        log.error("%s", unrunnable)
+        print(f"fedge: {unrunnable}", file=sys.stderr)
+        return 3  # a restart cannot cure it (the service does not restart on 3)
     data, info = load_client_data(args.data)
     if info.client and info.client != args.client_id:
         log.warning("data file %s was written for client %r, serving it as %r", args.data, info.client, args.client_id)
@@ -248,7 +253,35 @@ def run_client(
     if server.refused is not None:  # the coordinator said why; the error line is logged: exit non-zero for a service
         print(f"fedge: refused by the coordinator of run {args.run}: {server.refused}", file=sys.stderr)
         return 3
+    if server.cancelled is not None:  # a service restarts it (not exit 3): it then waits for the next coordinator
+        print(f"fedge: run {args.run} cannot start: {server.cancelled}", file=sys.stderr)
+        return CANCELLED_EXIT
     return 0
+
+
+CANCELLED_EXIT = 4
+"""``fedge client``'s exit status when the coordinator gave up before round 1 and said why (too few clients can
+join). Not 3: the fault may be another device's or the coordinator's, and the client service restarts on it to wait
+for the next coordinator."""
+
+
+def unrunnable_algorithm(args: argparse.Namespace) -> str | None:
+    """Why this client's runtime cannot run the algorithm of the run's config.json (``--run-config``, else beside
+    ``--data``), or None (it can, or there is no config to read: the coordinator then refuses it at its hello)."""
+    from fedge.config import RunConfig
+
+    path = args.run_config or Path(args.data).with_name("config.json")
+    if not path.is_file():
+        return None
+    algorithm = RunConfig.from_json_file(path).algorithm
+    if algorithm in runtime_capabilities(args.runtime, args.predict_only):
+        return None
+    mode = " (predict-only)" if args.predict_only else ""
+    able = [r for r in ("torch", "executorch", "onnxruntime-training") if algorithm in runtime_capabilities(r, False)]
+    return (
+        f"the {args.runtime} runtime{mode} cannot run {algorithm!r}, the algorithm of {path}; start this client with "
+        f"--runtime {' or '.join(able) or 'torch'} (docs/on_device.md says what each runtime runs)"
+    )
 
 
 def requires_signed_programs(args: argparse.Namespace) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import platform
 import threading
@@ -41,6 +42,7 @@ from fedge.wire.fields import printable
 from fedge.wire.message import BROADCAST, TASK, Message, decode, encode
 from fedge.wire.protocol import (
     BROADCAST_ROUND,
+    CANCELLED,
     COMPUTE_CPU_S,
     COMPUTE_S,
     REFUSED,
@@ -119,6 +121,8 @@ class MqttEdgeClient:
         self.replies_resent = 0
         self.updates_sent = 0
         self.refused: str | None = None  # the coordinator's reason, when it refused this client (serve then returns)
+        self.cancelled: str | None = None  # the coordinator's reason, when the run could not start (serve returns)
+        self._started_at = time.time()  # a run-cannot-start notice sent before this is an earlier process's
         self._reassembly = chunking.Reassembler(
             max_bytes=2 * (MAX_INBOUND_BYTES + chunking.MAX_CHUNKS + chunking.ENTRY_OVERHEAD),
             max_sender_bytes=MAX_INBOUND_BYTES + chunking.MAX_CHUNKS + chunking.ENTRY_OVERHEAD,
@@ -200,12 +204,28 @@ class MqttEdgeClient:
                         self.refused = printable(msg.params.get("reason", ""), 500) or "no reason given"
                         log.error("the coordinator of run %s refused this client: %s", msg.run, self.refused)
                         self._stop.set()
+                    elif msg.kind == CANCELLED and msg.client == self.client.client_id and msg.run == self.topics.run:
+                        self._on_cancelled(msg)
                     else:
                         log.warning("ignoring a %r message of round %d", printable(msg.kind, 40), msg.round)
         finally:
             # An empty retained message deletes the hello: this client left on purpose (the will is for crashes).
             self.link.close(final=[(self.topics.status(self.client.client_id), b"", True)])
             log.info("client %s stopped after %d updates", self.client.client_id, self.updates_sent)
+
+    def _on_cancelled(self, msg: Message) -> None:
+        """The coordinator gave up before round 1 (too few clients can join) and says why: stop waiting. A notice
+        sent before this process started was queued for an earlier one (a persistent session) and is ignored."""
+        try:
+            at = float(msg.params.get("at", "")[:40])
+        except ValueError:
+            at = math.nan
+        if not at >= self._started_at:  # also NaN
+            log.info("ignoring a notice that an earlier run could not start (sent before this process started)")
+            return
+        self.cancelled = printable(msg.params.get("reason", ""), 1000) or "no reason given"
+        log.error("run %s cannot start: %s", msg.run, self.cancelled)
+        self._stop.set()
 
     def _read_ahead(self, timeout: float) -> None:
         """Move every message that has arrived (waiting up to ``timeout`` s for the first) into the backlog, noting

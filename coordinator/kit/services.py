@@ -13,7 +13,7 @@
   (its bundle folder ``clients/<id>/`` as ``bundle/``, its data file, and ``shared.safetensors`` when there is one)
   and fedge installed in ``DEVICE_ROOT/venv``. A client the coordinator refused (exit 3) is not restarted in a loop:
   restarting would not change the answer; any other exit is (a broker not reachable yet exits 2, as a wrong
-  configuration does).
+  configuration does; a run that could not start exits 4, and the restarted client waits for the next coordinator).
 
 A run whose model or dataset comes from a plugin (``fedge provision --plugin ...``) names it in the coordinator's and
 the clients' commands: a module by name, a ``.py`` file by this machine's path for the coordinator and, for a device,

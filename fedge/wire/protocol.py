@@ -33,6 +33,8 @@ DEFAULT_TLS_PORT = 8883  # MQTT over TLS (IANA "secure-mqtt")
 STATUS = "status"  # a client's hello (online) or last will (offline); metadata only
 ERROR = "error"  # a client could not do its task; metadata only, the reason in param "error"
 REFUSED = "refused"  # coordinator -> client, on its task topic: not admitted to the run, the reason in param "reason"
+CANCELLED = "cancelled"  # coordinator -> client, on its task topic: the run cannot start; params "reason", "at"
+# (the Unix time it was sent: a client ignores one older than its own process, queued for an earlier life)
 
 Channel = Literal["task", "broadcast", "update", "status"]
 CHANNELS: tuple[Channel, ...] = ("task", "broadcast", "update", "status")
