@@ -89,6 +89,7 @@ def run_coordinator_cli(
     from coordinator.run import run_coordinator
     from fedge.accounting.records import RoundRecord
     from fedge.accounting.units import format_bytes
+    from fedge.privacy.summary import privacy_line
     from fedge_io.console import round_line
     from fedge_io.rundir import run_directory
 
@@ -136,6 +137,10 @@ def run_coordinator_cli(
     s = result.summary
     if s.get("final_accuracy") is not None:
         print(f"final accuracy {100 * s['final_accuracy']:.2f}%  best {100 * s['best_accuracy']:.2f}%")
+    if (spent := privacy_line(s)) is not None:
+        print(spent)
+    if s.get("stopped"):
+        print(f"stopped early: {s['stopped']}")
     tb = s.get("total_bytes", {})
     print(
         f"communication: tensor {format_bytes(tb.get('tensor_bytes_multicast', 0))} multicast / "

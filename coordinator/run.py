@@ -24,6 +24,7 @@ from fedge.accounting.records import RoundRecord
 from fedge.algorithms.base import Strategy
 from fedge.config import RunConfig
 from fedge.errors import ConfigError, FedgeError
+from fedge.privacy.summary import privacy_summary
 from fedge.registry import get_algorithm
 from fedge.wire.fields import printable
 from fedge.wire.message import encode
@@ -52,15 +53,22 @@ def refuse_secure_aggregation(config: RunConfig) -> None:
         )
 
 
-def refuse_differential_privacy(config: RunConfig) -> None:
-    """ConfigError when ``config`` asks for DP-FedAvg: it runs in process only for now (and ``--dp-noise-seed``, a
-    simulation's reproducible noise, never belongs in a deployment)."""
+def refuse_noise_seed(config: RunConfig) -> None:
+    """ConfigError when a deployment (``fedge coordinator``, ``fedge provision``) is given ``--dp-noise-seed``: a
+    seeded noise is a simulation's, reproducible by anyone who reads config.json, so it protects nothing."""
     if config.dp_noise_seed is not None:
         raise ConfigError("--dp-noise-seed makes the noise predictable: it is for fedge sim only, not a deployment")
-    if config.differential_privacy:
+
+
+def refuse_differential_privacy(config: RunConfig) -> None:
+    """ConfigError when ``config`` asks for DP-FedAvg over a broker in a form that does not travel yet: with secure
+    aggregation, each client's share of the noise is added on the device (in process only for now). Without it, the
+    coordinator clips and noises the updates itself (central DP), which runs over MQTT."""
+    if config.differential_privacy and config.secure_aggregation:
         raise ConfigError(
-            "--dp-noise-multiplier runs in process only for now (fedge sim without --transport mqtt): the clients' "
-            "noise shares and the clipped-count bits do not travel over MQTT yet"
+            "--dp-noise-multiplier with --secure-aggregation runs in process only for now (fedge sim without "
+            "--transport mqtt): the clients' noise shares do not travel over MQTT yet; over a broker, DP-FedAvg runs "
+            "without --secure-aggregation, the coordinator clipping and noising the updates (central DP)"
         )
 
 
@@ -138,6 +146,11 @@ def run_coordinator(
     exp = experiment or prepare(config)
     config = exp.config
     run = run or run_dir.name
+    if config.differential_privacy:
+        log.info(
+            "central DP: this coordinator clips and noises each round's updates before they touch the model; the "
+            "model it releases is (epsilon, delta)-DP, but the updates reach it in the clear (docs/privacy.md)"
+        )
     strategy = exp.strategy(run)
     test_x, test_y = exp.test_tensors()
     needed = min_clients if min_clients is not None else config.num_clients
@@ -221,6 +234,7 @@ def run_coordinator(
     if history.state_lost:
         extra["client_state_lost"] = dict(history.state_lost)
     extra["run_status_messages"] = {"published": board.published, "wire_bytes": status_wire}
+    extra.update(privacy_summary(config, history.rounds, history.stopped))
     if lost:
         extra["broker_bytes"] = {"ledger_wire": compared_wire, "comparable": False, "note": lost}
     if before is not None and after is not None:

@@ -160,7 +160,7 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
     base_algo = config.algo if algorithm == config.algorithm else spec.settings()
     # Secure aggregation refuses a server-side clip (it needs the plaintext), and over a broker it is refused whole.
     secure = changes["run"].get("secure_aggregation", config.secure_aggregation)
-    # DP-FedAvg refuses robust rules and a server-side clip too (and runs in fedge sim only).
+    # DP-FedAvg refuses robust rules and a server-side clip too: its own clip bounds each update.
     private = changes["run"].get("dp_noise_multiplier", getattr(config, "dp_noise_multiplier", 0.0)) > 0
     if deployment and not chosen_rule and "robust" in own and not (secure or private):
         rule = DEPLOYMENT_RULE if "clip_factor" in own else DEPLOYMENT_SOFT_LABEL_RULE
@@ -302,7 +302,11 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             return
         print(f"report: {write_report([path], path)}")
 
-    return run_coordinator_cli(args, _run_config(args, deployment=True), on_finish=report)
+    from coordinator.run import refuse_noise_seed
+
+    config = _run_config(args, deployment=True)
+    refuse_noise_seed(config)  # a deployment's noise must be unpredictable
+    return run_coordinator_cli(args, config, on_finish=report)
 
 
 def _cmd_client(args: argparse.Namespace) -> int:
@@ -336,7 +340,12 @@ def _cmd_provision(args: argparse.Namespace) -> int:
         from coordinator.run import provision_fleet
 
     plugins = resolved_plugins(args.plugin)
-    exp = prepare(config_from_args(args, deployment=True))  # its config.json is what the coordinator will run
+    config = config_from_args(args, deployment=True)
+    if config.dp_noise_seed is not None:  # the coordinator would refuse it: refused before anything is written
+        from coordinator.run import refuse_noise_seed
+
+        refuse_noise_seed(config)
+    exp = prepare(config)  # its config.json is what the coordinator will run
     files = provision(exp, args.out, plugins=plugins)
     print(f"wrote {len(files)} client data files and config.json to {args.out}")
     if args.fleet_broker:

@@ -12,6 +12,7 @@ from fedge.accounting.records import RoundRecord
 from fedge.accounting.units import format_bytes
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
+from fedge.privacy.summary import privacy_line
 from fedge_io.console import round_line, skipped_rounds_status
 from fedge_io.tensorboard import TensorBoardLog, check_tensorboard
 
@@ -41,11 +42,8 @@ def run_sim(args: argparse.Namespace, config: RunConfig) -> int:
             f"final accuracy {100 * s['final_accuracy']:.2f}%  best {100 * s['best_accuracy']:.2f}%  "
             f"forgetting F {s['final_forgetting']:.3f}"
         )
-    if "dp_epsilon" in s:
-        print(
-            f"privacy: epsilon {s['dp_epsilon']:.3f} at delta {s['dp_delta']:.3g} after {s['dp_rounds']} round(s) "
-            f"({s['dp_accountant']} accountant, noise multiplier {s['dp_noise_multiplier']:g})"
-        )
+    if (spent := privacy_line(s)) is not None:
+        print(spent)
     if "time_to" in s:
         clock = s["sim_clock"]
         reached = ", ".join(f"{100 * float(k):g}% after {v:,.1f} s" for k, v in s["time_to"].items() if v is not None)

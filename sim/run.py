@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coordinator.engine import RoundEngine, RunHistory
+from coordinator.engine import RoundEngine
 from coordinator.resume import RunJournal
 from coordinator.transport import Transport
 from edge_client.client import EdgeClient
@@ -15,6 +15,7 @@ from fedge.accounting.records import RoundRecord
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.learning.backend import Backend, TorchBackend
+from fedge.privacy.summary import privacy_summary
 from fedge.types import ClientId
 from fedge_io.experiment import Experiment, prepare
 from fedge_io.rundir import COMU_THRESHOLDS, RunResult
@@ -22,23 +23,6 @@ from sim.clock import SimClockTransport, load_profiles, measure_compute, time_su
 from sim.executors import ExecutorTransport, ExperimentClients, gpu_sharing_advice, make_executor, overlap_choice
 
 log = logging.getLogger(__name__)
-
-
-def privacy_summary(config: RunConfig, history: RunHistory) -> dict[str, Any]:
-    """A DP run's summary fields: epsilon at delta after its last round, and why it stopped early if it did."""
-    if not config.differential_privacy:
-        return {}
-    last = next((r.metrics for r in reversed(history.rounds) if "dp_epsilon" in r.metrics), {})
-    out: dict[str, Any] = {
-        "dp_epsilon": last.get("dp_epsilon", 0.0),
-        "dp_delta": config.dp_delta_used,
-        "dp_noise_multiplier": config.dp_noise_multiplier,
-        "dp_accountant": config.dp_accountant,
-        "dp_rounds": len(history.rounds),
-    }
-    if history.stopped:
-        out["stopped"] = history.stopped
-    return out
 
 
 def _measure(exp: Experiment, threads: int) -> float:
@@ -173,7 +157,7 @@ def run_inprocess(
         extra={
             **extra,
             **({"resumed_after": journal.resumed_after} if journal.resumed_after else {}),
-            **privacy_summary(config, history),
+            **privacy_summary(config, history.rounds, history.stopped),
             **(time_summary(history.rounds, COMU_THRESHOLDS, clock_about) if clock is not None else {}),
         },
     )

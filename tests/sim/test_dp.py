@@ -112,7 +112,7 @@ def test_the_budget_stops_the_run_with_exit_0(tmp_path: Path, capsys: pytest.Cap
         (["--algorithm", "scaffold"], "cannot run --algorithm scaffold: DP-FedAvg noises a mean"),
         (["--algorithm", "dsfl"], "cannot run --algorithm dsfl: it uploads outputs (logits)"),
         (["--algorithm", "fedavg", "--robust", "median"], "--robust median with --dp-noise-multiplier"),
-        (["--algorithm", "fedavg", "--transport", "mqtt"], "--dp-noise-multiplier runs in process only for now"),
+        (["--algorithm", "fedavg", "--transport", "mqtt", "--secure-aggregation"], "runs in process only for now"),
     ],
 )
 def test_refusals_are_one_line_errors(
@@ -125,15 +125,39 @@ def test_refusals_are_one_line_errors(
     assert not any(tmp_path.iterdir())
 
 
-def test_the_coordinator_refuses_a_noise_seed() -> None:
-    from coordinator.run import refuse_differential_privacy
+def test_deployments_refuse_a_noise_seed_and_dp_with_secure_aggregation_over_a_broker() -> None:
+    from coordinator.run import refuse_differential_privacy, refuse_noise_seed
     from fedge.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--dp-noise-seed makes the noise predictable"):
-        refuse_differential_privacy(_config())
-    with pytest.raises(ConfigError, match="runs in process only"):
-        refuse_differential_privacy(_config(dp_noise_seed=None))
+        refuse_noise_seed(_config())
+    refuse_noise_seed(_config(dp_noise_seed=None))
+    refuse_differential_privacy(_config())  # central DP travels over MQTT
+    with pytest.raises(ConfigError, match="the clients' noise shares do not travel over MQTT yet"):
+        refuse_differential_privacy(_config(secure_aggregation=True))
     refuse_differential_privacy(RunConfig())  # no DP: nothing to refuse
+
+
+@pytest.mark.broker
+def test_over_mqtt_with_the_kit_gives_the_in_process_model_and_ledger(tmp_path: Path) -> None:
+    """Central DP over the laptop's kit (embedded broker, one client process each): the same Poisson cohorts, clip,
+    noise, epsilon and budget stop as in process, so the same model (the simulation's noise seed; a coordinator
+    refuses one)."""
+    from sim.laptop import run_over_mqtt
+
+    ledger = Ledger(0.5, 0.3, 1 / 4**1.1)
+    budget = (ledger.epsilon(2) + ledger.epsilon(3)) / 2  # round 3 would exceed it: the run stops after round 2
+    config = _config(num_clients=4, rounds=3, dp_epsilon_budget=budget)
+    inprocess = run_inprocess(config, tmp_path / "inprocess", executor="sequential")
+    over_mqtt = run_over_mqtt(config, tmp_path / "mqtt", round_timeout=60)
+    assert len(over_mqtt.rounds) == 2 and over_mqtt.summary["stopped"].startswith("privacy budget: round 3")
+    x = load_file(inprocess.path / "global_model.safetensors")
+    y = load_file(over_mqtt.path / "global_model.safetensors")
+    assert x.keys() == y.keys() and max(float((x[k] - y[k]).abs().max()) for k in x) <= 1e-6
+    for key in ("dp_epsilon", "dp_cohort", "dp_noise_std"):
+        assert [r.metrics[key] for r in inprocess.rounds] == [r.metrics[key] for r in over_mqtt.rounds], key
+    assert [r.sampled for r in inprocess.rounds] == [r.sampled for r in over_mqtt.rounds]
+    assert over_mqtt.summary["dp_epsilon"] == inprocess.summary["dp_epsilon"]
 
 
 def test_help_describes_the_options(capsys: pytest.CaptureFixture[str]) -> None:
@@ -155,19 +179,15 @@ def test_empty_poisson_cohorts_are_valid_rounds(tmp_path: Path) -> None:
     assert [r.metrics["dp_epsilon"] for r in result.rounds] == [ledger.epsilon(t) for t in (1, 2, 3, 4)]
 
 
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (["--dp-noise-seed", "3"], "--dp-noise-seed makes the noise predictable: it is for fedge sim only"),
-        ([], "--dp-noise-multiplier runs in process only for now"),
-    ],
-)
-def test_fedge_coordinator_refuses_dp_in_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+def test_fedge_coordinator_and_provision_refuse_a_noise_seed_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["coordinator", "--dataset", "digits", "--num-clients", "2", "--dp-noise-multiplier", "1", "--dp-clip", "1",
-            "--broker", "mqtt://127.0.0.1:1", "--run-dir", str(tmp_path / "run"), *flags]  # fmt: skip
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("fedge: error:") and message in err and "Traceback" not in err
-    assert not (tmp_path / "run").exists()  # refused before anything was written or connected
+    dp = ["--dataset", "digits", "--num-clients", "2", "--dp-noise-multiplier", "1", "--dp-clip", "1",
+          "--dp-noise-seed", "3"]  # fmt: skip
+    for argv in (["coordinator", *dp, "--broker", "mqtt://127.0.0.1:1", "--run-dir", str(tmp_path / "run")],
+                 ["provision", *dp, "--out", str(tmp_path / "run")]):  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("fedge: error:") and "--dp-noise-seed makes the noise predictable" in err, err
+        assert "Traceback" not in err
+        assert not (tmp_path / "run").exists()  # refused before anything was written or connected
