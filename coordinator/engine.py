@@ -10,6 +10,7 @@ transport.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import time
@@ -28,6 +29,7 @@ from fedge.config import RunConfig
 from fedge.learning.metrics import forgetting
 from fedge.privacy.mechanism import poisson_sample
 from fedge.types import ClientId
+from fedge.wire.message import Message
 from fedge.wire.protocol import STATE_ROUND
 
 log = logging.getLogger(__name__)
@@ -131,8 +133,22 @@ class RoundEngine:
         else:
             sampled = sample_clients(available, cfg.clients_per_round, cfg.seed, rnd)
         plan = self.strategy.configure(rnd, sampled)
+        if len(sampled) < cfg.clients_per_round and not (cfg.differential_privacy or cfg.secure_aggregation):
+            # Fewer were available than the round samples: a client that comes back early in the round may still be
+            # given its task (not under DP's Poisson sampling, nor secure aggregation's fixed cohort).
+            plan = dataclasses.replace(plan, late_task=self._late_task(rnd), cohort=cfg.clients_per_round)
         exchange = self.transport.exchange(plan, lambda c, m: self.strategy.accept(rnd, c, m))
+        if exchange.added:
+            sampled = sorted([*sampled, *exchange.added])
         return _Played(rnd, started, time.perf_counter(), sampled, exchange)
+
+    def _late_task(self, rnd: int) -> Callable[[ClientId], Message]:
+        """Round ``rnd``'s task for a client that was not sampled: as the strategy plans it for any client."""
+
+        def task(client: ClientId) -> Message:
+            return self.strategy.configure(rnd, [client]).tasks[client]
+
+        return task
 
     def _aggregate(self, played: _Played) -> _Played:
         """Account for the round's messages and aggregate; needs every earlier round's record (lost-state checks)."""
@@ -140,9 +156,11 @@ class RoundEngine:
         self.history.ledger.extend(exchange.entries)
         self._note_lost_state(rnd, exchange.replies)
         # DP-FedAvg divides by the expected cohort: any number of replies, none included, makes a valid round.
-        played.quorum = (
-            0 if self.config.differential_privacy else max(1, math.ceil(self.config.min_replies * len(sampled)))
-        )
+        # Otherwise the quorum's share of the sampled, and never fewer than the cohort floor (one client's model is
+        # no aggregate).
+        cfg = self.config
+        share = math.ceil(cfg.min_replies * len(sampled))
+        played.quorum = 0 if cfg.differential_privacy else max(1, share, cfg.cohort_floor)
         played.aggregated = len(exchange.replies) >= played.quorum
         if played.aggregated:
             played.metrics = self.strategy.aggregate(rnd, exchange.replies)

@@ -88,6 +88,8 @@ class _Round:
     broadcast: bytes | None
     out: Exchange
     reassembly: chunking.Reassembler
+    plan: RoundPlan | None = None  # for a latecomer's task (RoundPlan.late_task)
+    deadline_at: str = ""  # the wall-clock deadline stamped in every task
     sent_at: dict[ClientId, float] = field(default_factory=dict)
     offline: dict[ClientId, tuple[float, str]] = field(default_factory=dict)  # client -> (since, last will's reason)
     partial: dict[tuple[str, int], _Partial] = field(default_factory=dict)  # (client, message id) being reassembled
@@ -131,6 +133,9 @@ class MqttTransport:
         self.round_timeout = round_timeout
         self.rejoin_grace = rejoin_grace  # how long a client gone offline mid-round may take to come back
         self.max_reconnects = max_reconnects
+        # The cohort floor: fewer available clients than this, and a round waits (up to its timeout) for more before
+        # it samples, rather than sampling a round that cannot be aggregated.
+        self.min_available = 1
         self._wanted = 0  # clients the run waited for before round 1: after our own reconnect, wait for them again
         self._seen_connections = 0  # our link's connections when we last looked: more means we reconnected
         # Tells clients which coordinator run a task belongs to: runs under one name restart at round 1.
@@ -190,7 +195,8 @@ class MqttTransport:
         every round at once). The broker's last wills may arrive just before our link notices the outage."""
         ready = self._available()
         reconnected = self.link.connections > self._seen_connections or not self.link.connected
-        if len(ready) >= self._wanted or (ready and not reconnected):
+        enough = self._wanted if reconnected or not ready else max(1, self.min_available)
+        if len(ready) >= enough:
             return ready
         log.info(
             "%d of %d clients available (broker link %s): waiting up to %g s for the others to come back",
@@ -313,7 +319,7 @@ class MqttTransport:
             max_payload=self.max_payload,
             session=self.session,
         )
-        state = _Round(ctx, time.monotonic(), {}, None, out, self._reassembler(len(plan.tasks)))
+        state = _Round(ctx, time.monotonic(), {}, None, out, self._reassembler(max(len(plan.tasks), plan.cohort)), plan)
         if plan.broadcast is not None:
             stamped = replace(plan.broadcast, transport={SESSION: self.session})
             state.broadcast = encode(stamped)
@@ -325,14 +331,9 @@ class MqttTransport:
             )
         # The wall-clock deadline travels in each task, so a client that gets it late (queued while it was away or
         # busy) skips work whose reply would be refused as late. Monotonic time is what this side waits on.
-        deadline_at = f"{time.time() + self.round_timeout:.3f}"
+        state.deadline_at = f"{time.time() + self.round_timeout:.3f}"
         for client, task in sorted(plan.tasks.items()):
-            meta = {SESSION: self.session, DEADLINE: deadline_at}
-            if plan.broadcast is not None:  # tell the client to wait for the broadcast, which travels apart
-                meta[BROADCAST_ROUND] = str(rnd)
-            task = replace(task, transport=meta)
-            state.tasks[client] = encode(task)
-            self._send_task(state, client, task, resend=False)
+            self._send_task(state, client, self._stamped(state, task), resend=False)
             status = self.presence.clients.get(client)
             if status is not None and not status.online:  # it left between sampling and now
                 state.offline[client] = (state.started, status.reason or "left")
@@ -358,7 +359,7 @@ class MqttTransport:
             # client sends one reply a round, and its stored copy after a reconnect is the same bytes. It may still
             # send a valid one within the grace, and is then counted as any other reply.
             gone |= {c for c, (at, _) in state.refused_replies.items() if now - at >= self.rejoin_grace}
-            if len(out.replies) + len(gone | set(ctx.failed)) >= len(plan.tasks) or now >= deadline:
+            if len(out.replies) + len(gone | set(ctx.failed)) >= len(state.tasks) or now >= deadline:
                 break
             item = self._pump(min(deadline - now, 0.2), state=state)
             if item is not None:
@@ -366,7 +367,7 @@ class MqttTransport:
 
         elapsed = time.monotonic() - state.started
         self._dropped_chunks(state, state.reassembly.drop_all(time.monotonic(), _ROUND_ENDED))
-        for client in sorted(plan.tasks):
+        for client in sorted(state.tasks):
             if client in out.replies:
                 continue
             why = ctx.failed.get(client) or f"silent past the {self.round_timeout:g} s deadline"
@@ -388,6 +389,30 @@ class MqttTransport:
             dropped=[(d.client, d.reason) for d in out.drops],
         )
         return out
+
+    def _stamped(self, state: _Round, task: Message) -> Message:
+        """``task`` with this session and the round's deadline (and the broadcast to wait for), kept for resends."""
+        meta = {SESSION: self.session, DEADLINE: state.deadline_at}
+        if state.broadcast is not None:  # tell the client to wait for the broadcast, which travels apart
+            meta[BROADCAST_ROUND] = str(state.rnd)
+        task = replace(task, transport=meta)
+        state.tasks[task.client] = encode(task)
+        return task
+
+    def _take_latecomer(self, state: _Round, client: ClientId) -> None:
+        """An admitted client that came online after sampling: its task, while the round is in its first half and has
+        fewer clients than its cohort (it has time to answer, and the round's quorum may need it)."""
+        plan = state.plan
+        if plan is None or plan.late_task is None or len(state.tasks) >= plan.cohort:
+            return
+        if time.monotonic() - state.started > self.round_timeout / 2:
+            return
+        task = self._stamped(state, plan.late_task(client))
+        state.ctx.sampled = state.ctx.sampled | {client}
+        state.out.added.append(client)
+        log.info("round %d: client %s came online early in the round; sending it a task", state.rnd, client)
+        self._send_task(state, client, task, resend=True)  # with its own copy of the broadcast it missed
+        self.board.update(sampled=sorted(state.tasks))
 
     def _send_task(self, state: _Round, client: ClientId, task: Message, *, resend: bool) -> None:
         topic = self.topics.task(client)
@@ -550,6 +575,9 @@ class MqttTransport:
             self._tell_refused(client, change.refused)
         if change is not None and (change.came_online or change.went_offline):
             self.board.update(online=self.presence.online())
+        if change is not None and change.came_online and state is not None and client not in state.tasks:
+            self._take_latecomer(state, client)
+            return
         if change is None or state is None or client not in state.tasks or client in state.out.replies:
             return
         if change.came_online:  # a real reconnect; a hello on a live connection resends nothing

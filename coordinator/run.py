@@ -168,6 +168,8 @@ def run_coordinator(
         max_packet_size=max_packet_size,
     )
     transport.max_payload = largest_update(strategy)
+    if not config.differential_privacy:  # DP's rounds take any number of replies (its noise is sized for that)
+        transport.min_available = config.cohort_floor  # a round waits for the floor before it samples
     engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
     # Restored before connecting: a journal that cannot be resumed fails here, not after the clients joined.
     journal = RunJournal(run_dir, config, exp.partition_summary(), engine, resume=resume)

@@ -27,6 +27,7 @@ class Exchange:
     drops: list[Drop] = field(default_factory=list)  # sampled, but no valid reply before the deadline
     rejections: list[Rejection] = field(default_factory=list)
     timings: list[ClientTiming] = field(default_factory=list)
+    added: list[ClientId] = field(default_factory=list)  # latecomers given a task in the round (RoundPlan.late_task)
 
     @property
     def dropped(self) -> list[ClientId]:

@@ -86,6 +86,16 @@ class RunConfig:
     train_size: int = 0  # a seeded subset of the training set (FedNTD B.2: 50,000 for MNIST); 0 = all of it
     seed: int = 0
     min_replies: float = 1.0  # quorum: share of the sampled clients whose replies are needed to aggregate
+    # The cohort floor: a round aggregates no fewer replies than this (capped at the clients sampled per round), so a
+    # round after drops never becomes one client's model. docs/deployment.md#the-cohort-floor says why 2.
+    min_cohort: int = field(
+        default=2,
+        metadata={
+            "help": "cohort floor: a round aggregates at least this many replies, whatever --min-replies' share of "
+            "the sampled (capped at the clients per round; DP-FedAvg runs, whose noise is sized to the expected "
+            "cohort, are exempt) (default: 2)"
+        },
+    )
     eval_every: int = 1
     eval_samples: int = 0  # 0 = the whole test set
     # DS-FL's open/private split of the training set (DS-FL 4.1); other algorithms given a private_size train on the
@@ -218,6 +228,7 @@ class RunConfig:
         _check(0 < self.client_fraction <= 1, f"client_fraction must be in (0, 1], got {self.client_fraction}")
         _check(self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}")
         _check(0 < self.min_replies <= 1, f"min_replies must be in (0, 1], got {self.min_replies}")
+        _check(self.min_cohort >= 1, f"min_cohort must be >= 1, got {self.min_cohort}")
         _check(self.eval_every >= 1, "eval_every must be >= 1")
         _check(self.eval_samples >= 0, "eval_samples must be >= 0")
         _check(self.train_size >= 0, f"train_size must be >= 0, got {self.train_size}")
@@ -430,6 +441,11 @@ class RunConfig:
     @property
     def clients_per_round(self) -> int:
         return max(1, round(self.client_fraction * self.num_clients))
+
+    @property
+    def cohort_floor(self) -> int:
+        """The fewest replies a round aggregates: ``min_cohort``, capped at the clients sampled per round."""
+        return min(self.min_cohort, self.clients_per_round)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)  # algo becomes its settings' dict

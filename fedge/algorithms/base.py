@@ -121,6 +121,10 @@ class RoundPlan:
 
     broadcast: Message | None
     tasks: Mapping[ClientId, Message]
+    # The task of a client that comes online after sampling, early in the round: a transport whose clients come and go
+    # (MQTT) may give it one while the round has fewer than ``cohort`` clients. None: the round takes no latecomers.
+    late_task: Callable[[ClientId], Message] | None = None
+    cohort: int = 0
 
 
 @dataclass(frozen=True)
