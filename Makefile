@@ -60,12 +60,13 @@ test: install ort-training mosquitto chromium lint typecheck
 # The tests whose verdict rests on the CPU's float kernels (marker `isa`: the parity gate, its ties, the exported
 # models' logits), again under each kernel choice this machine can make (scripts/isa-caps.sh): PyTorch's ATen dispatch
 # (default = no SIMD, AVX2, AVX-512 where the CPU has them) and oneDNN's instruction-set cap (its convolutions and
-# max-pools; a cap above what the CPU has runs its best). Another CPU (an Intel AVX-512/AMX host, an ARM board) picks
-# other kernels and breaks other float32 ties; the gate must give every correct program the same verdict there.
+# max-pools; a cap above what the CPU has runs its best), paired level with level: three runs. Another CPU (an Intel
+# AVX-512/AMX host, an ARM board) picks other kernels and breaks other float32 ties; the gate must give every correct
+# program the same verdict there.
 # docs/on_device.md, "The same verdict on every CPU".
 test-isa: install
-	@for cap in $$(bash scripts/isa-caps.sh); do \
-		echo "== $$cap"; env $$cap $(BIN)/pytest -q -p no:cacheprovider -n 2 -m isa tests/export || exit 1; \
+	@bash scripts/isa-caps.sh | while read -r caps; do \
+		echo "== $$caps"; env $$caps $(BIN)/pytest -q -p no:cacheprovider -n 2 -m isa tests/export || exit 1; \
 	done
 
 # The unit tests of the core, the journal, the CLI, the reports and the in-process simulator: no broker, no exported
