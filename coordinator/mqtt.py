@@ -538,7 +538,12 @@ class MqttTransport:
 
     # --- the inbox ----------------------------------------------------------------------------------------------
 
-    def _pump(self, timeout: float, *, state: _Round | None = None) -> Inbound | None:
+    def next_update(self, timeout: float) -> Inbound | None:
+        """The next message on an update topic within ``timeout`` s, handling status and $SYS messages meanwhile:
+        how secure aggregation's stages (:mod:`coordinator.secagg_stages`) read the clients' answers."""
+        return self._pump(timeout, updates=True)
+
+    def _pump(self, timeout: float, *, state: _Round | None = None, updates: bool = False) -> Inbound | None:
         """Handle one inbound message: status and $SYS here; an update is returned (or kept for the next round)."""
         self.board.relink()
         item = self.link.get(timeout)
@@ -556,7 +561,7 @@ class MqttTransport:
             self._on_status(client, item, state)
             return None
         if channel == "update":
-            if state is not None:
+            if state is not None or updates:
                 return item
             # No round is open: a late reply of the previous round or a stray message. Counted apart from every
             # round's ledger (so nothing sent before round 1 is charged to round 1) and dropped unread.

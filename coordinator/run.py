@@ -20,12 +20,14 @@ from coordinator.kit.accounts import FleetSpec, admit_provisioned
 from coordinator.kit.writer import FleetKit, generate_fleet_kit
 from coordinator.mqtt import MAX_PAYLOAD_SLACK, MqttTransport
 from coordinator.resume import RunJournal
+from coordinator.secagg_stages import MqttStages
 from fedge.accounting.records import RoundRecord
 from fedge.algorithms.base import Strategy
 from fedge.config import RunConfig
 from fedge.errors import ConfigError, FedgeError
 from fedge.privacy.summary import privacy_summary
 from fedge.registry import get_algorithm
+from fedge.secagg.strategy import SecureAggregationStrategy
 from fedge.wire.fields import printable
 from fedge.wire.message import encode
 from fedge.wire.protocol import BrokerAddress, ClientStatus
@@ -45,11 +47,18 @@ STOPPED = (
 
 
 def refuse_secure_aggregation(config: RunConfig) -> None:
-    """ConfigError when ``config`` asks for secure aggregation: it runs in process only for now."""
-    if config.secure_aggregation:
+    """ConfigError for what secure aggregation cannot do over MQTT: simulated dropouts (the simulator's) and
+    DP-FedAvg's noise shares under it (in process only for now)."""
+    if not config.secure_aggregation:
+        return
+    if config.simulate_dropouts:
         raise ConfigError(
-            "--secure-aggregation runs in process only for now (fedge sim without --transport mqtt): the protocol's "
-            "key, share and unmask messages do not travel over MQTT yet"
+            "--simulate-dropouts is for fedge sim without --transport mqtt: over MQTT the clients that vanish are real"
+        )
+    if config.differential_privacy:
+        raise ConfigError(
+            "--dp-noise-multiplier with --secure-aggregation runs in process only for now (fedge sim without "
+            "--transport mqtt): the clients' noise shares do not travel over MQTT yet; drop one of the two"
         )
 
 
@@ -168,6 +177,9 @@ def run_coordinator(
         max_packet_size=max_packet_size,
     )
     transport.max_payload = largest_update(strategy)
+    if config.secure_aggregation:  # the clients run their own parties; the server's drives the stages over MQTT
+        assert isinstance(strategy, SecureAggregationStrategy)
+        strategy.use_channel(MqttStages(transport, stage_timeout=round_timeout))
     if not config.differential_privacy:  # DP's rounds take any number of replies (its noise is sized for that)
         transport.min_available = config.cohort_floor  # a round waits for the floor before it samples
     engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())

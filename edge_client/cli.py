@@ -121,6 +121,8 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
         "after twice as long, and so on; 0: never",
     )
     p.add_argument("--fail-at-round", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
+    # Fault injection for tests, with --fail-at-round: vanish when that secure-aggregation stage opens.
+    p.add_argument("--fail-at-stage", choices=("share", "upload", "unmask"), default=None, help=argparse.SUPPRESS)
 
 
 def run_client(
@@ -230,6 +232,7 @@ def run_client(
         device=device,
         runtime=args.runtime,
         fail_at_round=args.fail_at_round,
+        fail_at_stage=args.fail_at_stage,
         announce_host=args.announce_host,
         capabilities=runtime_capabilities(args.runtime, args.predict_only),
         max_packet_size=connection.max_packet_size,

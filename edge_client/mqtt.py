@@ -34,9 +34,11 @@ import torch
 from edge_client.client import EdgeClient
 from edge_client.data import ClientDataInfo
 from edge_client.progress import ObservedBackend, TaskAbandoned
+from edge_client.secure import SecureRounds, stage_of
 from edge_client.state import ClientStateFiles
 from fedge.errors import CodecError, ConfigError
 from fedge.registry import ALGORITHMS
+from fedge.secagg.remote import SECAGG
 from fedge.wire import chunking
 from fedge.wire.fields import printable
 from fedge.wire.message import BROADCAST, TASK, Message, decode, encode
@@ -83,6 +85,7 @@ class MqttEdgeClient:
         device: str = "cpu",
         runtime: str = "torch",
         fail_at_round: int | None = None,
+        fail_at_stage: str | None = None,
         keepalive: int = 30,
         announce_host: bool = False,
         capabilities: tuple[str, ...] | None = None,
@@ -103,6 +106,9 @@ class MqttEdgeClient:
         self._fresh_session = False  # a new session spoke: its first task sets the local state
         self.topics = Topics(run)
         self.fail_at_round = fail_at_round
+        # Fault injection for tests: with fail_at_round, vanish when that round's secure-aggregation stage opens.
+        self.fail_at_stage = fail_at_stage
+        self.secure = SecureRounds(client.client_id)  # this client's own secure-aggregation party, when asked
         self._stop = threading.Event()
         self._broadcasts: dict[tuple[str, int], Message] = {}  # by (session, round)
         self._pending: Message | None = None  # a task waiting for its broadcast
@@ -200,6 +206,8 @@ class MqttEdgeClient:
                         self._on_broadcast(msg)
                     elif msg.kind == TASK:
                         self._on_task(msg)
+                    elif msg.kind == SECAGG and msg.client == self.client.client_id and msg.run == self.topics.run:
+                        self._on_secagg(msg)
                     elif msg.kind == REFUSED and msg.client == self.client.client_id and msg.run == self.topics.run:
                         self.refused = printable(msg.params.get("reason", ""), 500) or "no reason given"
                         log.error("the coordinator of run %s refused this client: %s", msg.run, self.refused)
@@ -263,6 +271,7 @@ class MqttEdgeClient:
                 printable(self._session, 40),
             )
             self._retired[self._session] = None
+            self.secure.forget()  # a restarted coordinator restarts the round: new keys, never the old ones
             while len(self._retired) > _KEEP_RETIRED:  # dicts keep insertion order: forget the oldest
                 del self._retired[next(iter(self._retired))]
             if self._pending is not None:
@@ -367,7 +376,7 @@ class MqttEdgeClient:
             log.info("round %d: task delivered again; sending the stored reply", task.round)
             self._publish_stored(task.round, stored)
             return
-        if self.fail_at_round is not None and task.round >= self.fail_at_round:
+        if self.fail_at_round is not None and self.fail_at_stage is None and task.round >= self.fail_at_round:
             log.error("round %d: fault injection: exiting hard in the middle of the task", task.round)
             os._exit(FAULT_EXIT_CODE)  # no DISCONNECT, no cleanup: the broker publishes our last will
         wanted = _wanted_broadcast(task)
@@ -448,12 +457,34 @@ class MqttEdgeClient:
         }
         if self.client.store:  # an algorithm whose clients keep state: the coordinator spots one that lost it
             timing[STATE_ROUND] = str(self._state_round)
+        try:  # under secure aggregation the update stays here: the reply carries the report and fresh keys
+            secure = self.secure.reply(task, broadcast, update)
+        except CodecError as exc:
+            log.error("round %d: cannot do the task: %s", task.round, exc)
+            self._send(task, error_message(task, str(exc)))
+            return
+        if secure is not None:
+            update = secure
         # The state after this round, on disk before the reply leaves: what was answered is what a restart resumes.
         if self.state is not None and self.client.store:  # stateless algorithms write nothing
             self.state.save(task.round, self.client.store)
         self._state_round = task.round
         if self._send(task, dataclasses.replace(update, transport=timing)):
             self.updates_sent += 1
+
+    def _on_secagg(self, msg: Message) -> None:
+        """A secure-aggregation stage message of the round in flight: answered by this client's party."""
+        session = msg.transport.get(SESSION, "")
+        if session in self._retired:
+            log.info("round %d: ignoring a secure-aggregation message of an earlier coordinator session", msg.round)
+            return
+        stage = stage_of(msg)
+        if self.fail_at_stage is not None and self.fail_at_stage == stage and msg.round >= (self.fail_at_round or 0):
+            log.error("round %d: fault injection: exiting hard at secure-aggregation stage %s", msg.round, stage)
+            os._exit(FAULT_EXIT_CODE)
+        answer = self.secure.answer(msg)
+        if answer is not None:
+            self._send(msg, dataclasses.replace(answer, transport={SESSION: session}))
 
     def _send(self, task: Message, reply: Message) -> bool:
         """Publish ``reply`` to ``task``; False when it could not go out and an error message went instead."""

@@ -154,6 +154,7 @@ def client_processes(
     device: str = "cpu",
     threads: int = 1,
     faults: Mapping[ClientId, int] | None = None,
+    stage_faults: Mapping[ClientId, str] | None = None,
     runtimes: Mapping[ClientId, str] | None = None,
     bundles: Mapping[ClientId, Path] | None = None,
     pythons: Mapping[ClientId, str] | None = None,
@@ -163,6 +164,8 @@ def client_processes(
 
     ``bundles``: each client's fleet-kit bundle, which carries its login (no secret goes on a command line).
     ``pythons``: the Python executable of some clients (default: this one).
+    ``faults``: clients that exit hard at that round's task, or with ``stage_faults`` at that secure-aggregation stage
+    of it ("share", "upload" or "unmask").
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: dict[ClientId, subprocess.Popen[bytes]] = {}
@@ -176,6 +179,8 @@ def client_processes(
             cmd += ["--data", str(path), "--device", device, "--threads", str(threads)]
             if faults and cid in faults:
                 cmd += ["--fail-at-round", str(faults[cid])]
+                if stage_faults and cid in stage_faults:  # vanish at that secure-aggregation stage of the round
+                    cmd += ["--fail-at-stage", stage_faults[cid]]
             if runtimes and cid in runtimes:
                 cmd += ["--runtime", runtimes[cid]]
             if max_packet_size != "auto":

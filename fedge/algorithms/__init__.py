@@ -20,7 +20,9 @@ def make_strategy(config: RunConfig, context: ServerContext) -> Strategy:
     """The server half of ``config.algorithm``, as the run's compression and secure aggregation (or DP-FedAvg, which
     runs secure aggregation itself) wrap it."""
     inner = compressed(get_algorithm(config.algorithm).server(config, context), config)
-    return privatized(inner, config, CheckedReply) if config.differential_privacy else secured(inner, config)
+    return (
+        privatized(inner, config, CheckedReply) if config.differential_privacy else secured(inner, config, CheckedReply)
+    )
 
 
 def run_client_step(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeVar
 
@@ -16,9 +16,20 @@ import numpy.typing as npt
 
 from fedge.secagg.config import RoundConfig
 from fedge.secagg.encoding import RingPlan, RingVector
-from fedge.secagg.errors import SecAggConfigError
-from fedge.secagg.messages import SecAggMessage, pack, unpack
-from fedge.secagg.protocol import STAGES, SecAggClient, SecAggServer, Stage
+from fedge.secagg.errors import MessageError, ProtocolViolation, SecAggConfigError, SecAggError
+from fedge.secagg.messages import (
+    AdvertiseKeys,
+    EncryptedShares,
+    MaskedInput,
+    NeighbourKeys,
+    SecAggMessage,
+    ShareDelivery,
+    UnmaskRequest,
+    UnmaskShares,
+    pack,
+    unpack,
+)
+from fedge.secagg.protocol import STAGES, AggregateResult, SecAggClient, SecAggServer, Stage
 from fedge.secagg.shamir import RandBytes
 
 if TYPE_CHECKING:
@@ -128,48 +139,24 @@ def run_round(
     def timed(key: str) -> _Timer:
         return _Timer(timings, key)
 
+    def deliver(stage: Stage, messages: Mapping[ClientId, SecAggMessage]) -> list[SecAggMessage]:
+        """The in-process network: each message down to its client, each answer of a present client back up."""
+        answers: list[SecAggMessage] = []
+        for c, sent in messages.items():
+            sent = wire(sent, stage, down)
+            if present(c, stage):
+                with timed(f"{stage}.clients"):
+                    answer = _answer(clients[c], sent, vectors[c], rounding[c])
+                answers.append(wire(answer, stage, up))
+        return answers
+
+    advertised: list[SecAggMessage] = []
     for c in ids:
         if present(c, "advertise"):
             with timed("advertise.clients"):
                 msg = clients[c].advertise()
-            msg = wire(msg, "advertise", up)
-            with timed("advertise.server"):
-                server.receive_advertise(msg)
-    with timed("advertise.server"):
-        keys = server.close_advertise()
-
-    for c, neighbour_keys in keys.items():
-        neighbour_keys = wire(neighbour_keys, "share", down)
-        if present(c, "share"):
-            with timed("share.clients"):
-                shares = clients[c].share_keys(neighbour_keys)
-            shares = wire(shares, "share", up)
-            with timed("share.server"):
-                server.receive_shares(shares)
-    with timed("share.server"):
-        deliveries = server.close_share()
-
-    for c, delivery in deliveries.items():
-        delivery = wire(delivery, "upload", down)
-        if present(c, "upload"):
-            with timed("upload.clients"):
-                masked = clients[c].masked_input(delivery, vectors[c], rng=rounding[c])
-            masked = wire(masked, "upload", up)
-            with timed("upload.server"):
-                server.receive_masked(masked)
-    with timed("upload.server"):
-        requests = server.close_upload()
-
-    for c, request in requests.items():
-        request = wire(request, "unmask", down)
-        if present(c, "unmask"):
-            with timed("unmask.clients"):
-                reply = clients[c].unmask(request)
-            reply = wire(reply, "unmask", up)
-            with timed("unmask.server"):
-                server.receive_unmask(reply)
-    with timed("unmask.server"):
-        result = server.close_unmask()
+            advertised.append(wire(msg, "advertise", up))
+    result = serve_round(server, advertised, deliver, timings=timings)
 
     return RoundResult(
         sum_ring=result.sum_ring,
@@ -183,6 +170,73 @@ def run_round(
     )
 
 
+Deliver = Callable[[Stage, Mapping["ClientId", SecAggMessage]], Iterable[SecAggMessage]]
+"""How a stage's messages reach the clients: given the stage and one message per client, sends them and returns the
+clients' answers that came back in time (in any order; a transport may return fewer, and anything it parsed)."""
+
+Refused = Callable[[SecAggMessage, SecAggError], None]
+"""Told of each answer the server refused (a ProtocolViolation: a message out of order, of another round, a changed
+repeat), which a transport reports as that client's fault."""
+
+
+def serve_round(
+    server: SecAggServer,
+    advertised: Iterable[SecAggMessage],
+    deliver: Deliver,
+    *,
+    timings: dict[str, float] | None = None,
+    refused: Refused | None = None,
+) -> AggregateResult:
+    """The server's side of a whole round, whatever carries the messages: take the ``advertised`` keys, then per
+    stage hand the server's messages to ``deliver`` and feed the answers back; the unmasked result at the end.
+
+    Answers of the wrong kind for the stage are refused, as are those the server rejects; with ``refused`` each is
+    reported there and the round goes on without it, without it each raises (in process, a refusal is a bug).
+    ``timings`` gets the server's seconds per stage ("<stage>.server"). Raises RoundAbandoned when too few remain.
+    """
+    clock: dict[str, float] = timings if timings is not None else {}
+
+    def feed(stage: Stage, answers: Iterable[SecAggMessage], kind: type[_M], take: Callable[[_M], bool]) -> None:
+        for answer in answers:
+            with _Timer(clock, f"{stage}.server"):
+                try:
+                    if not isinstance(answer, kind):
+                        raise ProtocolViolation(
+                            f"{answer.client} answered stage {stage!r} with a {answer.KIND} message"
+                        )
+                    take(answer)
+                except (ProtocolViolation, MessageError) as exc:
+                    if refused is None:
+                        raise
+                    refused(answer, exc)
+
+    feed("advertise", advertised, AdvertiseKeys, server.receive_advertise)
+    with _Timer(clock, "advertise.server"):
+        keys = server.close_advertise()
+    feed("share", deliver("share", keys), EncryptedShares, server.receive_shares)
+    with _Timer(clock, "share.server"):
+        deliveries = server.close_share()
+    feed("upload", deliver("upload", deliveries), MaskedInput, server.receive_masked)
+    with _Timer(clock, "upload.server"):
+        requests = server.close_upload()
+    feed("unmask", deliver("unmask", requests), UnmaskShares, server.receive_unmask)
+    with _Timer(clock, "unmask.server"):
+        return server.close_unmask()
+
+
+def _answer(
+    client: SecAggClient, message: SecAggMessage, vector: npt.ArrayLike, rng: np.random.Generator
+) -> SecAggMessage:
+    """What an in-process client answers to the server's message of a stage."""
+    if isinstance(message, NeighbourKeys):
+        return client.share_keys(message)
+    if isinstance(message, ShareDelivery):
+        return client.masked_input(message, vector, rng=rng)
+    if isinstance(message, UnmaskRequest):
+        return client.unmask(message)
+    raise ProtocolViolation(f"a client does not answer a {message.KIND} message")
+
+
 class _Timer:
     """Adds the seconds a ``with`` block takes to ``timings[key]``."""
 
@@ -193,4 +247,4 @@ class _Timer:
         self._start = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
-        self._timings[self._key] += time.perf_counter() - self._start
+        self._timings[self._key] = self._timings.get(self._key, 0.0) + time.perf_counter() - self._start

@@ -45,13 +45,16 @@ import torch
 from fedge.accounting.ledger import Direction, LedgerEntry
 from fedge.accounting.records import AggregationRecord, Drop
 from fedge.aggregation.flat import FlatLayout
-from fedge.errors import ConfigError
+from fedge.errors import CodecError, ConfigError
 from fedge.secagg.config import RoundConfig
-from fedge.secagg.driver import RoundResult, run_round
-from fedge.secagg.errors import RoundAbandoned
-from fedge.secagg.messages import MaskedInput, SecAggMessage
-from fedge.secagg.protocol import Stage
+from fedge.secagg.driver import RoundResult, run_round, serve_round
+from fedge.secagg.errors import RoundAbandoned, SecAggError
+from fedge.secagg.messages import AdvertiseKeys, MaskedInput, SecAggMessage
+from fedge.secagg.protocol import SecAggServer, Stage
+from fedge.secagg.remote import LAYOUT_PARAM, SEED_PARAM, WEIGHT_PARAM, StageChannel, clipped_delta, from_message
 from fedge.secagg.shamir import RandBytes
+from fedge.wire.fields import printable
+from fedge.wire.message import UPDATE
 
 if TYPE_CHECKING:
     from fedge.algorithms.base import (
@@ -110,17 +113,6 @@ def simulated_dropouts(cohort: Sequence[ClientId], fraction: float, seed: int, r
     return {str(c): DROPOUT_STAGES[int(s)] for c, s in zip(chosen, stages, strict=True)}
 
 
-def clipped_delta(
-    update: npt.NDArray[np.float64], reference: npt.NDArray[np.float64], bound: float
-) -> tuple[npt.NDArray[np.float64], bool]:
-    """``update - reference`` scaled down to L2 norm ``bound`` when longer; and whether it was."""
-    delta = update - reference  # (dim,)
-    norm = float(np.linalg.norm(delta))
-    if norm > bound:
-        return delta * (bound / norm), True
-    return delta, False
-
-
 @dataclass(frozen=True)
 class _Round:
     """What :meth:`SecureAggregationStrategy.configure` fixed for the round's aggregation."""
@@ -148,8 +140,18 @@ class SecureAggregationStrategy:
     Everything that is not about aggregation (evaluation, state, global weights, settings) is the wrapped strategy's.
     """
 
-    def __init__(self, inner: Strategy, config: RunConfig, *, rand_bytes: RandBytes = os.urandom) -> None:
+    def __init__(
+        self,
+        inner: Strategy,
+        config: RunConfig,
+        *,
+        rand_bytes: RandBytes = os.urandom,
+        reply_type: type[CheckedReply] | None = None,
+    ) -> None:
+        """``reply_type``: :class:`fedge.algorithms.base.CheckedReply` (passed in: the core's secure aggregation sits
+        below the algorithms), which remote parties' replies need (:meth:`use_channel`)."""
         self.inner = inner
+        self._reply_type = reply_type
         self.secure_config = config
         self._rand = rand_bytes
         self._session = rand_bytes(8).hex()  # keys are bound to it: a new coordinator never reuses one
@@ -170,6 +172,8 @@ class SecureAggregationStrategy:
         self._round: _Round | None = None
         self._record = AggregationRecord()
         self.last: SecureRound | None = None
+        self._remote: StageChannel | None = None
+        self._advertised: dict[ClientId, AdvertiseKeys] = {}  # this round's, remote parties only
         # Fails now, not in round 1, when the degree, threshold or bound cannot fit the run's cohort.
         self._round_config(1, [f"c{i}" for i in range(config.clients_per_round)])
         log.info(
@@ -177,6 +181,11 @@ class SecureAggregationStrategy:
             "check is off (it needs the plaintext)",
             config.secagg_clip,
         )
+
+    def use_channel(self, channel: StageChannel) -> None:
+        """Run the clients' parties where the clients are (a deployment): each reply is the client's report and
+        public keys, and :meth:`aggregate` drives the remaining stages over ``channel``."""
+        self._remote = channel
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)  # config, settings, name, global_weights, state, ...
@@ -207,13 +216,40 @@ class SecureAggregationStrategy:
         if plan.broadcast is None:
             return plan
         tensors, meta = config.to_fields()
-        params = {**plan.broadcast.params, **meta, "secagg.round_seed": config.round_seed.hex()}
+        params = {
+            **plan.broadcast.params,
+            **meta,
+            SEED_PARAM: config.round_seed.hex(),
+            LAYOUT_PARAM: ",".join(self._layout.specs),
+        }
         assert set(tensors) == {"secagg.round_seed"}
         return dataclasses.replace(plan, broadcast=dataclasses.replace(plan.broadcast, params=params))
 
     def accept(self, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
-        """The inner strategy's checks of the envelope, tensors and report (its update-norm check is off)."""
-        return self.inner.accept(rnd, client, reply)
+        """The inner strategy's checks of the envelope, tensors and report (its update-norm check is off). With
+        remote parties, a reply carries the client's report and its advertised public keys, no update."""
+        if self._remote is None:
+            return self.inner.accept(rnd, client, reply)
+        report = self._remote_report(rnd, client, reply)
+        keys = from_message(reply)
+        if not isinstance(keys, AdvertiseKeys):
+            raise CodecError(f"a reply under secure aggregation carries the client's keys, not a {keys.KIND} message")
+        if self._reply_type is None:
+            raise RuntimeError("remote parties need the reply type: build the strategy with reply_type")
+        self._advertised[client] = keys
+        return self._reply_type(report, reply)
+
+    def _remote_report(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
+        """The inner strategy's envelope and report checks of a reply that carries no tensors of the model."""
+        inner = self.inner
+        expected = {"kind": UPDATE, "round": rnd, "client": client, "run": inner.run_id}
+        got = {"kind": reply.kind, "round": reply.round, "client": reply.client, "run": reply.run}
+        wrong = [
+            f"{k} {printable(str(got[k]), 64)!r} (expected {expected[k]!r})" for k in expected if got[k] != expected[k]
+        ]
+        if wrong:
+            raise CodecError("reply has " + ", ".join(wrong))
+        return inner.report_of(reply)
 
     def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
         return self.accept(rnd, client, reply).report
@@ -228,6 +264,8 @@ class SecureAggregationStrategy:
         averaging = self._averaging([replies[c] for c in ordered])
         total = float(sum(averaging))
         shares = {c: float(a) / total for c, a in zip(ordered, averaging, strict=True)}  # a_k / A
+        if self._remote is not None:
+            return self._aggregate_remote(rnd, replies, shares, state, self._remote)
         vectors: dict[ClientId, npt.NDArray[np.float64]] = {}
         clipped = 0
         for c in ordered:
@@ -241,14 +279,7 @@ class SecureAggregationStrategy:
             if c not in replies:
                 vectors[c], drop_at[c] = np.zeros(self._dim), "advertise"
         ledger = _ProtocolLedger(rnd)
-        metrics = {
-            "secagg_bound": config.plan.bound,
-            "secagg_ring_bits": float(config.plan.ring_bits),
-            "secagg_frac_bits": float(config.plan.frac_bits),
-            "secagg_degree": float(config.degree),
-            "secagg_threshold": float(config.threshold),
-            "secagg_clipped": float(clipped),
-        }
+        metrics = self._round_metrics(config, clipped)
         try:
             result = run_round(
                 vectors,
@@ -284,6 +315,60 @@ class SecureAggregationStrategy:
             "secagg_s": sum(result.timings.values()),
             "secagg_unmask_server_s": result.timings["unmask.server"],
         }
+
+    def _aggregate_remote(
+        self,
+        rnd: int,
+        replies: Mapping[ClientId, CheckedReply],
+        shares: Mapping[ClientId, float],
+        state: _Round,
+        channel: StageChannel,
+    ) -> dict[str, float]:
+        """The server's side of the protocol over ``channel``: the replies brought the keys (stage 0), the clients
+        clip, weight, encode and mask their own updates; only the unmasked sum comes back."""
+        config = state.config
+        advertised = [self._advertised[c] for c in sorted(replies) if c in self._advertised]
+        self._advertised = {}
+        weights = {c: {WEIGHT_PARAM: repr(shares[c])} for c in replies}
+
+        def deliver(stage: Stage, messages: Mapping[ClientId, SecAggMessage]) -> list[SecAggMessage]:
+            return channel.stage(rnd, config, stage, messages, weights if stage == "upload" else {})
+
+        def refused(message: SecAggMessage, exc: SecAggError) -> None:
+            log.warning(
+                "round %d: secure aggregation: refused a %s message of %s: %s", rnd, message.KIND, message.client, exc
+            )
+
+        metrics = self._round_metrics(config, clipped=None)
+        try:
+            result = serve_round(SecAggServer(config), advertised, deliver, refused=refused)
+        except RoundAbandoned as exc:
+            entries, why = channel.take_record(rnd)
+            gone = [c for c in sorted(replies) if c in why]
+            self._record = AggregationRecord(tuple(entries), _remote_drops(gone, why, config), str(exc))
+            return metrics
+        entries, why = channel.take_record(rnd)
+        survivors = result.survivors
+        weight = sum(shares[c] for c in survivors)  # sum_{U3} a_k / A
+        after = self._layout.unflatten(state.reference + result.decoded_sum / weight)
+        metrics.update(self.inner.aggregate(rnd, {SUM_CLIENT: _mean_reply(replies, survivors, after)}))
+        gone = [c for c in result.dropped if c in replies]
+        self._record = AggregationRecord(tuple(entries), _remote_drops(gone, why, config), "")
+        return metrics | {
+            "secagg_survivors": float(len(survivors)),
+            "secagg_vanished_unmasking": float(sum(1 for c in survivors if c in why)),
+        }
+
+    def _round_metrics(self, config: RoundConfig, clipped: int | None) -> dict[str, float]:
+        """The round's public protocol parameters (and, in process, how many updates the clip shortened)."""
+        metrics = {
+            "secagg_bound": config.plan.bound,
+            "secagg_ring_bits": float(config.plan.ring_bits),
+            "secagg_frac_bits": float(config.plan.frac_bits),
+            "secagg_degree": float(config.degree),
+            "secagg_threshold": float(config.threshold),
+        }
+        return metrics if clipped is None else metrics | {"secagg_clipped": float(clipped)}
 
     def aggregation_record(self, rnd: int) -> AggregationRecord:
         """The protocol's messages of round ``rnd`` (all but the masked uploads, which the clients' update messages
@@ -339,6 +424,17 @@ def _drops(gone: Sequence[ClientId], drop_at: Mapping[ClientId, Stage], config: 
     )
 
 
+def _remote_drops(gone: Sequence[ClientId], why: Mapping[ClientId, str], config: RoundConfig) -> tuple[Drop, ...]:
+    """Why each client that replied is not in the round's sum: it stopped answering at some stage (the transport
+    says how), or the protocol left it out with too few neighbours to recover its secrets."""
+    return tuple(
+        Drop(c, f"secure aggregation: {why[c]}")
+        if c in why
+        else Drop(c, f"secure aggregation: left out, fewer than t = {config.threshold} of its neighbours took part")
+        for c in gone
+    )
+
+
 def _mean_reply(
     replies: Mapping[ClientId, CheckedReply], survivors: Sequence[ClientId], weights: dict[str, torch.Tensor]
 ) -> CheckedReply:
@@ -355,8 +451,8 @@ def _mean_reply(
     return dataclasses.replace(first, report=report, update=update)
 
 
-def secured(strategy: Strategy, config: RunConfig) -> Strategy:
+def secured(strategy: Strategy, config: RunConfig, reply_type: type[CheckedReply] | None = None) -> Strategy:
     """``strategy`` wrapped for secure aggregation when the run asks for it, else itself."""
     if not config.secure_aggregation:
         return strategy
-    return SecureAggregationStrategy(strategy, config)  # type: ignore[return-value]  # a Strategy by delegation
+    return SecureAggregationStrategy(strategy, config, reply_type=reply_type)  # type: ignore[return-value]  # a Strategy by delegation

@@ -1,0 +1,124 @@
+"""Secure aggregation on the device: this client's own party of each round (:class:`fedge.secagg.remote.ClientParty`).
+
+When a round's broadcast announces secure aggregation (:func:`fedge.secagg.remote.round_config_of`), the client's
+update never leaves the device: the reply carries its report and fresh public keys instead, and the party answers the
+coordinator's stage messages (neighbour keys, share delivery, unmask request) that follow on the task topic. Its
+private keys, self-mask seed, clipped update and masks live here only, in memory, for the round in flight; a new
+coordinator session (a restarted coordinator restarts the round) or a newer round discards them, and the next round
+draws new ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+
+from fedge.aggregation.flat import FlatLayout
+from fedge.errors import CodecError
+from fedge.secagg.errors import SecAggError
+from fedge.secagg.messages import ShareDelivery
+from fedge.secagg.remote import (
+    STAGE_OF_KIND,
+    ClientParty,
+    from_message,
+    layout_of,
+    round_config_of,
+    to_message,
+    weight_of,
+)
+from fedge.secagg.shamir import RandBytes
+from fedge.types import ClientId
+from fedge.wire.fields import printable
+from fedge.wire.message import UPDATE, Message
+from fedge.wire.protocol import SESSION
+
+log = logging.getLogger(__name__)
+
+
+class SecureRounds:
+    """The party of the round in flight, keyed by (coordinator session, round)."""
+
+    def __init__(self, client: ClientId, *, rand_bytes: RandBytes = os.urandom) -> None:
+        self.client = client
+        self._rand = rand_bytes
+        self._current: tuple[str, int, ClientParty] | None = None
+
+    def forget(self) -> None:
+        """Drop the party in flight (its coordinator session is over)."""
+        self._current = None
+
+    def reply(self, task: Message, broadcast: Message | None, update: Message) -> Message | None:
+        """For a round under secure aggregation: the reply that stands for ``update`` (its report and this client's
+        fresh public keys), with the party kept for the stages to come; None for a round without it. CodecError
+        when the round's parameters do not fit this client's update."""
+        try:
+            config = None if broadcast is None else round_config_of(broadcast)
+        except SecAggError as exc:
+            raise CodecError(f"the round's secure-aggregation parameters are malformed: {exc}") from None
+        if config is None:
+            return None
+        assert broadcast is not None
+        if config.round != task.round or config.run != task.run:
+            raise CodecError(f"the secure-aggregation parameters are of round {config.round}, the task of {task.round}")
+        if self.client not in config.index:
+            raise CodecError(f"the secure-aggregation round's cohort does not include {self.client}")
+        try:
+            names = layout_of(broadcast)
+        except SecAggError as exc:
+            raise CodecError(str(exc)) from None
+        missing = [n for n in names if n not in update.tensors or n not in broadcast.tensors]
+        if missing:
+            raise CodecError(f"the secure-aggregation layout names tensors this model does not exchange: {missing[:3]}")
+        layout = FlatLayout({n: (tuple(update.tensors[n].shape), update.tensors[n].dtype) for n in names})
+        odd = [n for n in names if broadcast.tensors[n].shape != update.tensors[n].shape]
+        if odd or any(update.tensors[n].dtype != torch.float32 for n in names):
+            raise CodecError(f"secure aggregation sums float32 tensors of the broadcast's shapes; {odd[:3]} differ")
+        new, reference = layout.flatten(update.tensors), layout.flatten(broadcast.tensors)
+        if not (math.isfinite(float(new.sum())) and math.isfinite(float(reference.sum()))):
+            raise CodecError("the update or the broadcast holds non-finite values: nothing to aggregate securely")
+        try:
+            party = ClientParty(config, self.client, new, reference, rand_bytes=self._rand)
+        except SecAggError as exc:
+            raise CodecError(str(exc)) from None
+        if party.clipped:
+            log.info(
+                "round %d: secure aggregation: update clipped to L2 norm %g before masking",
+                task.round,
+                config.plan.bound,
+            )
+        self._current = (task.transport.get(SESSION, ""), task.round, party)
+        keys = party.advertise()
+        return to_message(keys, run=task.run, kind=UPDATE, params=update.params)
+
+    def answer(self, frame: Message) -> Message | None:
+        """The answer to a stage message of the round in flight; None (with the reason logged) for a message of
+        another session or round, one that does not parse, or one the protocol refuses to answer."""
+        session = frame.transport.get(SESSION, "")
+        current = self._current
+        if current is None or current[:2] != (session, frame.round):
+            log.warning(
+                "round %d: ignoring a secure-aggregation message of a round this client is not in (session %s)",
+                frame.round,
+                printable(session, 40),
+            )
+            return None
+        party = current[2]
+        try:
+            message = from_message(frame)
+            weight = weight_of(frame) if isinstance(message, ShareDelivery) else None
+            answer = party.answer(message, weight)
+        except SecAggError as exc:
+            log.error("round %d: secure aggregation: refusing to answer: %s", frame.round, printable(str(exc), 300))
+            return None
+        if STAGE_OF_KIND.get(message.KIND) == "unmask":
+            self._current = None  # the round is over for this client: its secrets go
+        log.info("round %d: secure aggregation: answered the %s", frame.round, message.KIND)
+        return to_message(answer, run=frame.run)
+
+
+def stage_of(frame: Message) -> str:
+    """The stage a coordinator's stage message opens ("" when it names none we know)."""
+    return STAGE_OF_KIND.get(frame.params.get("secagg.kind", ""), "")
