@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -87,6 +88,7 @@ def run_coordinator_cli(
     args: argparse.Namespace, config: RunConfig, on_finish: Callable[[Path], None] | None = None
 ) -> int:
     from coordinator.run import run_coordinator
+    from coordinator.stopping import GracefulStop
     from fedge.accounting.records import RoundRecord
     from fedge.accounting.units import format_bytes
     from fedge.privacy.summary import privacy_line
@@ -108,29 +110,32 @@ def run_coordinator_cli(
     def on_round(r: RoundRecord) -> None:
         if tensorboard is not None:
             tensorboard.round(r)
-        print(round_line(r), flush=True)
+        print(f"{time.strftime('%H:%M:%S')} {round_line(r)}", flush=True)  # the time, as the log lines have it
 
     # A start that fails (the data, the broker, clients that never join) removes the new directory again.
     with run_directory(args.out, config, args.name, resume=args.resume, fixed=args.run_dir) as run_dir:
         print(f"{'resuming run directory' if resume else 'run directory'}: {run_dir}", flush=True)
         if args.tensorboard is not None:
             tensorboard = TensorBoardLog(args.tensorboard, run_dir.name)
+        stop = GracefulStop()
         try:
-            result = run_coordinator(
-                config,
-                run_dir,
-                broker=connection.address,
-                run=bundle.run if bundle is not None else (args.run or "default"),
-                provisioned=bundle.clients if bundle is not None else None,
-                min_clients=args.min_clients,
-                round_timeout=args.round_timeout,
-                join_timeout=args.join_timeout,
-                rejoin_grace=args.rejoin_grace,
-                broker_counters=args.broker_counters != "off",
-                on_round=on_round,
-                resume=resume,
-                max_packet_size=connection.max_packet_size,
-            )
+            with stop.installed():
+                result = run_coordinator(
+                    config,
+                    run_dir,
+                    broker=connection.address,
+                    run=bundle.run if bundle is not None else (args.run or "default"),
+                    provisioned=bundle.clients if bundle is not None else None,
+                    min_clients=args.min_clients,
+                    round_timeout=args.round_timeout,
+                    join_timeout=args.join_timeout,
+                    rejoin_grace=args.rejoin_grace,
+                    broker_counters=args.broker_counters != "off",
+                    on_round=on_round,
+                    resume=resume,
+                    max_packet_size=connection.max_packet_size,
+                    stop=stop,
+                )
         finally:
             if tensorboard is not None:
                 tensorboard.close()

@@ -21,6 +21,7 @@ from coordinator.kit.writer import FleetKit, generate_fleet_kit
 from coordinator.mqtt import MAX_PAYLOAD_SLACK, MqttTransport
 from coordinator.resume import RunJournal
 from coordinator.secagg_stages import MqttStages
+from coordinator.stopping import GracefulStop
 from fedge.accounting.records import RoundRecord
 from fedge.algorithms.base import Strategy
 from fedge.config import RunConfig
@@ -31,6 +32,7 @@ from fedge.secagg.strategy import SecureAggregationStrategy
 from fedge.wire.fields import printable
 from fedge.wire.message import encode
 from fedge.wire.protocol import BrokerAddress, ClientStatus
+from fedge_io.console import round_line
 from fedge_io.experiment import Experiment, prepare
 from fedge_io.mqtt import PacketLimit
 from fedge_io.rundir import RunResult
@@ -43,6 +45,10 @@ STOPPED = (
     "run stopped by %s: leaving now (the round under way is not kept; the clients stay, waiting for a coordinator); "
     "the journal keeps the completed rounds, and the same command with --run-dir (or --resume RUN_DIR) continues after"
     " them"
+)
+STOPPED_AFTER = (
+    "run stopped by %s %s: the journal keeps it; the clients stay, waiting for a coordinator; the same command with "
+    "--run-dir (or --resume RUN_DIR) continues after it"
 )
 
 
@@ -135,6 +141,7 @@ def run_coordinator(
     abort: Callable[[], str | None] | None = None,
     resume: bool = False,
     max_packet_size: PacketLimit = "auto",
+    stop: GracefulStop | None = None,
 ) -> RunResult:
     """Wait for clients on ``broker``, run ``config.rounds`` rounds over MQTT, write ``run_dir``.
 
@@ -147,7 +154,8 @@ def run_coordinator(
     ``resume``: continue the killed run in ``run_dir`` after its last completed round, from its journal. The new
     coordinator is a new session: clients drop their own state and answer the interrupted round again.
     ``max_packet_size``: the largest MQTT packet to publish (``auto``: the broker's announced limit, else none;
-    ``off``: never chunk); larger messages travel as chunks.
+    ``off``: never chunk); larger messages travel as chunks. ``stop``: the SIGTERM handler that lets a round under
+    way finish before the run stops (:mod:`coordinator.stopping`).
     """
     refuse_secure_aggregation(config)
     refuse_differential_privacy(config)
@@ -189,8 +197,10 @@ def run_coordinator(
         log.info("resuming %s after round %d (session %s)", run_dir, journal.resumed_after[-1], transport.session)
     remaining = len(engine.history.rounds) < config.rounds  # no round left: killed before writing its summary
     board = transport.board
+    if stop is not None:  # a round is under way from its tasks to its record
+        stop.round_under_way = lambda: board.status.round if board.status.phase in ("training", "aggregating") else 0
     board.update(rounds=config.rounds, round=len(engine.history.rounds), **_progress(engine.history.rounds))
-    with coordinator_log(run_dir), transport:
+    with coordinator_log(run_dir) as logfile, transport:
         try:
             if remaining:
                 # Without a kit, the clients the config's partition was written for: the wait fails at once when
@@ -203,8 +213,12 @@ def run_coordinator(
             def record(r: RoundRecord) -> None:
                 journal.round(r)
                 board.update(phase="done", **_progress(engine.history.rounds))
+                # The console's round line, timestamped, into the run's log too (the CLI prints it on stdout).
+                logfile.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, "%s", (round_line(r),), None))
                 if on_round is not None:
                     on_round(r)
+                if stop is not None:
+                    stop.check()  # a SIGTERM during this round: it is committed, now leave
 
             history = engine.run(record)
             board.update(phase="finished")
@@ -275,20 +289,23 @@ def _progress(rounds: Sequence[RoundRecord]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def coordinator_log(run_dir: Path) -> Iterator[None]:
+def coordinator_log(run_dir: Path) -> Iterator[logging.Handler]:
     """Everything logged while the run goes on, also appended to ``run_dir/coordinator.log`` (a resumed run adds to
-    it): what the console showed, kept with the run's results."""
+    it): what the console showed, kept with the run's results. Yields the file's handler, for lines meant for the
+    file only."""
     handler = logging.FileHandler(run_dir / COORDINATOR_LOG, encoding="utf-8")
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)  # at the level the CLI set (INFO, or DEBUG with -v)
     try:
-        yield
+        yield handler
     except KeyboardInterrupt as exc:
         # Asked to stop (Ctrl-C, or SIGTERM: systemd, docker stop, kill): no error. Into the file only, as below.
         how = "SIGTERM" if isinstance(exc, Terminated) or getattr(exc, "terminated", False) else "Ctrl-C"
-        handler.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, STOPPED, (how,), None))
+        after = str(exc) if isinstance(exc, Terminated) else ""  # "after finishing round 3": a graceful stop
+        text, args = (STOPPED_AFTER, (how, after)) if after else (STOPPED, (how,))
+        handler.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, text, args, None))
         raise
     except BaseException as exc:
         # Why the run stopped, into the file only: the CLI prints the error itself, the console needs no copy.

@@ -133,7 +133,12 @@ def load_bundle(directory: str | os.PathLike[str], *, broker: str | None = None)
             raise ConfigError(f"fleet bundle {folder} lacks {name}; copy the whole directory from the fleet kit")
         return str(file.resolve())
 
-    address = BrokerAddress(base.host, base.port, tls=base.tls)
+    # A broker that cannot be reached is then named with the port the kit's mosquitto.conf listens on.
+    own = BrokerAddress.parse(data["broker"])
+    origin = f"fleet bundle {folder}, whose broker listens on port {own.port} ({own.url}; the kit's mosquitto.conf)"
+    if broker is not None and base.port != own.port:
+        origin += f", but --broker asks for port {base.port}"
+    address = BrokerAddress(base.host, base.port, tls=base.tls, origin=origin)
     if base.tls:
         address = address.with_tls(
             ca_file=local("ca_file"),

@@ -65,6 +65,19 @@ START_HINT = (
     "start one with `mosquitto -p PORT` (apt-get install mosquitto), "
     "or run `fedge sim --transport mqtt` without --broker for an embedded broker"
 )
+
+
+def start_hint(address: BrokerAddress) -> str:
+    """What to do about a broker that refuses connections: for an address from a fleet bundle, the kit's broker and
+    the port it listens on (a wrong --broker port, or the kit's broker not started); else how to start one."""
+    if not address.origin:
+        return START_HINT
+    return (
+        f"This address is from {address.origin}: start the kit's broker with the commands `fedge provision` printed "
+        "(or its broker unit), and give --broker only for a broker that listens elsewhere"
+    )
+
+
 PROBE_TIMEOUT_S = 1.5
 """How long the MQTT 5 probe waits for its CONNACK before the limit counts as unknown. An MQTT 5 broker answers in
 milliseconds; a 3.1.1-only one usually closes the connection at once, but amqtt behind TLS does neither, so every
@@ -240,7 +253,7 @@ class MqttLink:
                     ) from exc
                 if time.monotonic() + delay > deadline:
                     raise TransportError(
-                        f"cannot reach broker at {self.address}: {exc}; is it running? {START_HINT}"
+                        f"cannot reach broker at {self.address}: {exc}; is it running? {start_hint(self.address)}"
                     ) from exc
                 log.info("broker %s not reachable yet (%s); retrying in %.1f s", self.address, exc, delay)
                 time.sleep(delay)

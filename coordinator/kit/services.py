@@ -7,7 +7,9 @@
 - ``fedge-<run>-coordinator.service``: ``fedge coordinator --run-dir DIR`` with the kit's coordinator bundle and the
   provisioned config.json: the same command starts the run, resumes it from its journal after a crash or a reboot,
   and leaves it alone once it has finished (exit 0). Ctrl-C/SIGTERM exit codes (130, 143) count as a clean stop;
-  every other exit is retried (exit 2 is a configuration error, but also a broker that cannot be reached yet).
+  every other exit is retried (exit 2 is a configuration error, but also a broker that cannot be reached yet). A
+  SIGTERM during a round lets that round finish first (:mod:`coordinator.stopping`): ``TimeoutStopSec`` leaves it the
+  round timeout the unit runs with (the default 300 s) and half a minute more before systemd kills it.
 - ``fedge-<run>-client@.service``: one template for every device, instantiated by client id
   (``systemctl enable --now fedge-<run>-client@c003``); it expects the device's files under ``DEVICE_ROOT/<run>/<id>/``
   (its bundle folder ``clients/<id>/`` as ``bundle/``, its data file, and ``shared.safetensors`` when there is one)
@@ -35,6 +37,7 @@ DEFAULT_DEVICE_ROOT = Path("/opt/fedge")
 # journal). Not 2: fedge exits 2 for a configuration error but also for a broker it cannot reach (a device that boots
 # before its broker, a broker host down for a while), which a restart does cure.
 CLIENT_FINAL_EXITS = (3,)
+COORDINATOR_STOP_S = 330  # a stop finishes the round under way: the default --round-timeout (300 s) and a margin
 
 
 def _path(path: Path) -> str:
@@ -116,6 +119,7 @@ WorkingDirectory={_path(config.parent)}
 Restart=on-failure
 RestartSec=10
 SuccessExitStatus=130 143
+TimeoutStopSec={COORDINATOR_STOP_S}
 NoNewPrivileges=yes
 
 [Install]

@@ -143,6 +143,8 @@ class BrokerAddress:
     cert_file: str | None = None
     key_file: str | None = None
     verify_hostname: bool = True
+    # Where this address came from, for a connection error's hint (e.g. a fleet bundle and the broker it names).
+    origin: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.host:
