@@ -1,0 +1,68 @@
+"""Secure aggregation's stage channel over a real mosquitto, with hand-written clients: it takes one valid answer
+from each client it asked, and refuses (counting each) an answer of another coordinator session, a frame larger than
+the stage allows, a message from a client it did not ask and a second answer; a client that never answers is named
+with the stage's deadline."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+from mqtt_support import FakeClient, fake_clients, mosquitto_url  # noqa: F401 - pytest fixtures
+
+from coordinator.mqtt import MqttTransport
+from coordinator.secagg_stages import MqttStages
+from fedge.secagg.config import RoundConfig
+from fedge.secagg.protocol import SecAggClient, SecAggServer
+from fedge.secagg.remote import SECAGG, from_message, to_message
+from fedge.wire.message import decode, encode
+from fedge.wire.protocol import SESSION, BrokerAddress
+
+pytestmark = pytest.mark.broker
+
+RUN = "stages"
+
+
+def test_a_stage_takes_one_valid_answer_per_client_asked_and_refuses_the_rest(
+    mosquitto_url: str,  # noqa: F811
+    fake_clients: Callable[..., FakeClient],  # noqa: F811
+) -> None:
+    clients = ["a", "b", "c"]
+    fakes = {c: fake_clients(mosquitto_url, RUN, c) for c in [*clients, "d"]}
+    transport = MqttTransport(BrokerAddress.parse(mosquitto_url), RUN, round_timeout=10, rejoin_grace=0.5)
+    with transport:
+        transport.wait_for_clients(4, 10)
+        config = RoundConfig.new(run=RUN, session="s", round=1, clients=clients, round_seed=bytes(32), dim=4, bound=1.0)
+        parties = {c: SecAggClient(config, c) for c in clients}
+        server = SecAggServer(config)
+        for c in clients:
+            server.receive_advertise(parties[c].advertise())
+        keys = server.close_advertise()
+        shares = {c: parties[c].share_keys(keys[c]) for c in clients}
+
+        def send(sender: str, frame_of: str, session: str = transport.session, pad: int = 0) -> None:
+            frame = to_message(shares[frame_of], run=RUN, params={"pad": "x" * pad} if pad else None)
+            frame = dataclasses.replace(frame, transport={SESSION: session})
+            fakes[sender].link.send(fakes[sender].topics.update(sender), encode(frame), qos=1)
+
+        send("a", "a", session="an-old-session")  # another coordinator's
+        send("a", "a")
+        send("b", "b", pad=200_000)  # larger than stage 'share' allows: refused unread
+        send("d", "a")  # not asked
+        send("c", "c")
+        send("c", "c")  # a second answer
+        stages = MqttStages(transport, stage_timeout=3)
+        answers = stages.stage(1, config, "share", keys, {})
+        entries, gone = stages.take_record(1)
+    assert [m.client for m in answers] == ["a", "c"]
+    assert answers[0] == shares["a"] and answers[1] == shares["c"]
+    assert gone == {"b": "silent past the 3 s deadline of stage 'share'"}
+    down = [e for e in entries if e.direction == "down"]
+    assert sorted(e.client for e in down) == clients and all(e.wire_bytes > e.payload_bytes for e in down)
+    refused = sorted((e.client, e.kind) for e in entries if e.direction == "up" and not e.kind.startswith("secagg"))
+    assert refused == [("a", "invalid"), ("b", "oversize"), ("c", "invalid"), ("d", "invalid")]
+    assert sorted(e.client for e in entries if e.kind == "secagg.encrypted-shares") == ["a", "c"]
+    # What a client got on its task topic: its neighbours' keys, framed and stamped with the session.
+    got = decode(fakes["a"].next(SECAGG).payload)
+    assert got.transport[SESSION] == transport.session and from_message(got) == keys["a"]
