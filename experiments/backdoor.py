@@ -10,6 +10,8 @@ Three experiments, each cell an in-process run through the same round engine, re
   corner set to the data set's largest pixel value and the label ``TARGET``. Reported: clean accuracy on the test
   set, attack success (the share of triggered test images outside ``TARGET`` classified as ``TARGET``; the honest run
   gives the baseline), rounds skipped and updates refused or left out.
+- ``secagg``: the ``backdoor`` setting under secure aggregation, where the server sees only the sum and every robust
+  rule is refused: what remains is each client's own clip to ``--secagg-clip`` (the default, 5, and 1) before masking.
 - ``dsfl``: DS-FL on digits (tiny_mlp, IID, 10 clients, 300 open samples a round), 0, 1 or 3 clients uploading
   confidently wrong one-hot rows, 20 rounds, accuracy after every round.
 - ``cost``: honest MNIST runs, tiny_mlp, 10 clients, 10 rounds, 1 local epoch at lr 0.05, shards s = 2
@@ -18,12 +20,13 @@ Three experiments, each cell an in-process run through the same round engine, re
 Every cell is written to ``--out/cells/<experiment>-<cell>.json`` as it finishes, and a cell already there is not run
 again (resumable). ``--table`` prints the README tables from the cells.
 
-Run: ``nice -n 10 python experiments/backdoor.py backdoor|dsfl|cost [--out DIR]`` then ``... --table``.
+Run: ``nice -n 10 python experiments/backdoor.py backdoor|weak|secagg|dsfl|cost [--out DIR]`` then ``... --table``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -40,7 +43,7 @@ from coordinator.engine import RoundEngine
 from edge_client.client import EdgeClient
 from fedge.algorithms.base import evaluate_model
 from fedge.algorithms.fedavg import FedAvgSettings
-from fedge.config import RunConfig, TrainConfig
+from fedge.config import SECAGG_CLIP, RunConfig, TrainConfig
 from fedge.learning.backend import TorchBackend
 from fedge.learning.models import build_model, load_exchanged_state
 from fedge_io.experiment import Experiment, prepare
@@ -137,6 +140,15 @@ def cells(experiment: str) -> list[tuple[str, Any]]:
             for attackers in (0, 1, 3):
                 config = fedavg_config("digits", "shards", rule, rounds=20, epochs=2, lr=0.1)
                 out.append((f"shards-{rule}-a{attackers}", lambda c=config, a=attackers: run_fedavg(prepare(c), a)))
+    elif experiment == "secagg":  # what holds where the server sees only the sum: each client's own clip
+        for clip in (SECAGG_CLIP, 1.0):
+            for attackers in (0, 1, 3):
+                config = dataclasses.replace(
+                    fedavg_config("digits", "iid", "mean", rounds=20, epochs=2, lr=0.1),
+                    secure_aggregation=True,
+                    secagg_clip=clip,
+                )
+                out.append((f"secagg{clip:g}-a{attackers}", lambda c=config, a=attackers: run_fedavg(prepare(c), a)))
     elif experiment == "dsfl":
         for name in DSFL_RULES:
             for attackers in (0, 1, 3):
@@ -179,6 +191,15 @@ def table(out: Path) -> None:
                 f"{c['refused']}"
             )
         print(f"| {rule} | " + " | ".join(row) + " |")
+    print("\nUnder secure aggregation (each client's own clip; IID, as above)")
+    print("| client clip | honest | 1 of 10 poisoning | 3 of 10 poisoning |")
+    print("|---|---|---|---|")
+    for clip in (SECAGG_CLIP, 1.0):
+        row = []
+        for a in (0, 1, 3):
+            c = got.get(f"secagg-secagg{clip:g}-a{a}")
+            row.append("-" if c is None else f"{pct(c['clean_by_round'][-1])} / {pct(c['success_by_round'][-1])}")
+        print(f"| --secagg-clip {clip:g} | " + " | ".join(row) + " |")
     print("\nThe same on 2-class shards")
     print("| rule | honest | 1 of 10 poisoning | 3 of 10 poisoning |")
     print("|---|---|---|---|")
@@ -238,7 +259,7 @@ def table(out: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("experiment", nargs="?", choices=("backdoor", "weak", "dsfl", "cost"))
+    p.add_argument("experiment", nargs="?", choices=("backdoor", "weak", "secagg", "dsfl", "cost"))
     p.add_argument("--out", type=Path, default=Path("experiments/results/backdoor-defaults"))
     p.add_argument("--only", nargs="*", default=None, help="cell names to run (default: all)")
     p.add_argument("--table", action="store_true")
