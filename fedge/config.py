@@ -212,6 +212,46 @@ class RunConfig:
             "many seconds is dropped from the round, as a coordinator's round timeout drops it (default: 0, none)"
         },
     )
+    # Buffered asynchronous aggregation (FedBuff, Nguyen et al. AISTATS 2022; docs/simulated_time.md): clients train on
+    # the model they last received and the server steps every buffer_size updates. In process only (fedge sim).
+    aggregation: str = field(
+        default="sync",
+        metadata={
+            "help": "sync (rounds wait for their sampled clients) or fedbuff (buffered asynchronous: the server steps "
+            "every --buffer-size updates, whatever model version they trained on; needs the simulated clock, "
+            "--client-profiles or --link; FedAvg family; fedge sim only) (with --algorithm dsfl the flag sets "
+            "DS-FL's own soft-label aggregation, era or sa, instead)"
+        },
+    )
+    buffer_size: int = field(
+        default=0,
+        metadata={"help": "with --aggregation fedbuff: updates per server step, K (default: 0, the cohort size)"},
+    )
+    max_staleness: int | None = field(
+        default=None,
+        metadata={
+            "help": "with --aggregation fedbuff: drop an update trained on a model more than this many server steps "
+            "old (default: none, no update is dropped for its age)"
+        },
+    )
+    staleness_weight: str = field(
+        default="constant",
+        metadata={
+            "help": "with --aggregation fedbuff: an update s steps old counts weight(s) x its data size: constant "
+            "(1), sqrt (1/(1+sqrt(s)), FedBuff's), or poly:A (1/(1+s)^A)"
+        },
+    )
+    concurrency: int = field(
+        default=0,
+        metadata={"help": "with --aggregation fedbuff: clients training at once (default: 0, the cohort size)"},
+    )
+    server_lr: float = field(
+        default=1.0,
+        metadata={
+            "help": "with --aggregation fedbuff: the server step w <- w + server_lr x the buffer's mean update "
+            "(with --algorithm scaffold the flag sets SCAFFOLD's own global step size lr_g instead)"
+        },
+    )
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgorithmSettings = field(default_factory=AlgorithmSettings)  # the settings of ``algorithm``; the base: its
     # defaults
@@ -254,6 +294,7 @@ class RunConfig:
             self._fit_secure_aggregation()
         self._check_differential_privacy()
         self._check_simulated_time()
+        self._check_buffered()
 
     @property
     def simulated_time(self) -> bool:
@@ -276,6 +317,89 @@ class RunConfig:
             self.sim_deadline == 0 or self.simulated_time,
             "--sim-deadline acts on simulated time: give --client-profiles or --link too",
         )
+
+    @property
+    def buffered(self) -> bool:
+        """Whether the run aggregates asynchronously (FedBuff, ``aggregation == "fedbuff"``)."""
+        return self.aggregation == "fedbuff"
+
+    @property
+    def fedbuff_buffer_size(self) -> int:
+        """FedBuff's K: ``buffer_size``, or the cohort size when it is 0."""
+        return self.buffer_size or self.clients_per_round
+
+    @property
+    def fedbuff_concurrency(self) -> int:
+        """FedBuff's clients training at once: ``concurrency``, or the cohort size when it is 0."""
+        return self.concurrency or self.clients_per_round
+
+    def _check_buffered(self) -> None:
+        """ConfigError for a FedBuff option out of range, given without ``--aggregation fedbuff``, or for what FedBuff
+        cannot run with (one line naming the conflict). The algorithm family is checked where the run starts
+        (``sim.fedbuff.check_algorithm``): only a plain mean of returned weights can be stepped from a buffer."""
+        from fedge.aggregation.fedbuff import StalenessWeight
+
+        _check(
+            self.aggregation in ("sync", "fedbuff"), f"aggregation must be sync or fedbuff, not {self.aggregation!r}"
+        )
+        StalenessWeight.parse(self.staleness_weight)
+        _check(self.buffer_size >= 0, f"buffer_size must be >= 1 (0: the cohort size), got {self.buffer_size}")
+        _check(self.concurrency >= 0, f"concurrency must be >= 1 (0: the cohort size), got {self.concurrency}")
+        _check(
+            self.max_staleness is None or self.max_staleness >= 0,
+            f"max_staleness must be >= 0 server steps, got {self.max_staleness}",
+        )
+        _check(math.isfinite(self.server_lr) and self.server_lr > 0, f"server_lr must be > 0, got {self.server_lr}")
+        if not self.buffered:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            changed = [
+                name
+                for name in ("buffer_size", "max_staleness", "staleness_weight", "concurrency", "server_lr")
+                if getattr(self, name) != defaults[name]
+            ]
+            _check(
+                not changed,
+                f"--{changed[0].replace('_', '-') if changed else ''} is a FedBuff setting: add --aggregation fedbuff",
+            )
+            return
+        _check(
+            self.simulated_time,
+            "--aggregation fedbuff runs on the simulated clock of fedge sim (each update arrives when its client's "
+            "compute and transfers are done; FedBuff over MQTT is not built): give --client-profiles or --link "
+            "(with compute=SECONDS for a reproducible run)",
+        )
+        _check(
+            self.fedbuff_buffer_size <= self.num_clients,
+            f"--buffer-size {self.fedbuff_buffer_size} exceeds the {self.num_clients} clients: a client trains at most "
+            "once on each model version, so the buffer would never fill; lower --buffer-size",
+        )
+        _check(
+            self.fedbuff_concurrency <= self.num_clients,
+            f"--concurrency {self.fedbuff_concurrency} exceeds the {self.num_clients} clients: lower it",
+        )
+        for given, why in (
+            (self.sim_deadline == 0, "--sim-deadline times out a synchronous round; FedBuff has no round to wait "
+             "for: bound the age of updates with --max-staleness instead"),
+            (self.min_replies == 1.0, "--min-replies is a synchronous round's quorum; a FedBuff step always has "
+             "--buffer-size updates: leave it at 1"),
+            (not self.secure_aggregation, "--secure-aggregation masks one round's cohort together; a FedBuff buffer "
+             "mixes updates of several model versions (not built)"),
+            (not self.differential_privacy, "--dp-noise-multiplier's accountant assumes synchronous Poisson-sampled "
+             "rounds (not built for FedBuff)"),
+            (self.upload_codec == "float32" and self.broadcast_codec == "float32", "--upload-codec/--broadcast-codec: "
+             "FedBuff's delta is taken against the exact model version a client received; compressed exchanges "
+             "are not supported with it yet: use float32"),
+        ):  # fmt: skip
+            _check(given, f"--aggregation fedbuff: {why}")
+        algo = self.algo
+        for name, plain in (("robust", "mean"), ("clip_factor", 0.0), ("noise_factor", 0.0)):
+            value = getattr(algo, name, plain)
+            _check(
+                value == plain,
+                f"--aggregation fedbuff with --{name.replace('_', '-')} {value}: FedBuff's server step is a weighted "
+                f"mean of the buffered updates; robust rules, clipping and noise are not built for it: use "
+                f"--{name.replace('_', '-')} {plain}",
+            )
 
     def _fit_secure_aggregation(self) -> None:
         """ConfigError naming what secure aggregation cannot run with: it hands the server the sum of the round's

@@ -113,7 +113,17 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             _add_flag(group, f"{section}.{f.name}", f, hints[f.name])
     group = parser.add_argument_group("algorithm settings (each applies to the algorithms named)")
     for name, (f, hint, owners) in _algo_fields().items():
-        _add_flag(group, f"algo.{name}", f, hint, f"[{', '.join(owners)}]")
+        if name not in _shared_flags():  # the run's flag serves (config_from_args routes it by algorithm)
+            _add_flag(group, f"algo.{name}", f, hint, f"[{', '.join(owners)}]")
+
+
+def _shared_flags() -> set[str]:
+    """Names that are both a run setting and some algorithms' setting (``aggregation``: FedBuff's mode and DS-FL's
+    soft-label rule; ``server_lr``: FedBuff's and SCAFFOLD's step size): one flag, the algorithm's setting when the
+    run's algorithm has it (those algorithms cannot run FedBuff), else the run's."""
+    from fedge.config import RunConfig
+
+    return {f.name for f in dataclasses.fields(RunConfig)} & set(_algo_fields())
 
 
 def _scalar_type(hint: Any) -> type:
@@ -153,6 +163,8 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
         raise ConfigError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
     owners = _algo_fields()
     own = {f.name for f in dataclasses.fields(spec.settings)}
+    for name in _shared_flags() & own & set(changes["run"]):  # e.g. --aggregation sa of DS-FL
+        changes["algo"][name] = changes["run"].pop(name)
     for name in changes["algo"]:
         if name not in own:
             flag = "--" + name.replace("_", "-")
@@ -167,6 +179,11 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
         base_algo = dataclasses.replace(base_algo, **{"robust": rule})
     if deployment and not chosen_clip and "clip_factor" in own and not (secure or private):
         base_algo = dataclasses.replace(base_algo, **{"clip_factor": DEPLOYMENT_CLIP_FACTOR})
+    if deployment and changes["run"].get("aggregation", config.aggregation) == "fedbuff":
+        raise ConfigError(
+            "--aggregation fedbuff runs in fedge sim, in process, on the simulated clock: FedBuff over MQTT (fedge "
+            "coordinator, --transport mqtt) is not built"
+        )
     if deployment and not chosen_quorum:
         config = dataclasses.replace(config, min_replies=DEPLOYMENT_MIN_REPLIES)
     algo = dataclasses.replace(base_algo, **changes["algo"])

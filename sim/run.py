@@ -21,6 +21,7 @@ from fedge_io.experiment import Experiment, prepare
 from fedge_io.rundir import COMU_THRESHOLDS, RunResult
 from sim.clock import SimClockTransport, load_profiles, measure_compute, time_summary
 from sim.executors import ExecutorTransport, ExperimentClients, gpu_sharing_advice, make_executor, overlap_choice
+from sim.fedbuff import FedBuffEngine, fedbuff_engine, fedbuff_summary
 
 log = logging.getLogger(__name__)
 
@@ -118,11 +119,20 @@ def run_inprocess(
         transport: Transport = inner
         clock: SimClockTransport | None = None
         clock_about: dict[str, Any] = {}
+        fedbuff: FedBuffEngine | None = None
         if config.simulated_time:  # docs/simulated_time.md
             profiles, clock_about = load_profiles(config, sorted(exp.parts), lambda: _measure(exp, threads_per_worker))
-            clock = SimClockTransport(inner, profiles, sizes, config.train.local_epochs, deadline_s=config.sim_deadline)
-            transport = clock
-        engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
+            if config.buffered:  # FedBuff keeps the clock itself, event by event
+                fedbuff = fedbuff_engine(
+                    config, strategy, inner, test_x, test_y, profiles=profiles, samples=sizes,
+                    initial_bytes=exp.initial_bytes(),
+                )  # fmt: skip
+            else:
+                clock = SimClockTransport(
+                    inner, profiles, sizes, config.train.local_epochs, deadline_s=config.sim_deadline
+                )
+                transport = clock
+        engine = fedbuff or RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
         overlap, why = overlap_choice(exe, threads_per_worker, overlap)
         log.info("evaluation %s the next round's clients: %s", "overlaps" if overlap else "runs before", why)
         journal = RunJournal(
@@ -158,7 +168,8 @@ def run_inprocess(
             **extra,
             **({"resumed_after": journal.resumed_after} if journal.resumed_after else {}),
             **privacy_summary(config, history.rounds, history.stopped),
-            **(time_summary(history.rounds, COMU_THRESHOLDS, clock_about) if clock is not None else {}),
+            **(time_summary(history.rounds, COMU_THRESHOLDS, clock_about) if config.simulated_time else {}),
+            **(fedbuff_summary(config, fedbuff) if fedbuff is not None else {}),
         },
     )
     return RunResult(run_dir, config, history.rounds, summary)

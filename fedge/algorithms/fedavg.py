@@ -142,6 +142,12 @@ class FedAvg(Strategy[FedAvgSettingsT]):
     def global_weights(self) -> StateDict:
         return self._weights
 
+    def set_global_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Make ``weights`` the global model: a server step taken outside :meth:`aggregate`, FedBuff's buffered step
+        (:mod:`fedge.aggregation.fedbuff`, driven by ``sim/fedbuff.py``); ConfigError when they do not fit the
+        model's tensors."""
+        self._weights = tensors_like(weights, "", self._weights)
+
     def state(self) -> StrategyState:
         return {_WEIGHTS + k: v for k, v in self._weights.items()}, {"update_norm_medians": list(self._norms.medians)}
 

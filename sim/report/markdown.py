@@ -205,6 +205,9 @@ def _round_table(run: Run, accounting: str) -> str:
         ("mean_local_loss", "Local loss", _num),
         ("wall_s", "Time (s)", lambda v: f"{v:.2f}"),
         ("sim_time_s", "Simulated (s)", lambda v: f"{v:,.2f}"),
+        ("staleness_mean", "Staleness mean", lambda v: f"{v:.2f}"),
+        ("staleness_max", "Staleness max", lambda v: f"{v:g}"),
+        ("dropped_stale", "Dropped stale", lambda v: f"{v:g}"),
     ]
     shown = [(key, title, fmt) for key, title, fmt in optional if run.has(key)]
     notes = {r.round: _round_notes(r) for r in run.rounds}

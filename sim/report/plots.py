@@ -54,6 +54,8 @@ def _plot_specs(accounting: str) -> list[_PlotSpec]:
                   "accuracy", x_key=f"cum_tensor_bytes_{accounting}", percent=True, log_bytes_x=True),
         _PlotSpec("accuracy_vs_sim_time.png", "Test accuracy vs. simulated time", "Simulated time (s)",
                   "Test accuracy (%)", "accuracy", x_key="sim_clock_s", percent=True, integer_x=False),
+        _PlotSpec("staleness_vs_step.png", "FedBuff: staleness of the buffered updates vs. server step",
+                  "Server step", "Mean staleness (server steps)", "staleness_mean"),
         _PlotSpec("bytes_per_round.png", "Communication per round", "Round",
                   f"Bytes per round (tensor, {accounting}, log scale)", f"tensor_bytes_{accounting}",
                   log_bytes_y=True),

@@ -43,7 +43,11 @@ def algorithm_name(config: RunConfig) -> str:
     """``"FedNTD"``, ``"DS-FL ERA"``, ... (DS-FL names its aggregation: ERA, eq. 13, or SA, eq. 16)."""
     name = get_algorithm(config.algorithm).label
     aggregation = getattr(config.algo, "aggregation", None)  # DS-FL's ERA or SA
-    return f"{name} {aggregation.upper()}" if aggregation else name
+    if aggregation:
+        name = f"{name} {aggregation.upper()}"
+    if config.buffered:
+        name = f"{name} + FedBuff K={config.fedbuff_buffer_size}"
+    return name
 
 
 def partition_name(config: RunConfig) -> str:
