@@ -430,7 +430,10 @@ def _write_services(
         plugins=plugins,
     )
     print(f"or run them all as services: {kit_root / 'systemd'}")
-    for line in install_commands(args.run, args.fleet_device_root, plugins)[1:]:
+    steps = install_commands(
+        args.run, args.fleet_device_root, plugins, coordinator_bundle=coordinator_bundle, runs=out / "runs"
+    )
+    for line in steps[1:]:
         print(f"  {line}")
 
 

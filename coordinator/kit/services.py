@@ -17,6 +17,13 @@
   restarting would not change the answer; any other exit is (a broker not reachable yet exits 2, as a wrong
   configuration does; a run that could not start exits 4, and the restarted client waits for the next coordinator).
 
+The coordinator and the clients run as :data:`SERVICE_USER`, a dedicated system user without a login or any
+privilege (:func:`service_user_commands` makes it and gives it the files it needs; on a Jetson it also joins group
+``video``, which owns the GPU's device files). A service that runs as root would hand a flaw in fedge or a library
+it loads (torch, a model plugin, the MQTT client) the whole machine. The broker unit starts mosquitto as root, which
+then becomes its own user ``mosquitto`` before it reads anything (its ``user`` option), as the Debian package's unit
+does.
+
 A run whose model or dataset comes from a plugin (``fedge provision --plugin ...``) names it in the coordinator's and
 the clients' commands: a module by name, a ``.py`` file by this machine's path for the coordinator and, for a device,
 by its name in the device's folder (copied there beside its data file).
@@ -37,6 +44,7 @@ DEFAULT_DEVICE_ROOT = Path("/opt/fedge")
 # journal). Not 2: fedge exits 2 for a configuration error but also for a broker it cannot reach (a device that boots
 # before its broker, a broker host down for a while), which a restart does cure.
 CLIENT_FINAL_EXITS = (3,)
+SERVICE_USER = "fedge"  # the system user the coordinator and client units run as
 COORDINATOR_STOP_S = 330  # a stop finishes the round under way: the default --round-timeout (300 s) and a margin
 
 
@@ -120,6 +128,8 @@ Restart=on-failure
 RestartSec=10
 SuccessExitStatus=130 143
 TimeoutStopSec={COORDINATOR_STOP_S}
+User={SERVICE_USER}
+Group={SERVICE_USER}
 NoNewPrivileges=yes
 
 [Install]
@@ -145,6 +155,8 @@ WorkingDirectory={home}
 Restart=always
 RestartSec=5
 RestartPreventExitStatus={" ".join(map(str, CLIENT_FINAL_EXITS))}
+User={SERVICE_USER}
+Group={SERVICE_USER}
 NoNewPrivileges=yes
 ProtectSystem=full
 
@@ -190,22 +202,55 @@ def write_units(
     for role, (name, text) in units.items():
         (out / name).write_text(text)
         paths[role] = out / name
-    (out / "README.txt").write_text("\n".join(install_commands(run, device_root, plugins)) + "\n")
+    steps = install_commands(run, device_root, plugins, coordinator_bundle=coordinator_bundle, runs=run_dir.parent)
+    (out / "README.txt").write_text("\n".join(steps) + "\n")
     return paths
 
 
-def install_commands(run: str, device_root: Path = DEFAULT_DEVICE_ROOT, plugins: Sequence[str] = ()) -> list[str]:
-    """How to install the units, host by host (also printed by ``fedge provision``)."""
+def service_user_commands(paths: Sequence[Path], *, jetson: bool = False, user: str = SERVICE_USER) -> list[str]:
+    """Shell commands, run as root, that make ``user`` (a system user: no password, no login shell, a home for
+    fedge's caches and journal key) if it is missing and give it ``paths`` (each directory and all within).
+    ``jetson``: also add it to group ``video`` (the GPU's device files on L4T)."""
+    make = (
+        f"id -u {user} >/dev/null 2>&1 || useradd --system --create-home --home-dir /var/lib/{user} "
+        f"--shell /usr/sbin/nologin {user}"
+    )
+    commands = [make, *(f"chown -R {user}:{user} {shlex.quote(str(p))}" for p in paths)]
+    if jetson:
+        commands.append(f"usermod -aG video {user}   # on a Jetson: the GPU's device files belong to group video")
+    return commands
+
+
+def install_commands(
+    run: str,
+    device_root: Path = DEFAULT_DEVICE_ROOT,
+    plugins: Sequence[str] = (),
+    *,
+    coordinator_bundle: Path | None = None,
+    runs: Path | None = None,
+) -> list[str]:
+    """How to install the units, host by host (also printed by ``fedge provision``). ``coordinator_bundle`` and
+    ``runs`` (the parent of the coordinator's run directory): what its service user must own."""
     home = device_root / run
+    owned = [p for p in (coordinator_bundle, runs) if p is not None]
+    coordinator = [f"  coordinator:  its service user (the unit runs as {SERVICE_USER!r}, never root):"]
+    if runs is not None:  # the coordinator makes its run directory there
+        coordinator.append(f"                  install -d {shlex.quote(str(runs))}")
+    coordinator += [f"                  {c}" for c in service_user_commands(owned)]
+    coordinator.append(
+        f"                then systemctl enable --now fedge-{run}-coordinator   (restarted, it resumes the run)"
+    )
     files = [Path(p).name for p in plugins if is_plugin_file(p)]
     extra = f", {', '.join(files)}" if files else ""
     return [
         f"systemd units of run {run!r} (copy each to /etc/systemd/system/ on its host, as root):",
         f"  broker host:  systemctl enable --now fedge-{run}-broker",
-        f"  coordinator:  systemctl enable --now fedge-{run}-coordinator   (restarted, it resumes the run)",
+        *coordinator,
         f"  each device:  fedge in {device_root / 'venv'} (python3 -m venv {device_root / 'venv'} && "
         f"{device_root / 'venv' / 'bin' / 'pip'} install 'fedge[client]'),",
         f"                clients/<id>/ copied to {home}/<id>/bundle/ (cp -rp: keep its modes),",
         f"                <id>.safetensors{extra} (and shared.safetensors, if written) to {home}/<id>/, then",
+        f"                its service user (the client unit runs as {SERVICE_USER!r}, never root):",
+        *(f"                  {c}" for c in service_user_commands([home / "<id>"], jetson=True)),
         f"                systemctl enable --now fedge-{run}-client@<id>",
     ]

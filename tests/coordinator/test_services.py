@@ -9,6 +9,8 @@ after a kill, leave a finished run alone) is tested in test_resume.py.
 from __future__ import annotations
 
 import json
+import os
+import pwd
 import shlex
 import shutil
 import subprocess
@@ -16,13 +18,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from kit_support import fedge_provision
+from kit_support import USER_PATH, fedge_command, fedge_provision, open_dir, printed_commands, start_as_printed  # noqa: F401
 
 from coordinator.broker_setup import broker_plan
-from coordinator.kit.services import CLIENT_FINAL_EXITS
+from coordinator.kit.services import CLIENT_FINAL_EXITS, SERVICE_USER
 from fedge.config import RunConfig
 from fedge_cli.main import build_parser, main
-from sim.brokers import free_port
+from sim.brokers import free_port, stop_process
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,3 +144,65 @@ def test_systemd_analyze_verifies_every_unit_without_a_warning(kit: tuple[Path, 
         timeout=60,
     )
     assert done.returncode != 0 and "is not executable" in done.stderr
+
+
+def _readme_block(readme: str, first: str, last: str) -> list[str]:
+    """The commands README.txt lists between the line starting with ``first`` and the one containing ``last``."""
+    lines = readme.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(first))
+    end = next(i for i in range(start, len(lines)) if last in lines[i])
+    return [line.strip() for line in lines[start + 1 : end]]
+
+
+@pytest.mark.broker
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None, reason="needs root and useradd")
+def test_the_coordinator_unit_runs_as_its_unprivileged_user_set_up_as_the_readme_says(
+    open_dir: Path,  # noqa: F811 - a fixture
+) -> None:
+    """The README's service-user commands run verbatim (as root); then the unit's ExecStart, as that user with the
+    environment systemd gives it (its HOME, a plain PATH), reads its 0600 password, reaches the kit's broker over
+    TLS and writes under runs/: it waits for clients, which is as far as a run without devices goes."""
+    port = free_port()
+    out = fedge_provision(
+        [
+            *("--out", str(open_dir / "fleet"), "--run", "lab", "--fleet-broker", "127.0.0.1"),
+            *("--fleet-bind", "127.0.0.1", "--fleet-port", str(port)),
+            *("--dataset", "digits", "--model", "tiny_mlp", "--num-clients", "2"),
+        ]
+    )
+    units = open_dir / "fleet" / "kit" / "systemd"
+    coordinator_unit = (units / "fedge-lab-coordinator.service").read_text()
+    assert (
+        f"User={SERVICE_USER}\n" in coordinator_unit
+        and f"User={SERVICE_USER}\n" in (units / "fedge-lab-client@.service").read_text()
+    )
+    setup = _readme_block((units / "README.txt").read_text(), "coordinator:", "then systemctl enable")
+    assert setup and all(line in out for line in setup)  # fedge provision printed them too
+    existed = subprocess.run(["id", "-u", SERVICE_USER], capture_output=True).returncode == 0
+    broker = start_as_printed(printed_commands(out), port)
+    try:
+        for command in setup:
+            subprocess.run(["bash", "-c", command], check=True, timeout=60)
+        home = Path(pwd.getpwnam(SERVICE_USER).pw_dir)
+        # This machine's fedge lies in a venv whose interpreter may sit under /root: a fedge that user can run.
+        bin_dir = open_dir / "bin"
+        bin_dir.mkdir()
+        extra = [f"{k}={v}" for k, v in fedge_command(bin_dir, SERVICE_USER).items()]
+        env = ["env", "-i", f"HOME={home}", f"USER={SERVICE_USER}", f"PATH={USER_PATH}", *extra]  # as systemd sets
+        command = [str(bin_dir / "fedge"), *exec_start(units / "fedge-lab-coordinator.service")[1:]]
+        command += ["--join-timeout", "3", "--no-report"]
+        done = subprocess.run(
+            ["runuser", "-u", SERVICE_USER, "--", *env, *command],
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert "only 0 of 2 clients joined run 'lab'" in done.stderr, done.stderr[-3000:]
+        assert "Permission denied" not in done.stderr and "Traceback" not in done.stderr
+        assert "coordinator connected to mqtts://127.0.0.1" in done.stderr  # its 0600 password read, TLS checked
+    finally:
+        stop_process(broker)
+        if not existed:
+            subprocess.run(["userdel", "--remove", SERVICE_USER], capture_output=True)

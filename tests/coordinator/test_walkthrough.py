@@ -22,16 +22,14 @@ import pwd
 import re
 import shlex
 import signal
-import site
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from kit_support import USER_PATH, open_dir, printed_commands  # noqa: F401 - a fixture
+from kit_support import USER_PATH, fedge_command, open_dir, printed_commands  # noqa: F401 - a fixture
 from mqtt_support import require_mosquitto
 from signal_support import default_sigint
 
@@ -113,42 +111,6 @@ class Shell:
         # Background jobs outlive their bash: make sure nothing of the group is left.
         for proc in self.groups:
             self.signal(proc, signal.SIGKILL)
-
-
-def _runs_python(user: str, python: str, pythonpath: str) -> bool:
-    account = pwd.getpwnam(user)
-    probe = [python, "-c", "import fedge_cli.main, torch"]
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath, "HOME": "/tmp"}
-    try:
-        done = subprocess.run(probe, env=env, user=account.pw_uid, group=account.pw_gid, extra_groups=[], timeout=120)
-    except OSError:  # PermissionError: the interpreter lies under a directory this user cannot enter (/root)
-        return False
-    return done.returncode == 0
-
-
-def fedge_command(bin_dir: Path, user: str | None) -> dict[str, str]:
-    """Put a ``fedge`` on ``bin_dir`` that ``user`` can run; the environment it needs (PYTHONPATH).
-
-    This venv's ``fedge`` where that user can run its interpreter; else (a venv built from a Python under /root) the
-    system's python3 of the same version with this venv's packages on PYTHONPATH; else the test is skipped."""
-    pythonpath = os.pathsep.join([str(ROOT), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
-    python = sys.executable
-    if user is not None and not _runs_python(user, python, pythonpath):
-        python = "/usr/bin/python3"
-        pythonpath = os.pathsep.join([pythonpath, *site.getsitepackages()])
-        same = (
-            Path(python).exists()
-            and subprocess.run(
-                [python, "-c", f"import sys; sys.exit(sys.version_info[:2] != {tuple(sys.version_info[:2])})"]
-            ).returncode
-            == 0
-        )
-        if not same or not _runs_python(user, python, pythonpath):
-            pytest.skip(f"user {user} can run neither {sys.executable} nor a python3 {sys.version_info[:2]} with it")
-    script = bin_dir / "fedge"
-    script.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} -m fedge_cli.main "$@"\n')
-    script.chmod(0o755)
-    return {"PYTHONPATH": pythonpath}
 
 
 def wait_for_text(path: Path, pattern: str, proc: subprocess.Popen[bytes], timeout: float) -> float:

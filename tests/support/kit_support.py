@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import pwd
 import shlex
 import shutil
+import site
 import subprocess
 import sys
 import tempfile
@@ -67,3 +70,42 @@ def start_as_printed(commands: Sequence[str], port: int, *, user: str | None = N
         stderr = broker.stderr.read().decode() if broker.stderr is not None else ""
         raise AssertionError(f"mosquitto did not start: {stderr[-1000:]}")
     return broker
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _runs_python(user: str, python: str, pythonpath: str) -> bool:
+    account = pwd.getpwnam(user)
+    probe = [python, "-c", "import fedge_cli.main, torch"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath, "HOME": "/tmp"}
+    try:
+        done = subprocess.run(probe, env=env, user=account.pw_uid, group=account.pw_gid, extra_groups=[], timeout=120)
+    except OSError:  # PermissionError: the interpreter lies under a directory this user cannot enter (/root)
+        return False
+    return done.returncode == 0
+
+
+def fedge_command(bin_dir: Path, user: str | None) -> dict[str, str]:
+    """Put a ``fedge`` on ``bin_dir`` that ``user`` can run; the environment it needs (PYTHONPATH).
+
+    This venv's ``fedge`` where that user can run its interpreter; else (a venv built from a Python under /root) the
+    system's python3 of the same version with this venv's packages on PYTHONPATH; else the test is skipped."""
+    pythonpath = os.pathsep.join([str(ROOT), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
+    python = sys.executable
+    if user is not None and not _runs_python(user, python, pythonpath):
+        python = "/usr/bin/python3"
+        pythonpath = os.pathsep.join([pythonpath, *site.getsitepackages()])
+        same = (
+            Path(python).exists()
+            and subprocess.run(
+                [python, "-c", f"import sys; sys.exit(sys.version_info[:2] != {tuple(sys.version_info[:2])})"]
+            ).returncode
+            == 0
+        )
+        if not same or not _runs_python(user, python, pythonpath):
+            pytest.skip(f"user {user} can run neither {sys.executable} nor a python3 {sys.version_info[:2]} with it")
+    script = bin_dir / "fedge"
+    script.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} -m fedge_cli.main "$@"\n')
+    script.chmod(0o755)
+    return {"PYTHONPATH": pythonpath}
