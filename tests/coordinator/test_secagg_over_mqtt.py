@@ -112,7 +112,14 @@ def test_ten_clients_three_vanishing_at_three_stages_then_an_abandoned_round_the
 
     # 1. Ten clients, three vanish at three stages of round 1.
     first = run_coordinator(
-        CONFIG, tmp_path / "one", broker=url, run=RUN, experiment=exp, round_timeout=60, rejoin_grace=1
+        CONFIG,
+        tmp_path / "one",
+        broker=url,
+        run=RUN,
+        experiment=exp,
+        round_timeout=60,
+        rejoin_grace=1,
+        broker_counters=True,
     )
     (r1,) = first.rounds
     assert r1.aggregated and not r1.abandoned
@@ -131,6 +138,10 @@ def test_ten_clients_three_vanishing_at_three_stages_then_an_abandoned_round_the
     tolerance = len(survivors) * plan.resolution / weight + 1e-6 * float(np.abs(mean).max())
     assert float(np.abs(got - mean).max()) <= tolerance
     assert float(np.abs(mean - before).max()) > 100 * tolerance  # the round moved the model by far more than that
+    # Every protocol message is in the ledger with its wire bytes: the broker counted what the ledger says it carried.
+    bb = first.summary["broker_bytes"]
+    assert bb["comparable"] and abs(bb["diff_pct"]) < 3.0, bb
+    print(f"ledger wire {bb['ledger_wire']:,} B, broker $SYS {bb['broker_total']:,} B ({bb['diff_pct']:+.3f}%)")
     kinds = {e.kind for e in read_ledger_csv(tmp_path / "one" / "ledger.csv") if e.round == 1}
     assert {"secagg.neighbour-keys", "secagg.encrypted-shares", "secagg.masked-input", "secagg.unmask-shares"} <= kinds
 
