@@ -104,6 +104,7 @@ class MqttStages:
             if answer is not None:
                 answers[answer.client] = answer
                 waiting.discard(answer.client)
+        t.board.update(note="")
         for c in sorted(waiting):
             if c in offline:
                 why = f"went offline {offline[c] - started:.1f} s into stage {stage!r}"
