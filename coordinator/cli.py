@@ -87,6 +87,7 @@ def apply_run_dir(args: argparse.Namespace) -> str | None:
 def run_coordinator_cli(
     args: argparse.Namespace, config: RunConfig, on_finish: Callable[[Path], None] | None = None
 ) -> int:
+    from coordinator.kit.roster import Roster
     from coordinator.run import run_coordinator
     from coordinator.stopping import GracefulStop
     from fedge.accounting.records import RoundRecord
@@ -135,6 +136,7 @@ def run_coordinator_cli(
                     resume=resume,
                     max_packet_size=connection.max_packet_size,
                     stop=stop,
+                    roster=Roster(Path(args.bundle)) if bundle is not None else None,
                 )
         finally:
             if tensorboard is not None:

@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from coordinator.broker_counters import SYS_FILTERS, SYS_TOPICS, BrokerCounters, SysCounterReader
 from coordinator.presence import Admit, Presence
@@ -52,11 +53,16 @@ from fedge.wire.protocol import (
     REFUSED,
     SESSION,
     BrokerAddress,
+    ClientStatus,
     Topics,
     delivery_wire_bytes,
+    encode_status,
 )
 from fedge.wire.run_status import encode_run_status, gone_status
 from fedge_io.mqtt import Inbound, MqttLink, PacketLimit, Will
+
+if TYPE_CHECKING:
+    from coordinator.kit.roster import Roster
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +142,7 @@ class MqttTransport:
         # The cohort floor: fewer available clients than this, and a round waits (up to its timeout) for more before
         # it samples, rather than sampling a round that cannot be aggregated.
         self.min_available = 1
+        self.roster: Roster | None = None  # a fleet kit's client list, followed while the run goes on
         self._wanted = 0  # clients the run waited for before round 1: after our own reconnect, wait for them again
         self._seen_connections = 0  # our link's connections when we last looked: more means we reconnected
         # Tells clients which coordinator run a task belongs to: runs under one name restart at round 1.
@@ -207,7 +214,7 @@ class MqttTransport:
         )
         deadline = time.monotonic() + self.round_timeout
         self.board.update(note=f"waiting for clients to come back: {len(ready)} of {self._wanted}")
-        while len(ready) < self._wanted and time.monotonic() < deadline:
+        while len(ready) < enough and time.monotonic() < deadline:
             self._pump(0.2)
             ready = self._available()
             self.board.tick()
@@ -218,6 +225,7 @@ class MqttTransport:
 
     def _available(self) -> list[ClientId]:
         self._drain()
+        self._follow_roster(None)  # a client revoked while nothing arrived: its last will may never come
         return self.presence.available()
 
     def wait_for_clients(
@@ -546,6 +554,7 @@ class MqttTransport:
     def _pump(self, timeout: float, *, state: _Round | None = None, updates: bool = False) -> Inbound | None:
         """Handle one inbound message: status and $SYS here; an update is returned (or kept for the next round)."""
         self.board.relink()
+        self._follow_roster(state)
         item = self.link.get(timeout)
         if item is None:
             return None
@@ -600,6 +609,16 @@ class MqttTransport:
             self._send_task(state, client, decode(state.tasks[client]), resend=True)
         elif not change.status.online:
             state.offline.setdefault(client, (time.monotonic(), change.status.reason or "left"))
+
+    def _follow_roster(self, state: _Round | None) -> None:
+        """A client revoked from the kit (``fedge kit revoke``) is refused for the rest of the run and, being cut
+        off at the broker, is gone from a round under way at once (as a last will would say, with the reason)."""
+        if self.roster is None:
+            return
+        for client in self.roster.reload():
+            why = self.presence.banned[client] = self.roster.why_revoked(client)
+            gone = encode_status(ClientStatus(client=client, state="offline", reason=why), self.topics.run)
+            self._on_status(client, Inbound(self.topics.status(client), gone, False, 1, time.monotonic()), state)
 
     def _tell_refused(self, client: ClientId, why: str) -> None:
         """Tell a refused client why, on its task topic (only the coordinator may publish there): it stops with

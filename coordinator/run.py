@@ -17,6 +17,7 @@ from typing import Any
 from coordinator.broker_counters import compare_with_broker
 from coordinator.engine import RoundEngine
 from coordinator.kit.accounts import FleetSpec, admit_provisioned
+from coordinator.kit.roster import Roster
 from coordinator.kit.writer import FleetKit, generate_fleet_kit
 from coordinator.mqtt import MAX_PAYLOAD_SLACK, MqttTransport
 from coordinator.resume import RunJournal
@@ -142,6 +143,7 @@ def run_coordinator(
     resume: bool = False,
     max_packet_size: PacketLimit = "auto",
     stop: GracefulStop | None = None,
+    roster: Roster | None = None,
 ) -> RunResult:
     """Wait for clients on ``broker``, run ``config.rounds`` rounds over MQTT, write ``run_dir``.
 
@@ -155,7 +157,9 @@ def run_coordinator(
     coordinator is a new session: clients drop their own state and answer the interrupted round again.
     ``max_packet_size``: the largest MQTT packet to publish (``auto``: the broker's announced limit, else none;
     ``off``: never chunk); larger messages travel as chunks. ``stop``: the SIGTERM handler that lets a round under
-    way finish before the run stops (:mod:`coordinator.stopping`).
+    way finish before the run stops (:mod:`coordinator.stopping`). ``roster``: the kit's client list as
+    ``fedge kit add-client`` and ``revoke`` change it during the run (:mod:`coordinator.kit.roster`); it takes the
+    place of ``provisioned`` for admission.
     """
     refuse_secure_aggregation(config)
     refuse_differential_privacy(config)
@@ -173,7 +177,9 @@ def run_coordinator(
     needed = min_clients if min_clients is not None else config.num_clients
     address = broker if isinstance(broker, BrokerAddress) else BrokerAddress.parse(broker)
     admit = admission_rule(exp)
-    if provisioned is not None:
+    if roster is not None:
+        admit = roster.admit(then=admit)
+    elif provisioned is not None:
         admit = admit_provisioned(provisioned, then=admit)
     transport = MqttTransport(
         address,
@@ -185,6 +191,7 @@ def run_coordinator(
         max_packet_size=max_packet_size,
     )
     transport.max_payload = largest_update(strategy)
+    transport.roster = roster
     if config.secure_aggregation:  # the clients run their own parties; the server's drives the stages over MQTT
         assert isinstance(strategy, SecureAggregationStrategy)
         strategy.use_channel(MqttStages(transport, stage_timeout=round_timeout))

@@ -443,6 +443,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return run_status_cli(args)
 
 
+def _cmd_kit(args: argparse.Namespace) -> int:
+    from coordinator.kit.cli import run_kit_cli
+
+    return run_kit_cli(args)
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from export.cli import run_export_cli
 
@@ -480,6 +486,7 @@ COMMANDS = {
     "provision": "write each client's data file (and the run's config.json) for a deployment",
     "status": "watch a run live: round, phase, deadline, clients, accuracy, bytes (e.g. --bundle KIT/monitor)",
     "export": "export a model to ONNX / ExecuTorch (.pte, training programs) and check parity; `export check FILE...`",
+    "kit": "devices come and go in a live fleet: `kit add-client ID`, `kit revoke ID` (--kit OUT/kit)",
 }
 """Every subcommand and its one-line help, in the order `fedge --help` lists them."""
 
@@ -784,6 +791,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_arguments(p)
     add_plugin_flag(p)
     p.set_defaults(func=_cmd_export)
+
+    from coordinator.kit.cli import add_kit_arguments
+
+    p = sub.add_parser("kit", help=COMMANDS["kit"], formatter_class=_HelpFormatter)
+    add_kit_arguments(p)
+    p.set_defaults(func=_cmd_kit)
     return parser
 
 

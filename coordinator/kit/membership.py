@@ -1,0 +1,290 @@
+"""Devices come and go in a live fleet: ``fedge kit add-client ID`` and ``fedge kit revoke ID``.
+
+Both change a kit in place, while its broker and a run go on:
+
+- the broker's password files (``passwd``, ``amqtt-passwd``) and ACL (``acl``, ``acl.json``), in the kit's ``broker/``
+  and, where mosquitto.conf says the broker reads them from elsewhere on this machine, there too (each file replaced
+  atomically, keeping its owner and mode: mosquitto reads them as its own user);
+- the coordinator bundle's ``clients`` (and ``revoked``, with the reason), which a running coordinator follows
+  (:mod:`coordinator.kit.roster`);
+- ``roster.json``: every addition and revocation, with its time and reason.
+
+Then mosquitto is told to read its files again (SIGHUP, what ``systemctl reload`` sends): a new device can log in at
+once; a revoked one cannot, and mosquitto 2.0 closes its open connection as it reloads (it checks every connected
+client against the new password file). The broker process is found by the configuration file on its command line;
+one started otherwise (another host, a container) is reloaded by hand, as :class:`Membership` then says.
+
+A revoked id is never issued again (its data, certificate or a copy of its bundle may be in other hands), and a kit
+with client certificates cannot revoke: mosquitto takes such a device's login from its certificate, which only a
+revocation list would refuse (not built). The embedded broker (``fedge sim``) reads its files at start only.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import json
+import os
+import re
+import secrets
+import signal
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.kit.accounts import (
+    _NAME,
+    COORDINATOR,
+    MONITOR,
+    PASSWORD_FILE,
+    fleet_acl,
+    fleet_username,
+    monitor_names,
+)
+from coordinator.kit.broker_files import amqtt_password_line, mosquitto_acl, mosquitto_password_line
+from coordinator.kit.pki import issue_certificate
+from fedge.errors import ConfigError
+from fedge_io.credentials import BUNDLE_FILE
+
+ROSTER_FILE = "roster.json"
+PASSWORD_FILES = ("passwd", "amqtt-passwd")
+MAX_REASON = 200
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What ``add-client`` or ``revoke`` did: the client, its bundle (added), the broker processes reloaded, and
+    what the operator still has to do."""
+
+    client: str
+    bundle: Path | None
+    data: Path | None
+    reloaded: tuple[int, ...]
+    todo: tuple[str, ...]
+
+
+def _replace(path: Path, text: str, *, mode: int | None = None) -> None:
+    """Write ``path`` anew (temporary file, fsync, rename), keeping the owner and mode of the file it replaces."""
+    old = path.stat() if path.exists() else None
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, old.st_mode & 0o777 if old is not None else (mode or 0o644))
+        if old is not None and os.geteuid() == 0:
+            os.chown(tmp, old.st_uid, old.st_gid)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _strings(value: object, where: Path) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where}: expected a list of names, got {str(value)[:80]!r}; is it a fedge fleet kit?")
+    return list(value)
+
+
+def _json(path: Path) -> dict[str, object]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}; is it a fedge fleet kit (made by fedge provision)?") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} is not a fedge fleet kit's file")
+    return data
+
+
+class Kit:
+    """A fleet kit on disk, as ``fedge provision`` wrote it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root.absolute()
+        self.bundle_path = self.root / COORDINATOR / BUNDLE_FILE
+        self.bundle = _json(self.bundle_path)
+        self.run = str(self.bundle["run"])
+        self.clients = _strings(self.bundle.get("clients"), self.bundle_path)
+        revoked = self.bundle.get("revoked") or {}
+        if not isinstance(revoked, dict):
+            raise ConfigError(f"{self.bundle_path}: 'revoked' must map client ids to reasons")
+        self.revoked = {str(k): str(v) for k, v in revoked.items()}
+        self.conf = self.root / "broker" / "mosquitto.conf"
+        conf = self.conf.read_text(encoding="utf-8") if self.conf.is_file() else ""
+        found = re.search(r"^password_file (.+)$", conf, re.M)
+        live = Path(found.group(1)).parent if found else self.root / "broker"
+        self.broker_dirs = [self.root / "broker", *([live] if live != self.root / "broker" and live.is_dir() else [])]
+        self.client_certificates = "use_identity_as_username true" in conf
+        monitor = _json(self.root / MONITOR / BUNDLE_FILE)
+        self.monitors = _strings(monitor.get("usernames") or [monitor.get("username")], self.root / MONITOR)
+
+    def check_new(self, client: str) -> None:
+        if not _NAME.match(client):
+            raise ConfigError(f"client id {client!r}: use 1-64 letters, digits, '.', '_' or '-'")
+        if client in (COORDINATOR, *monitor_names(len(self.monitors))):
+            raise ConfigError(f"{client!r} is the name of one of the kit's own logins; choose another client id")
+        if client in self.revoked:
+            raise ConfigError(
+                f"client {client} was revoked ({self.revoked[client]}): a revoked id is never issued again"
+            )
+        if client in self.clients or (self.root / "clients" / client).exists():
+            raise ConfigError(f"client {client} is in the fleet already ({self.root / 'clients' / client})")
+
+    def write_broker_files(self, passwords: dict[str, str | None]) -> None:
+        """Set (a password) or remove (None) the login of each user name, and write the ACL of the current clients."""
+        lines = {"passwd": mosquitto_password_line, "amqtt-passwd": amqtt_password_line}
+        acl = fleet_acl(self.run, self.clients, self.monitors)
+        for folder in self.broker_dirs:
+            for name in PASSWORD_FILES:
+                path = folder / name
+                if not path.is_file():
+                    continue
+                kept = [ln for ln in path.read_text().splitlines() if ln.split(":", 1)[0] not in passwords]
+                kept += [lines[name](user, pw) for user, pw in passwords.items() if pw is not None]
+                _replace(path, "".join(f"{ln}\n" for ln in kept))
+            if (folder / "acl").is_file():
+                _replace(folder / "acl", mosquitto_acl(self.run, acl))
+            if (folder / "acl.json").is_file():
+                grants = {u: {"write": g.write, "read": g.read} for u, g in acl.items()}
+                _replace(folder / "acl.json", json.dumps(grants, indent=1))
+
+    def write_bundle(self) -> None:
+        self.bundle["clients"] = list(self.clients)
+        if self.revoked:
+            self.bundle["revoked"] = dict(self.revoked)
+        _replace(self.bundle_path, json.dumps(self.bundle, indent=1) + "\n")
+
+    def record(self, event: dict[str, object]) -> None:
+        path = self.root / ROSTER_FILE
+        events = _json(path).get("events", []) if path.exists() else []
+        assert isinstance(events, list)
+        events.append({"at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **event})
+        _replace(path, json.dumps({"run": self.run, "events": events}, indent=1) + "\n")
+
+    def reload_broker(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """SIGHUP to every mosquitto on this machine started with this kit's configuration; else what to do."""
+        confs = {str(d / "mosquitto.conf") for d in self.broker_dirs}
+        pids = tuple(sorted(pid for pid in _mosquitto_pids() if _conf_of(pid) in confs))
+        for pid in pids:
+            os.kill(pid, signal.SIGHUP)
+        if pids:
+            return pids, ()
+        return (), (
+            f"no mosquitto started with {' or '.join(sorted(confs))} runs on this machine: reload the broker "
+            f"yourself (systemctl reload fedge-{self.run}-broker, or kill -HUP its process) after copying its "
+            f"passwd, acl and amqtt-passwd from {self.root / 'broker'} where it reads them",
+        )
+
+
+def _mosquitto_pids() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if entry.name.isdigit():
+            try:
+                if Path(os.readlink(entry / "exe")).name == "mosquitto":
+                    pids.append(int(entry.name))
+            except OSError:  # gone, or another user's process we may not look at
+                continue
+    return pids
+
+
+def _conf_of(pid: int) -> str | None:
+    """The -c argument of a process's command line, as an absolute path (None when it has none)."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
+    for flag, value in itertools.pairwise(words):
+        if flag == b"-c":
+            return os.path.normpath(os.path.join(cwd, value.decode(errors="replace")))
+    return None
+
+
+def add_client(root: Path, client: str, *, data_from: str | None = None, cert_days: int = 365) -> Membership:
+    """Issue device ``client``'s bundle (``clients/<client>/``) into the kit at ``root``, let it log in to the live
+    broker, and add it to the coordinator's client list. ``data_from``: write its data file beside the others'
+    (``<client>.safetensors``) from this client's (a replacement board takes over a lost one's data)."""
+    kit = Kit(root)
+    kit.check_new(client)
+    source = kit.root / "clients" / (data_from or (kit.clients[0] if kit.clients else ""))
+    template = _json(source / BUNDLE_FILE) if (source / BUNDLE_FILE).is_file() else {}
+    data = None
+    if data_from is not None:
+        if data_from not in kit.clients:
+            raise ConfigError(f"--data-from {data_from}: no such client in the fleet ({', '.join(kit.clients)})")
+        data = _copy_data(kit.root.parent, data_from, client)
+    username = fleet_username(kit.run, client)
+    password = secrets.token_urlsafe(32)
+    folder = kit.root / "clients" / client
+    folder.mkdir(mode=0o700, parents=True)
+    bundle: dict[str, object] = {
+        "format": kit.bundle["format"],
+        "role": "client",
+        "run": kit.run,
+        "client_id": client,
+        "username": username,
+        "broker": kit.bundle["broker"],
+        "password_file": PASSWORD_FILE,
+    }
+    _replace(folder / PASSWORD_FILE, password + "\n", mode=0o600)
+    if kit.bundle.get("ca_file"):
+        ca = (kit.root / COORDINATOR / str(kit.bundle["ca_file"])).read_text()
+        _replace(folder / "ca.crt", ca)
+        bundle.update(ca_file="ca.crt", verify_hostname=True, signed_programs=bool(template.get("signed_programs")))
+        if kit.client_certificates:
+            cert, key = issue_certificate(kit.root / "ca", username, days=cert_days)
+            _replace(folder / "client.crt", cert.decode())
+            _replace(folder / "client.key", key.decode(), mode=0o600)
+            bundle.update(cert_file="client.crt", key_file="client.key")
+    _replace(folder / BUNDLE_FILE, json.dumps(bundle, indent=1) + "\n")
+    kit.clients.append(client)
+    kit.write_broker_files({username: password})
+    kit.write_bundle()  # after the broker's files: a coordinator that admits it finds a broker that lets it in
+    kit.record({"action": "add-client", "client": client, **({"data_from": data_from} if data_from else {})})
+    pids, todo = kit.reload_broker()
+    return Membership(client, folder, data, pids, todo)
+
+
+def revoke_client(root: Path, client: str, *, reason: str) -> Membership:
+    """Cut ``client`` off: its login removed from the broker's files (reloaded: refused, its connection dropped), the
+    coordinator told through its client list, the revocation recorded; its bundle's password deleted."""
+    kit = Kit(root)
+    if client not in kit.clients:
+        known = "it was revoked already" if client in kit.revoked else f"the fleet holds {', '.join(kit.clients)}"
+        raise ConfigError(f"client {client} is not in the fleet of run {kit.run!r}: {known}")
+    if kit.client_certificates:
+        raise ConfigError(
+            "this kit logs devices in by their certificates (--client-certificates): mosquitto would still let a "
+            "revoked device's certificate in, which only a certificate revocation list refuses, and fedge makes none "
+            "yet; make a new kit without the device"
+        )
+    why = " ".join(reason.split())[:MAX_REASON] or "no reason given"
+    kit.clients.remove(client)
+    kit.revoked[client] = why
+    kit.write_broker_files({fleet_username(kit.run, client): None})
+    kit.write_bundle()
+    (kit.root / "clients" / client / PASSWORD_FILE).unlink(missing_ok=True)  # worthless now; never left lying around
+    kit.record({"action": "revoke", "client": client, "reason": why})
+    pids, todo = kit.reload_broker()
+    return Membership(client, None, None, pids, todo)
+
+
+def _copy_data(folder: Path, source: str, client: str) -> Path:
+    """``folder/<source>.safetensors`` as ``folder/<client>.safetensors``, naming its new client (the shared file, if
+    any, is referenced by name and stays where it is)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, dst = folder / f"{source}.safetensors", folder / f"{client}.safetensors"
+    if not src.is_file():
+        raise ConfigError(f"--data-from {source}: its data file {src} is not beside the kit")
+    if dst.exists():
+        raise ConfigError(f"{dst} exists already")
+    with safe_open(str(src), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    meta["client"] = client
+    save_file(tensors, str(dst), metadata=meta)
+    return dst

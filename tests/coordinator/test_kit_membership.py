@@ -1,0 +1,132 @@
+"""Devices come and go in a live fleet (issue 55): during a run over the kit's mosquitto, `fedge kit add-client`
+issues a new device that logs in without a broker restart and is given tasks; `fedge kit revoke` refuses a device's
+login, drops its open connection and the coordinator stops sampling it; both are recorded in the kit."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from kit_support import fedge_provision, open_dir, printed_commands, start_as_printed  # noqa: F401 - a fixture
+from mqtt_support import require_mosquitto
+
+from coordinator.kit.membership import ROSTER_FILE, add_client, revoke_client
+from coordinator.kit.roster import Roster
+from coordinator.run import COORDINATOR_LOG, run_coordinator
+from fedge.accounting.records import RoundRecord
+from fedge.config import RunConfig
+from fedge.errors import ConfigError
+from fedge_cli.main import main
+from fedge_io.credentials import load_bundle
+from fedge_io.experiment import prepare
+from sim.brokers import free_port, stop_process
+from sim.laptop import client_processes
+
+pytestmark = pytest.mark.broker
+
+
+def _wait_for(path: Path, text: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.is_file() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{path} never said {text!r}:\n{path.read_text(errors='replace')[-3000:]}")
+
+
+def test_add_client_and_revoke_during_a_live_run_over_mosquitto(
+    open_dir: Path,  # noqa: F811 - a fixture
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    require_mosquitto()
+    caplog.set_level(logging.INFO)  # what `fedge coordinator` logs, so that coordinator.log has it too
+    port = free_port()
+    fleet = open_dir / "fleet"
+    out = fedge_provision(
+        [
+            *("--out", str(fleet), "--run", "lab", "--fleet-broker", "127.0.0.1", "--fleet-bind", "127.0.0.1"),
+            *("--fleet-port", str(port), "--dataset", "digits", "--model", "tiny_mlp", "--num-clients", "2"),
+            *("--rounds", "3", "--local-epochs", "1"),
+        ]
+    )
+    kit = fleet / "kit"
+    broker = start_as_printed(printed_commands(out), port)
+    bundle = load_bundle(kit / "coordinator")
+    config = RunConfig.from_json_file(fleet / "config.json")
+    round_one, go = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def hold_after_round_one(r: RoundRecord) -> None:  # the fleet changes between rounds 1 and 2
+        if r.round == 1:
+            round_one.set()
+            go.wait(300)
+
+    def coordinator() -> None:
+        try:
+            outcome["result"] = run_coordinator(
+                config,
+                open_dir / "run",
+                broker=bundle.address,
+                run=bundle.run,
+                provisioned=bundle.clients,
+                roster=Roster(kit / "coordinator"),
+                experiment=prepare(config),
+                round_timeout=60,
+                join_timeout=120,
+                on_round=hold_after_round_one,
+            )
+        except BaseException as exc:  # reported by the test's own thread
+            outcome["error"] = exc
+
+    logs = open_dir / "logs"
+    files = {c: fleet / f"{c}.safetensors" for c in ("c000", "c001")}
+    bundles = {c: kit / "clients" / c for c in ("c000", "c001", "c002")}
+    try:
+        with client_processes(files, bundle.address.url, "lab", log_dir=logs, bundles=bundles):
+            thread = threading.Thread(target=coordinator, daemon=True)
+            thread.start()
+            assert round_one.wait(240), outcome
+            capsys.readouterr()
+            assert main(["kit", "add-client", "c002", "--kit", str(kit), "--data-from", "c000"]) == 0
+            said = capsys.readouterr().out
+            assert "client c002 added" in said and "broker reloaded (SIGHUP to mosquitto, pid " in said
+            new = {"c002": fleet / "c002.safetensors"}
+            with client_processes(new, bundle.address.url, "lab", log_dir=logs, bundles=bundles):
+                _wait_for(logs / "c002.log", "waiting for tasks")  # its login was accepted: no broker restart
+                assert main(["kit", "revoke", "c001", "--kit", str(kit), "--reason", "stolen"]) == 0
+                assert "client c001 revoked" in capsys.readouterr().out
+                # Its open connection dropped, and its login refused from then on.
+                _wait_for(logs / "c001.log", "refused user 'fedge-lab-c001'")
+                go.set()
+                thread.join(300)
+                _wait_for(logs / "c002.log", "round 3: sent update")
+    finally:
+        go.set()
+        stop_process(broker)
+    assert "error" not in outcome, outcome.get("error")
+    rounds = outcome["result"].rounds  # type: ignore[attr-defined]
+    assert [r.sampled for r in rounds] == [("c000", "c001"), ("c000", "c002"), ("c000", "c002")]
+    assert all(r.aggregated for r in rounds)
+    logged = (open_dir / "run" / COORDINATOR_LOG).read_text()
+    assert "client c002 was added to the fleet" in logged and "client c002 online" in logged
+    assert "client c001 was revoked from the fleet (fedge kit revoke): stolen" in logged
+    # Recorded in the kit: the history, the broker's logins, the coordinator's list; the revoked secret is gone.
+    events = json.loads((kit / ROSTER_FILE).read_text())["events"]
+    assert [(e["action"], e["client"]) for e in events] == [("add-client", "c002"), ("revoke", "c001")]
+    assert events[0]["data_from"] == "c000" and events[1]["reason"] == "stolen"
+    users = {line.split(":", 1)[0] for line in (kit / "broker" / "passwd").read_text().splitlines()}
+    assert "fedge-lab-c002" in users and "fedge-lab-c001" not in users
+    assert "user fedge-lab-c001" not in (kit / "broker" / "acl").read_text()
+    coordinator_bundle = json.loads((kit / "coordinator" / "bundle.json").read_text())
+    assert coordinator_bundle["clients"] == ["c000", "c002"] and coordinator_bundle["revoked"] == {"c001": "stolen"}
+    assert not (kit / "clients" / "c001" / "password").exists()
+    # A revoked id is never issued again; an unknown one cannot be revoked.
+    with pytest.raises(ConfigError, match="never issued again"):
+        add_client(kit, "c001")
+    with pytest.raises(ConfigError, match="not in the fleet"):
+        revoke_client(kit, "c009", reason="")
