@@ -323,6 +323,12 @@ class FedBuffEngine(RoundEngine):
             task = min(st.in_flight, key=lambda t: (t.finish_s, t.seq), default=None)
             wake = self._next_available()
             if task is None and wake == math.inf:
+                if not self._idle(st):  # every client trained on this version; too many of them failed
+                    raise ConfigError(
+                        f"server step {rnd}: every client trained on version {st.version}, and only "
+                        f"{len(st.buffer)} of the {self.buffer_size} updates the step needs were valid (see the "
+                        "drops and rejections in metrics.jsonl); lower --buffer-size"
+                    )
                 raise ConfigError(f"no client is ever available again after {st.clock_s:g} simulated seconds")
             if task is None or wake < task.finish_s:
                 st.clock_s = wake  # a client comes on before the next arrival: fill the free slot then
