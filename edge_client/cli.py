@@ -329,7 +329,6 @@ def _prepare_programs(backend: Any, args: argparse.Namespace, data: ClientData, 
 
     from fedge.config import RunConfig
     from fedge.programs.planning import planned_trainings
-    from fedge.programs.spec import TrainingLoss
 
     path = args.run_config or Path(args.data).with_name("config.json")
     prepare = getattr(backend, "prepare", None)
@@ -350,7 +349,7 @@ def _prepare_programs(backend: Any, args: argparse.Namespace, data: ClientData, 
     started = time.perf_counter()
     plans = planned_trainings(config, args.client_id, data, info.model, info.input_shape)
     for plan in plans:
-        prepare([TrainingLoss(plan.objective, plan.prox_mu)], plan.batch_size)
+        prepare([plan.loss], plan.batch_size)
     log.info(
         "prepared %d training program(s) for %s in %.1f s, before the hello",
         len(plans),

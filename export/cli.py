@@ -55,6 +55,14 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=float, default=1.0, help="FD regularizer weight baked into fd programs")
     p.add_argument("--prox-mu", type=float, default=0.0, help="FedProx: bake the proximal term mu into the programs")
     p.add_argument(
+        "--term",
+        action="append",
+        default=[],
+        metavar="KIND[:name=value,...]",
+        help="a local term baked into every training program, e.g. prox:mu=0.1, correction, moon:mu=1,tau=0.5, "
+        "decorr:beta=0.1 (repeat for several; the order is the loss's)",
+    )
+    p.add_argument(
         "--max-batch",
         nargs="+",
         type=int,
@@ -184,6 +192,7 @@ class ExportJob:
 def export_jobs(args: argparse.Namespace) -> tuple[ModelSpec, list[ExportJob]]:
     """The model and the files of a ``fedge export`` call, validated and named; nothing is exported."""
     from fedge.learning.objectives import OBJECTIVES, make_objective
+    from fedge.learning.terms import terms_from_flags
     from fedge.programs.spec import ModelSpec, TrainingLoss, program_file_name
 
     if not args.model:
@@ -201,7 +210,7 @@ def export_jobs(args: argparse.Namespace) -> tuple[ModelSpec, list[ExportJob]]:
                 given = {"tau": args.tau, "beta": args.beta, "gamma": args.gamma}
                 fields = {f.name for f in dataclasses.fields(OBJECTIVES[kind])}
                 objective = make_objective(kind, {k: repr(float(v)) for k, v in given.items() if k in fields})
-                loss = TrainingLoss(objective, float(args.prox_mu))
+                loss = TrainingLoss(objective, terms_from_flags(args.term, float(args.prox_mu)))
                 jobs.extend(ExportJob(fmt, program_file_name(spec, loss, bound), loss, bound) for bound in bounds)
         else:
             # One inference file, at the largest bound: it serves every batch size the training programs do.

@@ -2,13 +2,14 @@
 
 A **training program** is a ``.pte`` with two methods:
 
-- ``forward_backward(x, y, *objective_inputs, *anchors, *bn_stats) -> (loss, logits, *new_bn_stats)``: one
-  training step's forward and backward pass. The loss is the registered objective's
-  (:meth:`fedge.learning.objectives.Objective.loss`, the very code eager training runs) with its hyperparameters fixed
-  at export, plus FedProx's proximal term ``mu/2 ||w - anchor||^2`` when the program has one (the anchors are inputs);
-  ExecuTorch's training ABI appends the gradients and the (mutable) parameters to the outputs, and an SGD optimizer in
-  the runtime applies the gradients to those parameters in place. (SCAFFOLD's gradient correction is added by the
-  host to those gradient outputs before the optimizer step: see :class:`edge_client.backends.runners.PteTrainer`.)
+- ``forward_backward(x, y, *objective_inputs, *term_inputs, *bn_stats) -> (loss, logits, *new_bn_stats)``: one
+  training step's forward and backward pass. The loss is :func:`fedge.learning.terms.batch_loss`, the very code eager
+  training runs: the registered objective plus the loss's local terms (FedProx's pull, SCAFFOLD's correction, MOON's
+  contrast, ...), their hyperparameters fixed at export and their round tensors inputs
+  (:func:`fedge.programs.spec.term_input_names`). A term with reference models gets their exchanged weights as inputs
+  and their eval-mode representation of the batch computed inside the program. ExecuTorch's training ABI appends the
+  gradients and the (mutable) parameters to the outputs, and an SGD optimizer in the runtime applies the gradients to
+  those parameters in place.
 - ``forward(x, *params, *bn_stats) -> logits``: eval-mode inference with the weights passed in, so the logits always
   come from the weights being trained.
 
@@ -25,6 +26,7 @@ second step on), and of ``_native_batch_norm_legit_functional``, which has no ou
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from typing import TYPE_CHECKING
@@ -37,6 +39,8 @@ from torch.func import functional_call
 from export.edge_passes import alias_copies_removed, permutes_as_strided_copies
 from export.lowering import CUSTOM_OP_DECOMPOSITIONS, lower_for_training
 from fedge.errors import ExportError
+from fedge.learning.terms import batch_loss, needs_representation
+from fedge.learning.training import Split
 from fedge.programs.spec import (
     EVAL_METHOD,
     META_METHOD,
@@ -46,6 +50,7 @@ from fedge.programs.spec import (
     TrainingLoss,
     describe_weights,
     example_training_inputs,
+    split_term_inputs,
     stat_names,
 )
 
@@ -61,31 +66,45 @@ DEFAULT_MAX_BATCH = 64
 class TrainingStep(nn.Module):
     """The loss module exported as a training method: the model (as ``self.model``) plus a fixed loss."""
 
-    def __init__(self, model: nn.Module, loss: TrainingLoss) -> None:
+    def __init__(self, model: nn.Module, loss: TrainingLoss, reference: nn.Module | None = None) -> None:
         super().__init__()
         self.model = model
         self.loss = loss
         self.stat_names = stat_names(model)
         self.param_names = tuple(k for k, _ in model.named_parameters())
+        self.weight_names = tuple(describe_weights(model))
         self.counter_names = tuple(k for k, v in model.named_buffers() if not v.is_floating_point())
+        # The reference models' architecture, in eval mode; every weight of it is an input, so it is kept out of
+        # this module's parameters (a list attribute is not registered).
+        self._reference = [reference.eval()] if reference is not None else []
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        objective = self.loss.objective
+        objective, terms = self.loss.objective, self.loss.terms
         n = len(objective.inputs)
         inputs = {spec.name: t for spec, t in zip(objective.inputs, args[:n], strict=True)}
-        n_anchor = len(self.param_names) if self.loss.prox_mu else 0
-        anchors = args[n : n + n_anchor]
+        (tensors, references), stats = split_term_inputs(self.loss, self.param_names, self.weight_names, args[n:])
         # BN updates running stats in place; updating clones of the inputs makes export return the new values as
         # plain outputs. The batch counters only matter for BN with momentum=None, which no model here uses.
-        buffers = {k: s.clone() for k, s in zip(self.stat_names, args[n + n_anchor :], strict=True)}
+        buffers = {k: s.clone() for k, s in zip(self.stat_names, stats, strict=True)}
         buffers.update({k: torch.zeros((), dtype=torch.long) for k in self.counter_names})
-        logits = functional_call(self.model, buffers, (x,), strict=False)
-        loss = objective.loss(logits, y, inputs)
-        if self.loss.prox_mu:
-            params = dict(self.model.named_parameters())
-            prox = sum((params[k] - a).pow(2).sum() for k, a in zip(self.param_names, anchors, strict=True))
-            loss = loss + 0.5 * self.loss.prox_mu * prox
+        params = dict(self.model.named_parameters())
+        if not needs_representation(terms):
+            logits = functional_call(self.model, buffers, (x,), strict=False)
+            loss = batch_loss(objective, terms, logits, y, inputs, params=params, tensors=tensors)
+        else:
+            split = Split(self.model)
+            z, logits = functional_call(split, {f"model.{k}": v for k, v in buffers.items()}, (x,), strict=False)
+            reference_z = [{r: self._represent(w, x) for r, w in refs.items()} for refs in references]
+            loss = batch_loss(
+                objective, terms, logits, y, inputs, params=params, tensors=tensors, z=z, reference_z=reference_z
+            )
         return (loss, logits.detach(), *(buffers[k] for k in self.stat_names))
+
+    def _represent(self, weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """A reference model's eval-mode representation of ``x`` from its weights (inputs of the program)."""
+        split = Split(self._reference[0])
+        z, _ = functional_call(split, {f"model.{k}": v for k, v in weights.items()}, (x,), strict=False)
+        return z.detach()
 
 
 class EvalStep(nn.Module):
@@ -202,18 +221,23 @@ def export_training(
     model.train()
     # The lowered model shares model's parameters and buffers.
     program_model = lower_for_training(model, faster_copies=faster_copies) if lower else model
-    step = TrainingStep(program_model, loss)
+    # The reference models of a term (MOON) run the same lowered architecture, on a tree of their own.
+    has_references = any(t.references for t in loss.terms)
+    reference = lower_for_training(model, faster_copies=faster_copies) if lower and has_references else None
+    if reference is None and has_references:
+        reference = copy.deepcopy(model)
+    step = TrainingStep(program_model, loss, reference)
     eval_step = EvalStep(program_model)
     params = tuple(k for k, _ in model.named_parameters())
     stats = step.stat_names
     state = dict(model.state_dict())
     stat_values = tuple(state[k].detach().clone() for k in stats)
     batch = _batch_dim(max_batch)
-    anchors = tuple(p.detach().clone() for p in model.parameters()) if loss.prox_mu else ()
-    args = example_training_inputs(spec, loss, anchors)
-    # x, y and every per-sample input share the batch dimension; per-round inputs, anchors and BN stats are static.
+    args = example_training_inputs(spec, loss, model)
+    # x, y and every per-sample input share the batch dimension; per-round inputs, the terms' inputs and BN stats
+    # are static.
     per_sample = [{0: batch}, {0: batch}] + [{0: batch} if i.per_sample else None for i in loss.objective.inputs]
-    shapes = (*per_sample, *(None for _ in anchors))
+    shapes = (*per_sample, *(None for _ in args[len(per_sample) :]))
     try:
         ep = torch.export.export(
             step,

@@ -30,6 +30,7 @@ from torch import nn
 from export import ties
 from fedge.errors import ExportError
 from fedge.learning.models import exchanged_state, load_exchanged_state
+from fedge.learning.terms import TermCall
 from fedge.learning.training import SGDSettings, TrainRequest, batch_order
 from fedge.learning.training import train as fedge_train
 from fedge.programs.spec import ModelSpec, ProgramMeta, TrainingLoss
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 LOGIT_TOLERANCE = 1e-5
 LOGIT_BATCHES = (1, 5)
 
-# training_request: the objective inputs and FedProx anchors of a deterministic training check.
+# training_request: the objective inputs and the local terms' tensors of a deterministic training check.
 TRAIN_SAMPLES = 30
 TRAIN_BATCH = 8
 TRAIN_SGD = SGDSettings(lr=0.02, momentum=0.9, weight_decay=5e-4)
@@ -245,7 +246,9 @@ def check_pte(
 def training_request(
     spec: ModelSpec, loss: TrainingLoss, *, samples: int = TRAIN_SAMPLES, seed: int = 0
 ) -> TrainRequest:
-    """A deterministic request for a training check: inputs, labels, the objective's inputs and FedProx anchors."""
+    """A deterministic request for a training check: inputs, labels, the objective's inputs and the terms' round
+    tensors (:meth:`fedge.learning.terms.LocalTerm.example_tensor` of another model's parameters) and reference models
+    (models of other seeds)."""
     gen = torch.Generator().manual_seed(seed)
     c = spec.num_classes
     inputs: dict[str, torch.Tensor] = {}
@@ -259,10 +262,13 @@ def training_request(
             inputs[i.name] = 2.0 * torch.randn(shape, generator=gen)  # logits of a confident teacher
         else:
             inputs[i.name] = torch.softmax(2.0 * torch.randn(shape, generator=gen), dim=-1)  # soft targets
-    anchor = None
-    if loss.prox_mu:
-        model = spec.build(seed=seed + 2)
-        anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
+    calls = []
+    term_gen = torch.Generator().manual_seed(seed + 5)
+    for n, term in enumerate(loss.terms):
+        params = dict(spec.build(seed=seed + 2).named_parameters())
+        tensors = {t: {k: term.example_tensor(t, p, term_gen) for k, p in params.items()} for t in term.tensors}
+        references = {r: exchanged_state(spec.build(seed=seed + 3 + n * 7 + j)) for j, r in enumerate(term.references)}
+        calls.append(TermCall(term, tensors, references))
     return TrainRequest(
         spec.example(samples, seed=seed + 1),
         torch.randint(0, c, (samples,), generator=gen),
@@ -272,8 +278,7 @@ def training_request(
         batch_size=TRAIN_BATCH,
         seed=0,
         inputs=inputs,
-        prox_mu=loss.prox_mu,
-        anchor=anchor,
+        terms=tuple(calls),
     )
 
 
@@ -362,7 +367,7 @@ def drift_request_for_seed(
     base = drift_request(spec, loss, batch_size=batch_size, steps=steps or DRIFT_STEPS)
     other = training_request(spec, loss, samples=len(base.x), seed=seed)
     x, y = parity_sample(spec, len(base.x), seed=seed)
-    return dataclasses.replace(base, x=x, y=y, inputs=other.inputs, anchor=other.anchor)
+    return dataclasses.replace(base, x=x, y=y, inputs=other.inputs, terms=other.terms)
 
 
 def drift_with_retries(
@@ -406,7 +411,14 @@ def _as_float64(request: TrainRequest) -> TrainRequest:
         request,
         x=widen(request.x),
         inputs={k: widen(v) for k, v in request.inputs.items()},
-        anchor={k: widen(v) for k, v in request.anchor.items()} if request.anchor is not None else None,
+        terms=tuple(
+            TermCall(
+                c.term,
+                {n: {k: widen(v) for k, v in per.items()} for n, per in c.tensors.items()},
+                {n: {k: widen(v) for k, v in per.items()} for n, per in c.references.items()},
+            )
+            for c in request.terms
+        ),
     )
 
 

@@ -29,14 +29,13 @@ RUNTIMES = ("torch", "executorch", "onnxruntime", "onnxruntime-training")
 
 RUNTIME_HOOKS: dict[str, frozenset[str]] = {
     "torch": frozenset(HOOKS),
-    "executorch": frozenset(),
+    "executorch": frozenset(HOOKS),
     "onnxruntime": frozenset(),
-    "onnxruntime-training": frozenset(),
+    "onnxruntime-training": frozenset(HOOKS),
 }
-"""The training hooks of :data:`fedge.learning.training.HOOKS` each runtime runs. The exported programs compute a fixed
-loss of the logits with FedProx's plain proximal term; they have no Fisher-weighted term, no representation output and
-no
-Fisher pass, so FedCurv and MOON clients run on torch only (the others are refused at admission)."""
+"""The hooks of :data:`fedge.learning.training.HOOKS` each runtime runs. Every training runtime computes the local terms
+(:mod:`fedge.learning.terms`) inside its programs, representations included, and the Fisher pass from its own
+gradients; ONNX Runtime inference trains nothing."""
 
 
 def make_backend(

@@ -11,6 +11,7 @@ tensors, and after it trained, read back. Teacher logits and predictions come fr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,7 +25,7 @@ from edge_client.backends.runners import PteTrainer
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.errors import ConfigError
 from fedge.learning.models import exchanged_state, load_exchanged_state
-from fedge.learning.training import TrainRequest, TrainStats, check_hooks
+from fedge.learning.training import TrainRequest, TrainStats, check_hooks, fisher_diagonal
 from fedge.programs.spec import ModelSpec, TrainingLoss, export_command, program_file_name
 from fedge.types import StateDict
 from fedge_io import manifest
@@ -112,7 +113,7 @@ class ExecuTorchBackend:
 
     def train(self, request: TrainRequest) -> TrainStats:
         check_hooks(request, RUNTIME_HOOKS[self.runtime], self.runtime)  # never drop a term the program lacks
-        key = (TrainingLoss(request.objective, request.prox_mu), batch_bound(request.batch_size))
+        key = (TrainingLoss.of(request.objective, request.terms), batch_bound(request.batch_size))
         if self._prepared and key not in self._trainers:
             log.warning(
                 "making the %s program (batch bound %d) now, in a round: it was not among those prepared from the "
@@ -129,6 +130,9 @@ class ExecuTorchBackend:
         self._state = trainer.get_weights()
         self._version += 1
         self._loaded[key] = self._version
+        if request.fisher_samples > 0:  # squared gradients of the cross-entropy program at the trained weights
+            ce = self._synced((TrainingLoss(CrossEntropy()), key[1]))
+            stats = dataclasses.replace(stats, fisher=fisher_diagonal(ce.gradients, request))
         return stats
 
     # --- programs --------------------------------------------------------------------------------------------------

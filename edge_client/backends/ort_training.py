@@ -4,12 +4,13 @@
 ``onnx==1.17.0``, so this runtime lives in its own environment (``make ort-training`` makes ``.venv-ort-training``)
 and runs as its own client process.
 
-One set of **training artifacts** per loss (objective with its fixed hyperparameters, plus FedProx's mu), made by
+One set of **training artifacts** per loss (objective and local terms with their fixed hyperparameters), made by
 :mod:`export.ort_training` and found through an :class:`ArtifactSource`: a directory named by
 :func:`artifact_dir_name` (from :func:`fedge.programs.spec.program_file_name`, the one naming scheme) holding
 
-- ``training_model.onnx``: ``(x, y, *objective inputs, *anchors, *bn stats) -> (loss, logits, *new bn stats)``, the
-  loss being the objective's own code exported with the model, plus ORT's gradient graph;
+- ``training_model.onnx``: ``(x, y, *objective inputs, *term inputs, *bn stats) -> (loss, logits, *new bn stats)``,
+  the loss being the objective's and the terms' own code (:func:`fedge.learning.terms.batch_loss`) exported with the
+  model, plus ORT's gradient graph;
 - ``eval_model.onnx``: eval-mode ``(x, *bn stats) -> logits`` on the same parameters;
 - ``checkpoint``: ORT's parameter store (parameter names are state-dict names with the ``model.`` prefix);
 - ``fedge.json``: the :class:`fedge.programs.spec.ProgramMeta` of the set.
@@ -17,13 +18,14 @@ One set of **training artifacts** per loss (objective with its fixed hyperparame
 ORT computes the loss and the gradients; the optimizer step runs here on the host in numpy, exactly
 ``torch.optim.SGD``'s update as :func:`fedge.learning.training.train` uses it (weight decay added to the gradient, the
 momentum buffer starting as the first step's gradient, ``w -= lr * buf``; dampening 0, no Nesterov), because ORT's
-own SGD has no momentum. SCAFFOLD's correction is added to each gradient before that step, as in eager. Batches
-follow :func:`fedge.learning.training.batch_order`. Batch-norm running statistics go in and out of every training step
-(ORT keeps no mutable buffers), so they follow eager PyTorch's update and travel with the weights.
+own SGD has no momentum. Batches follow :func:`fedge.learning.training.batch_order`. Batch-norm running statistics go
+in and out of every training step (ORT keeps no mutable buffers), so they follow eager PyTorch's update and travel
+with the weights. A Fisher pass (FedCurv) squares the gradients of the cross-entropy artifacts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -38,8 +40,25 @@ from edge_client.backends.cache_dir import default_cache_dir
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.errors import ConfigError, ExportError
 from fedge.learning.models import exchanged_state, load_exchanged_state
-from fedge.learning.training import EpochMeter, SGDSettings, TrainRequest, TrainStats, batch_order, check_hooks
-from fedge.programs.spec import WRAPPER_PREFIX, ModelSpec, ProgramMeta, TrainingLoss, program_file_name
+from fedge.learning.terms import term_flag
+from fedge.learning.training import (
+    EpochMeter,
+    SGDSettings,
+    TrainRequest,
+    TrainStats,
+    batch_order,
+    check_hooks,
+    fisher_diagonal,
+)
+from fedge.programs.spec import (
+    WRAPPER_PREFIX,
+    ModelSpec,
+    ProgramMeta,
+    TrainingLoss,
+    program_file_name,
+    term_input_names,
+    term_inputs,
+)
 from fedge.types import StateDict
 from fedge_io import manifest
 
@@ -94,7 +113,7 @@ class ArtifactDirectory:
             manifest.verify_files(directory, list(ARTIFACT_FILES), required=not self.unverified, trust=self.trust)
         else:
             flags = [f"--{k} {v}" for k, v in loss.objective.params.items()]
-            flags += [f"--prox-mu {loss.prox_mu:g}"] if loss.prox_mu else []
+            flags += [f"--term {term_flag(t)}" for t in loss.terms]
             raise ConfigError(
                 f"no ONNX Runtime training artifacts {directory.name} in {self.root}; make them in .venv-ort-training "
                 f"with `python -m export.ort_training --model {spec.name} --input-shape "
@@ -201,33 +220,48 @@ class OrtTrainer:
 
     def check_request(self, request: TrainRequest) -> None:
         """ConfigError unless these artifacts compute ``request``'s loss."""
-        wanted = TrainingLoss(request.objective, request.prox_mu)
+        wanted = TrainingLoss.of(request.objective, request.terms)
         if wanted != self.loss:
             raise ConfigError(f"{self.source} trains {self.loss.tag}, the task asks for {wanted.tag}")
 
-    def _feeds(self, request: TrainRequest, idx: torch.Tensor, step: int) -> dict[str, np.ndarray]:
+    def _feeds(
+        self, request: TrainRequest, idx: torch.Tensor, step: int, terms: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
         r = request
         inputs = r.batch_inputs(idx, step)
         feeds = {"x": np.ascontiguousarray(r.batch_x(idx, step).numpy()), "y": r.y[idx].long().numpy()}
         for spec in r.objective.inputs:
             t = inputs[spec.name]
             feeds[spec.name] = (t.bool() if spec.dtype == torch.bool else t.to(torch.float32)).contiguous().numpy()
-        if self.loss.prox_mu:
-            assert r.anchor is not None
-            feeds.update({f"anchor.{k}": r.anchor[k].detach().to(torch.float32).numpy() for k in self.meta.params})
+        feeds.update(terms)
         feeds.update(zip(self.meta.stats, self._stats(), strict=True))
         return feeds
+
+    def _term_feeds(self, request: TrainRequest) -> dict[str, np.ndarray]:
+        """The terms' inputs of ``request`` by input name: the same for every step of it."""
+        names = term_input_names(self.loss, self.meta.params, self.meta.weights)
+        values = term_inputs(self.loss, self.meta.params, self.meta.weights, request.terms)
+        return {n: v.numpy() for n, v in zip(names, values, strict=True)}
+
+    def gradients(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """:data:`fedge.learning.training.Gradients` of cross-entropy artifacts (no objective inputs, no terms): one
+        forward-backward pass, no step; the BN statistics stay as they were."""
+        if self.loss.objective.inputs or self.loss.terms:
+            raise ConfigError(f"{self.source} trains {self.loss.tag}; gradients are read from cross-entropy artifacts")
+        self._push_parameters()
+        self._module.train()
+        feeds = {"x": np.ascontiguousarray(x.numpy()), "y": y.long().numpy()}
+        feeds.update(zip(self.meta.stats, self._stats(), strict=True))
+        self._module.lazy_reset_grad()
+        self._module(*(feeds[n] for n in self._module.input_names()))
+        return {k: torch.from_numpy(np.array(p.grad, dtype=np.float32, copy=True)) for k, p in self._ort_params.items()}
 
     def train(self, request: TrainRequest) -> TrainStats:
         """The request's epochs of mini-batch SGD in the batch order of :func:`fedge.learning.training.batch_order`."""
         self.check_request(request)
         r = request
         order = batch_order(len(r.x), r.epochs, r.batch_size, r.seed)
-        correction = (
-            {k: r.correction[k].detach().to(torch.float32).cpu().numpy() for k in self.meta.params}
-            if r.correction is not None
-            else None
-        )
+        terms = self._term_feeds(r)
         self._module.train()
         names = self._module.input_names()  # the exporter drops inputs a loss does not read (y for soft targets)
         n_stats = len(self.meta.stats)
@@ -236,7 +270,7 @@ class OrtTrainer:
         meter = EpochMeter(r, len(order))
         for step, idx in enumerate(order):
             self._push_parameters()
-            feeds = self._feeds(r, idx, step)
+            feeds = self._feeds(r, idx, step, terms)
             self._module.lazy_reset_grad()  # ORT accumulates gradients across steps unless told not to
             outs = self._module(*(feeds[n] for n in names))
             loss = float(outs[0])
@@ -244,8 +278,6 @@ class OrtTrainer:
                 self._weights[k] = np.array(value, dtype=np.float32, copy=True)
             for k, param in self._ort_params.items():
                 grad = np.array(param.grad, dtype=np.float32, copy=True)
-                if correction is not None:  # SCAFFOLD: g + (c - c_i), before weight decay and momentum as in eager
-                    grad += correction[k]
                 buffers[k] = _sgd_step(self._weights[k], grad, buffers[k], r.sgd)
             self._synced = False
             if not math.isfinite(loss):
@@ -302,7 +334,7 @@ class OrtTrainingBackend:
 
     def train(self, request: TrainRequest) -> TrainStats:
         check_hooks(request, RUNTIME_HOOKS[self.runtime], self.runtime)  # never drop a term the artifacts lack
-        loss = TrainingLoss(request.objective, request.prox_mu)
+        loss = TrainingLoss.of(request.objective, request.terms)
         if self._prepared and loss not in self._trainers:
             log.warning(
                 "making the %s training artifacts now, in a round: they were not among those prepared from the run "
@@ -318,6 +350,9 @@ class OrtTrainingBackend:
         self._state = trainer.get_weights()
         self._version += 1
         self._loaded[loss] = self._version
+        if request.fisher_samples > 0:  # squared gradients of the cross-entropy artifacts at the trained weights
+            ce = self._synced(TrainingLoss(CrossEntropy()))
+            stats = dataclasses.replace(stats, fisher=fisher_diagonal(ce.gradients, request))
         return stats
 
     # --- artifacts -------------------------------------------------------------------------------------------------

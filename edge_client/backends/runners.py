@@ -25,6 +25,7 @@ from fedge.programs.spec import (
     TrainingLoss,
     example_training_inputs,
     state_name,
+    term_inputs,
 )
 from fedge.types import StateDict
 
@@ -144,8 +145,8 @@ class PteTrainer:
 
     The parameters live inside the program; the batch-norm running statistics live here and go in and out of every
     step. ``get_sgd_optimizer`` updates the program's parameters in place; it is created per :meth:`train` call so
-    the momentum buffers start at zero for every task, as in :func:`fedge.learning.training.train`. SCAFFOLD's gradient
-    correction is added here to the gradients the program returns, before the optimizer step.
+    the momentum buffers start at zero for every task, as in :func:`fedge.learning.training.train`. The local terms
+    are inside the program; their round tensors (and reference weights) are inputs of every step.
     """
 
     runtime = "executorch"
@@ -175,8 +176,7 @@ class PteTrainer:
 
     def _prime(self) -> dict[str, torch.Tensor]:
         """Run one forward-backward pass: ExecuTorch exposes the parameter tensors only as outputs of a step."""
-        anchors = tuple(torch.zeros(self.meta.shapes[k]) for k in self.meta.params)
-        inputs = example_training_inputs(self.meta.model, self.loss, anchors, batch=2)
+        inputs = example_training_inputs(self.meta.model, self.loss, batch=2)
         outs = self._module.run_method(TRAIN_METHOD, (*inputs, *self._stats.values()), clone_outputs=False)
         # Not cloned: these alias the program's parameter memory, so copying into them sets the weights it uses.
         return {state_name(n): t for n, t in zip(self._fqns, outs[self._param_start :], strict=True)}
@@ -203,23 +203,38 @@ class PteTrainer:
 
     def check_request(self, request: TrainRequest) -> None:
         """ConfigError unless this program computes ``request``'s loss."""
-        wanted = TrainingLoss(request.objective, request.prox_mu)
+        wanted = TrainingLoss.of(request.objective, request.terms)
         if wanted != self.loss:
             raise ConfigError(f"{self.source} trains {self.loss.tag}, the task asks for {wanted.tag}")
 
-    def step_inputs(self, request: TrainRequest, idx: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, ...]:
+    def step_inputs(
+        self, request: TrainRequest, idx: torch.Tensor, step: int = 0, terms: Sequence[torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """The training method's inputs for the samples ``idx`` (the ``step``-th batch), in the program's input order
-        (before BN stats)."""
+        (before BN stats). ``terms``: the terms' inputs (:meth:`term_inputs`), when already made for the request."""
         r = request
         inputs = r.batch_inputs(idx, step)
         values = [r.batch_x(idx, step).contiguous(), r.y[idx].long()]
         for spec in r.objective.inputs:
             t = inputs[spec.name]
             values.append(t.bool() if spec.dtype == torch.bool else t.to(torch.float32).contiguous())
-        if self.loss.prox_mu:
-            assert r.anchor is not None
-            values.extend(r.anchor[k].to(torch.float32).contiguous() for k in self.meta.params)
+        values.extend(self.term_inputs(request) if terms is None else terms)
         return tuple(values)
+
+    def term_inputs(self, request: TrainRequest) -> list[torch.Tensor]:
+        """The terms' inputs of ``request``: the same for every step of it."""
+        return term_inputs(self.loss, self.meta.params, self.meta.weights, request.terms)
+
+    def gradients(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """:data:`fedge.learning.training.Gradients` of a cross-entropy program (no objective inputs, no terms): one
+        forward-backward pass, no step; the BN statistics stay as they were."""
+        if self.loss.objective.inputs or self.loss.terms:
+            raise ConfigError(f"{self.source} trains {self.loss.tag}; gradients are read from a cross-entropy program")
+        outs = self._module.run_method(TRAIN_METHOD, (x.contiguous(), y.long(), *self._stats.values()))
+        return {
+            state_name(n): g.clone()
+            for n, g in zip(self._fqns, outs[self._grad_start : self._param_start], strict=True)
+        }
 
     def optimizer(self, sgd: SGDSettings) -> Any:
         """A fresh ExecuTorch SGD optimizer over the program's parameters (momentum buffers at zero)."""
@@ -229,9 +244,7 @@ class PteTrainer:
         # dampening 0 and no Nesterov: torch.optim.SGD's defaults, as in fedge.learning.training.train.
         return get_sgd_optimizer(params, sgd.lr, sgd.momentum, 0.0, sgd.weight_decay, False)
 
-    def step(
-        self, optimizer: Any, inputs: tuple[torch.Tensor, ...], correction: Mapping[str, torch.Tensor] | None = None
-    ) -> float:
+    def step(self, optimizer: Any, inputs: tuple[torch.Tensor, ...]) -> float:
         """One training step on inputs from :meth:`step_inputs`: forward, backward, BN statistics, SGD update."""
         if len(inputs[0]) > self.meta.max_batch:
             raise ConfigError(
@@ -245,9 +258,6 @@ class PteTrainer:
         loss = float(outs[0])
         self._stats = {k: t.clone() for k, t in zip(self.meta.stats, outs[2 : 2 + n_stats], strict=True)}
         grads = dict(zip(self._fqns, outs[self._grad_start : self._param_start], strict=True))
-        if correction is not None:  # SCAFFOLD: g + (c - c_i), before momentum and weight decay as in eager
-            for fqn, g in grads.items():
-                g.add_(correction[state_name(fqn)])
         optimizer.step(grads)
         if not math.isfinite(loss):
             log.warning("%s: non-finite loss %s", self.source, loss)
@@ -258,13 +268,11 @@ class PteTrainer:
         self.check_request(request)
         order = batch_order(len(request.x), request.epochs, request.batch_size, request.seed)
         optimizer = self.optimizer(request.sgd)
-        correction = (
-            {k: request.correction[k].to(torch.float32) for k in self.meta.params} if request.correction else None
-        )
+        terms = self.term_inputs(request)
         total, samples = 0.0, 0
         meter = EpochMeter(request, len(order))
         for step, idx in enumerate(order):
-            loss = self.step(optimizer, self.step_inputs(request, idx, step), correction)
+            loss = self.step(optimizer, self.step_inputs(request, idx, step, terms))
             total += loss
             meter.step(loss)
             samples += len(idx)

@@ -81,15 +81,15 @@ def generate(spec: ModelSpec, loss: TrainingLoss, directory: Path, *, weights: S
     stats = stat_names(model)
     state = model.state_dict()
     stat_values = tuple(state[k].detach().clone() for k in stats)
-    anchors = tuple(p.detach().clone() for p in model.parameters()) if loss.prox_mu else ()
+    example = example_training_inputs(spec, loss, model, batch=4)
     graph = TrainingGraph(model.train(), loss)
-    names = training_input_names(loss, params)
+    names = training_input_names(loss, params, tuple(shapes))
     per_sample = ["x", "y", *(i.name for i in loss.objective.inputs if i.per_sample)]
     outputs = [LOSS_OUTPUT, LOGITS_OUTPUT, *(f"new.{k}" for k in stats)]
     try:
         proto = export_graph(
             graph,
-            (*example_training_inputs(spec, loss, anchors, batch=4), *stat_values),
+            (*example, *stat_values),
             (*names, *stats),
             outputs,
             per_sample,

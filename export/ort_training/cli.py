@@ -19,6 +19,7 @@ from export.ort_training.check import check_artifacts
 from export.ort_training.timing import step_times
 from fedge.errors import ConfigError, ExportError
 from fedge.learning.objectives import OBJECTIVES, make_objective, objective_kinds
+from fedge.learning.terms import terms_from_flags
 from fedge.programs.spec import ModelSpec, TrainingLoss
 
 
@@ -48,6 +49,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--beta", type=float, default=1.0, help="distillation weight baked into ntd artifacts")
     p.add_argument("--gamma", type=float, default=1.0, help="FD regularizer weight baked into fd artifacts")
     p.add_argument("--prox-mu", type=float, default=0.0, help="FedProx: bake the proximal term mu in")
+    p.add_argument(
+        "--term",
+        action="append",
+        default=[],
+        metavar="KIND[:name=value,...]",
+        help="a local term baked in, e.g. prox:mu=0.1 or moon:mu=1,tau=0.5 (repeat for several, in the loss's order)",
+    )
     p.add_argument("--out", type=Path, default=None, help="artifact directory (default: the program cache)")
     p.add_argument("--batch", type=int, default=50, help="bench: batch size")
     p.add_argument("--threads", type=int, default=1, help="bench: threads for both runtimes")
@@ -63,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         given = {"tau": args.tau, "beta": args.beta, "gamma": args.gamma}
         fields = {f.name for f in dataclasses.fields(OBJECTIVES[kind])}
         objective = make_objective(kind, {k: repr(float(v)) for k, v in given.items() if k in fields})
-        loss = TrainingLoss(objective, float(args.prox_mu))
+        loss = TrainingLoss(objective, terms_from_flags(args.term, float(args.prox_mu)))
         try:
             if args.command == "check":  # what is there, without making anything
                 for report in check_artifacts(ArtifactDirectory(args.out)(spec, loss)):

@@ -1,12 +1,14 @@
 """The torch modules exported as ONNX Runtime training and eval graphs, and their ONNX export.
 
-:class:`TrainingGraph`: ``(x, y, *objective inputs, *anchors, *bn stats) -> (loss, logits, *new bn stats)``;
+:class:`TrainingGraph`: ``(x, y, *objective inputs, *term inputs, *bn stats) -> (loss, logits, *new bn stats)``, the
+loss being :func:`fedge.learning.terms.batch_loss` (the objective plus the local terms, as eager training computes it);
 :class:`EvalGraph`: ``(x, *bn stats) -> logits``. Batch norm runs as :class:`StatBatchNorm`, its running statistics
 passed in and out as tensors (ORT training keeps no mutable buffers).
 """
 
 from __future__ import annotations
 
+import copy
 import tempfile
 import warnings
 from collections.abc import Sequence
@@ -17,7 +19,9 @@ import torch
 from torch import nn
 
 from fedge.errors import ExportError
-from fedge.programs.spec import TrainingLoss, stat_names
+from fedge.learning.terms import batch_loss, needs_representation
+from fedge.learning.training import representation_and_logits
+from fedge.programs.spec import TrainingLoss, describe_weights, split_term_inputs, stat_names
 
 OPSET = 17
 LOSS_OUTPUT, LOGITS_OUTPUT = "loss", "logits"
@@ -104,26 +108,54 @@ class _StatsFeeder(nn.Module):
 
 
 class TrainingGraph(_StatsFeeder):
-    """``forward(x, y, *objective_inputs, *anchors, *bn_stats) -> (loss, logits, *new_bn_stats)``."""
+    """``forward(x, y, *objective_inputs, *term_inputs, *bn_stats) -> (loss, logits, *new_bn_stats)``."""
 
     def __init__(self, model: nn.Module, loss: TrainingLoss) -> None:
+        weight_names = tuple(describe_weights(model))
+        # The reference models of a term (MOON): the same architecture, every weight an input, in eval mode; kept out
+        # of this module's parameters (a list attribute is not registered).
+        reference = copy.deepcopy(model) if any(t.references for t in loss.terms) else None
         super().__init__(model)
         self.loss = loss
+        self.weight_names = weight_names
+        self._reference = [_StatsFeeder(reference).eval()] if reference is not None else []
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        objective = self.loss.objective
+        objective, terms = self.loss.objective, self.loss.terms
         n = len(objective.inputs)
-        n_anchor = len(self.param_names) if self.loss.prox_mu else 0
         inputs = {spec.name: t for spec, t in zip(objective.inputs, args[:n], strict=True)}
-        anchors = args[n : n + n_anchor]
-        self.feed(args[n + n_anchor :])
-        logits = self.model(x)
-        loss = objective.loss(logits, y, inputs)
-        if self.loss.prox_mu:
-            params = dict(self.model.named_parameters())
-            prox = sum((params[k] - a).pow(2).sum() for k, a in zip(self.param_names, anchors, strict=True))
-            loss = loss + 0.5 * self.loss.prox_mu * prox
+        (tensors, references), stats = split_term_inputs(self.loss, self.param_names, self.weight_names, args[n:])
+        self.feed(stats)
+        params = dict(self.model.named_parameters())
+        if not needs_representation(terms):
+            logits = self.model(x)
+            loss = batch_loss(objective, terms, logits, y, inputs, params=params, tensors=tensors)
+        else:
+            z, logits = representation_and_logits(self.model, x)
+            reference_z = [{r: self._represent(w, x) for r, w in refs.items()} for refs in references]
+            loss = batch_loss(
+                objective, terms, logits, y, inputs, params=params, tensors=tensors, z=z, reference_z=reference_z
+            )
         return (loss, logits.detach(), *self.new_stats())
+
+    def _represent(self, weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """A reference model's eval-mode representation of ``x`` from its weights (inputs of the graph). Its
+        parameters are swapped for the inputs by hand: the TorchScript tracer refuses ``torch.func.functional_call``."""
+        feeder = self._reference[0]
+        feeder.feed([weights[k] for k in feeder.stat_names])
+        modules = dict(feeder.model.named_modules())
+        saved = []
+        for k in feeder.param_names:
+            owner, _, attr = k.rpartition(".")
+            module = modules[owner]
+            saved.append((module, attr, module._parameters[attr]))
+            module._parameters[attr] = weights[k]
+        try:
+            z, _ = representation_and_logits(feeder.model, x)
+        finally:
+            for module, attr, param in saved:
+                module._parameters[attr] = param
+        return z.detach()
 
 
 class EvalGraph(_StatsFeeder):

@@ -80,10 +80,8 @@ class LocalTraining:
         y: torch.Tensor,
         objective: Objective,
         inputs: Mapping[str, torch.Tensor] | None = None,
-        references: Mapping[str, StateDict] | None = None,
     ) -> TrainRequest:
-        """The local training of these settings on (x, y): one place, so no algorithm forgets the augmentation.
-        ``references``: the frozen models an objective with :attr:`Objective.references` compares with (MOON)."""
+        """The local training of these settings on (x, y): one place, so no algorithm forgets the augmentation."""
         return TrainRequest(
             x,
             y,
@@ -94,7 +92,6 @@ class LocalTraining:
             self.seed,
             inputs=dict(inputs or {}),
             augment=self.augmentation(x),
-            references=dict(references or {}),
         )
 
 
@@ -398,7 +395,7 @@ class Algorithm(Generic[SettingsT]):
     exchange: Literal["weights", "outputs"] = "weights"
     needs_open_set: bool = False  # DS-FL: clients and server hold the unlabeled open set
     has_global_model: bool = True  # FD has none: clients report their own accuracy
-    hooks: frozenset[str] = frozenset()  # training hooks beyond the proximal term and the correction (training.HOOKS)
+    hooks: frozenset[str] = frozenset()  # what it needs of a model and runtime beyond logits (training.HOOKS)
     describe: Callable[[SettingsT], str] = field(default=lambda settings: "")  # hyperparameters for report legends
     # Why secure aggregation (fedge.secagg.strategy) cannot run this algorithm yet, for the start-up error; "" when
     # its server half needs nothing but the weighted mean of the replies' weights, which a secure sum gives.

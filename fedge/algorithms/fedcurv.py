@@ -9,9 +9,9 @@ Client k's local loss in round t is
 with ``u_j`` the diagonal Fisher information of client j's last local model ``w_j`` and ``v_j = u_j * w_j``; up to a
 constant this is ``lambda * sum_j (w - w_j)^T diag(u_j) (w - w_j)``. With ``P = sum_{j != k} u_j`` and
 ``Q = sum_{j != k} v_j`` it is one Fisher-weighted pull ``lambda * sum P * (w - Q/P)^2`` (a constant apart) to the
-other clients' Fisher-weighted mean weights: the training request's proximal term with ``prox_mu = 2 * lambda``,
-``prox_weights = P`` and ``anchor = Q / P`` (0 where P = 0), a hook only the torch runtime runs (the exported programs
-have no per-element weights, so their clients are refused at admission).
+other clients' Fisher-weighted mean weights: the local term :class:`FisherProximal` with ``mu = 2 * lambda``,
+``weights = P`` and ``anchor = Q / P`` (0 where P = 0), which every runtime evaluates (both tensors are inputs of the
+exported programs). The Fisher pass after training is every runtime's own (the request's ``fisher_samples``).
 
 Where the paper is vague, this follows the FedNTD authors' implementation (Lee-Gihun/FedNTD,
 ``algorithms/fedcurv``), whose Table 1 includes FedCurv:
@@ -58,7 +58,8 @@ from fedge.algorithms.base import (
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.config import RunConfig
 from fedge.errors import CodecError, ConfigError
-from fedge.learning.training import FISHER, WEIGHTED_PROX, TrainRequest, TrainStats
+from fedge.learning.terms import LocalTerm, TermBatch, TermCall, register_term
+from fedge.learning.training import TrainRequest, TrainStats
 from fedge.types import ClientId, StateDict
 from fedge.wire.fields import bounded
 from fedge.wire.message import Message
@@ -82,6 +83,27 @@ class FedCurvSettings(FedAvgSettings):
         super().__post_init__()
         if not self.curv_lambda >= 0:
             raise ConfigError(f"curv_lambda must be >= 0, got {self.curv_lambda}")
+
+
+@register_term
+@dataclass(frozen=True)
+class FisherProximal(LocalTerm):
+    """``mu/2 * sum F * (w - anchor)^2`` per element over the trainable parameters: a Fisher-weighted pull (F = 1 is
+    FedProx's term)."""
+
+    kind = "fisher_prox"
+    tensors = ("anchor", "weights")
+    mu: float = 2.0
+
+    def __call__(self, b: TermBatch) -> torch.Tensor:
+        anchor, weights = b.tensors["anchor"], b.tensors["weights"]
+        squares = [(weights[k] * (p - anchor[k]).pow(2)).sum() for k, p in b.params.items()]
+        return 0.5 * self.mu * sum(squares)  # type: ignore[return-value]
+
+    def example_tensor(self, name: str, param: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        if name == "weights":  # a diagonal Fisher: >= 0, of the size the squared gradients have
+            return torch.rand(param.shape, generator=gen, dtype=param.dtype)
+        return super().example_tensor(name, param, gen)
 
 
 class FedCurv(FedAvg[FedCurvSettings]):
@@ -184,13 +206,10 @@ class FedCurvClient(FedAvgClient[FedCurvSettings]):
         p = {k: (u_sum[k] - own_u[k]).clamp(min=0) for k in u_sum}  # sum over the other clients
         q = {k: v_sum[k] - own_v[k] for k in v_sum}
         anchor = {k: torch.where(p[k] > 0, q[k] / p[k], torch.zeros_like(q[k])) for k in p}
-        return dataclasses.replace(
-            super().request(r),
-            prox_mu=2.0 * r.settings.curv_lambda,
-            prox_weights=p,
-            anchor=anchor,
-            fisher_samples=r.settings.fisher_samples,
-        )
+        request = super().request(r)
+        pull = TermCall(FisherProximal(mu=2.0 * r.settings.curv_lambda), {"anchor": anchor, "weights": p})
+        terms = (*request.terms, pull) if r.settings.curv_lambda > 0 else request.terms
+        return dataclasses.replace(request, terms=terms, fisher_samples=r.settings.fisher_samples)
 
     def upload(self, r: LocalRound[FedCurvSettings], weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
         if stats.fisher is None:
@@ -235,7 +254,6 @@ ALGORITHM = Algorithm(
     server=FedCurv,
     client=FedCurvClient(),
     traffic=fedcurv_traffic,
-    hooks=frozenset({WEIGHTED_PROX, FISHER}),
     describe=lambda s: f"λ={s.curv_lambda:g}",
     secagg_gap="FedCurv keeps every client's Fisher terms by client, which secure aggregation would hide; summing them "
     "securely instead is not built yet",

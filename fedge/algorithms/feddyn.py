@@ -7,9 +7,10 @@ Client k, sampled in round t with the server model ``theta^{t-1}``, minimizes
     L_k(theta) - <g_k, theta> + alpha/2 * ||theta - theta^{t-1}||^2
 
 where ``g_k`` (= grad L_k at its previous local optimum, zeros at first) lives in the client's own store. The linear
-term's gradient is the constant ``-g_k``: it travels as the training request's gradient ``correction`` and the
-quadratic as its proximal term (``prox_mu = alpha``, anchored at the received weights), so every runtime that runs
-SCAFFOLD and FedProx runs FedDyn. After training, ``g_k <- g_k - alpha * (theta_k^t - theta^{t-1})``.
+term is SCAFFOLD's local term :class:`fedge.algorithms.scaffold.Correction` with ``c = -g_k`` (its gradient) and
+the quadratic FedProx's :class:`fedge.algorithms.fedprox.Proximal` with ``mu = alpha``, anchored at the received
+weights, so every runtime that runs SCAFFOLD and FedProx runs FedDyn. After training,
+``g_k <- g_k - alpha * (theta_k^t - theta^{t-1})``.
 
 The server keeps ``h`` (zeros at first): ``h <- h - alpha/m * sum_{k in P_t} (theta_k^t - theta^{t-1})`` with m the
 number of clients, and ``theta^t = avg(theta_k^t) - h / alpha``, the average being FedAvg's (by data size, as the FedNTD
@@ -39,8 +40,11 @@ from fedge.algorithms.base import (
     weights_traffic,
 )
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
+from fedge.algorithms.fedprox import proximal
+from fedge.algorithms.scaffold import Correction
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
+from fedge.learning.terms import TermCall
 from fedge.learning.training import TrainRequest, TrainStats
 from fedge.types import ClientId, StateDict
 from fedge.wire.fields import bounded
@@ -95,11 +99,10 @@ class FedDynClient(FedAvgClient[FedDynSettings]):
 
     def request(self, r: LocalRound[FedDynSettings]) -> TrainRequest:
         own = _own_gradient(r.store, r.global_weights)
+        request = super().request(r)
+        linear = TermCall(Correction(), {"c": {k: -g for k, g in own.items()}})  # -<g_k, theta>
         return dataclasses.replace(
-            super().request(r),
-            prox_mu=r.settings.dyn_alpha,
-            anchor=r.global_weights,
-            correction={k: -g for k, g in own.items()},  # the gradient of -<g_k, theta>
+            request, terms=(*request.terms, *proximal(r.settings.dyn_alpha, r.global_weights), linear)
         )
 
     def upload(self, r: LocalRound[FedDynSettings], weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:

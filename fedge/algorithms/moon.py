@@ -18,16 +18,15 @@ round, or after losing its store) compares with the received global model twice,
 and its first round is plain cross-entropy; the FedNTD authors' server starts every client from the initial global
 model instead, which a fedge client does not hold.
 
-The loss needs the representation hook of :mod:`fedge.learning.training`, which only the torch runtime runs: the
-exported programs compute a loss of the logits only, so executorch and onnxruntime-training clients are refused at
-admission.
-The objective is therefore not registered with :func:`fedge.learning.objectives.register_objective` (whose objectives
-every program exporter must build). Traffic is FedAvg's: the previous model never leaves the client.
+The contrastive part is the local term :class:`ModelContrastive`, added to the cross-entropy; the reference models'
+weights arrive with it each round, so every runtime evaluates it (the exported programs take both models' weights as
+inputs and compute their eval-mode representations of each batch inside the program). Traffic is FedAvg's: the
+previous model never leaves the client.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from fedge.algorithms.base import Algorithm, ClientStore, weights_traffic
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.errors import ConfigError
-from fedge.learning.objectives import Objective
+from fedge.learning.terms import LocalTerm, TermBatch, TermCall, register_term
 from fedge.learning.training import REPRESENTATION, TrainRequest, TrainStats
 from fedge.types import StateDict
 from fedge.wire.fields import bounded
@@ -55,41 +54,37 @@ class MoonSettings(FedAvgSettings):
             raise ConfigError(f"moon_tau must be > 0, got {self.moon_tau}")
 
 
+@register_term
 @dataclass(frozen=True)
-class ModelContrastive(Objective):
-    """``CE + mu * l_con`` (MOON) on the representations of the trained, the global and the previous model."""
+class ModelContrastive(LocalTerm):
+    """``mu * l_con`` (MOON eq. 3 with weight mu) on the representations of the trained, the global and the previous
+    model."""
 
     kind = "moon"
     references = ("global", "previous")
+    representation = True
     mu: float = 1.0
     tau: float = 0.5
 
-    def loss(self, logits: torch.Tensor, y: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        raise ConfigError("MOON's loss needs representations; train it through representation_loss")
-
-    def representation_loss(
-        self,
-        logits: torch.Tensor,
-        z: torch.Tensor,
-        y: torch.Tensor,
-        inputs: Mapping[str, torch.Tensor],
-        reference_z: Mapping[str, torch.Tensor],
-    ) -> torch.Tensor:
-        positive = F.cosine_similarity(z, reference_z["global"], dim=-1)
-        negative = F.cosine_similarity(z, reference_z["previous"], dim=-1)
+    def __call__(self, b: TermBatch) -> torch.Tensor:
+        z = b.z
+        assert z is not None  # a term with ``representation`` is given it
+        positive = F.cosine_similarity(z, b.reference_z["global"], dim=-1)
+        negative = F.cosine_similarity(z, b.reference_z["previous"], dim=-1)
         # -log(e^p / (e^p + e^n)) is the cross-entropy of the logits (p, n) / tau for the label 0.
         contrast = torch.stack([positive, negative], dim=1) / self.tau
-        l_con = F.cross_entropy(contrast, torch.zeros(len(z), dtype=torch.long, device=z.device))
-        return F.cross_entropy(logits, y) + self.mu * l_con
+        zeros = torch.zeros_like(b.y)  # label 0 for every sample (made from y: a traced program keeps the batch size)
+        return self.mu * F.cross_entropy(contrast, zeros)
 
 
 class MoonClient(FedAvgClient[MoonSettings]):
     settings_type = MoonSettings
 
     def request(self, r: LocalRound[MoonSettings]) -> TrainRequest:
-        objective = ModelContrastive(mu=r.settings.moon_mu, tau=r.settings.moon_tau)
         references = {"global": r.global_weights, "previous": _previous(r.store, r.global_weights)}
-        return r.training.request(r.data.x, r.data.y, objective, references=references)
+        term = TermCall(ModelContrastive(mu=r.settings.moon_mu, tau=r.settings.moon_tau), references=references)
+        request = super().request(r)
+        return dataclasses.replace(request, terms=(*request.terms, term))
 
     def upload(self, r: LocalRound[MoonSettings], weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
         for k, v in weights.items():

@@ -4,10 +4,10 @@ each local step for the client's drift.
 Server state: global weights ``x`` and server control variate ``c`` (one value per trainable parameter, zeros at
 first). Each round the server broadcasts ``(x, c)``. Client i keeps its own control variate ``c_i`` (zeros at first)
 and takes K local steps ``y <- y - lr * (g_i(y) + c - c_i)`` (line 10: the correction ``c - c_i`` is added to every
-gradient, see :class:`fedge.learning.training.TrainRequest`), then sets ``c_i+ = c_i - c + (x - y) / (K * lr)`` (line
-12, option II) and uploads ``y`` together with ``delta_c = c_i+ - c_i``. The server moves ``x <- x + lr_g * (avg(y) -
-x)``
-(line 16, averaged as FedAvg does) and ``c <- c + |S|/N * mean(delta_c)`` (line 17).
+gradient: the local term :class:`Correction`, the linear term ``<c - c_i, y>`` whose gradient it is), then sets
+``c_i+ = c_i - c + (x - y) / (K * lr)`` (line 12, option II) and uploads ``y`` together with ``delta_c = c_i+ - c_i``.
+The server moves ``x <- x + lr_g * (avg(y) - x)`` (line 16, averaged as FedAvg does) and
+``c <- c + |S|/N * mean(delta_c)`` (line 17).
 
 Local steps here are momentum SGD (FedNTD B.3). Option II's ``(x - y) / (K * lr)`` is the mean update direction for
 plain SGD; with momentum m, K steps move the weights by about ``K * lr / (1 - m)`` per unit of gradient, so the
@@ -42,6 +42,7 @@ from fedge.algorithms.base import (
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
+from fedge.learning.terms import LocalTerm, TermBatch, TermCall, register_term
 from fedge.learning.training import TrainRequest, TrainStats
 from fedge.types import ClientId, StateDict
 from fedge.wire.fields import server_only
@@ -101,6 +102,20 @@ class Scaffold(FedAvg[ScaffoldSettings]):
         return metrics
 
 
+@register_term
+@dataclass(frozen=True)
+class Correction(LocalTerm):
+    """``sum <c, w>`` over the trainable parameters: a linear term whose gradient, ``c`` exactly, is added to every
+    parameter's gradient (SCAFFOLD Algorithm 1 line 10 with ``c = c - c_i``; FedDyn's ``-<g_k, theta>``)."""
+
+    kind = "correction"
+    tensors = ("c",)
+
+    def __call__(self, b: TermBatch) -> torch.Tensor:
+        c = b.tensors["c"]
+        return sum((c[k] * p).sum() for k, p in b.params.items())  # type: ignore[return-value]
+
+
 class ScaffoldClient(FedAvgClient[ScaffoldSettings]):
     settings_type = ScaffoldSettings
 
@@ -109,7 +124,9 @@ class ScaffoldClient(FedAvgClient[ScaffoldSettings]):
 
     def request(self, r: LocalRound[ScaffoldSettings]) -> TrainRequest:
         control, own = _server_control(r.broadcast), _own_control(r.store, r.broadcast)
-        return dataclasses.replace(super().request(r), correction={k: control[k] - own[k] for k in control})  # c - c_i
+        request = super().request(r)
+        correction = TermCall(Correction(), {"c": {k: control[k] - own[k] for k in control}})  # c - c_i
+        return dataclasses.replace(request, terms=(*request.terms, correction))
 
     def upload(self, r: LocalRound[ScaffoldSettings], weights: StateDict, stats: TrainStats) -> dict[str, torch.Tensor]:
         control, own = _server_control(r.broadcast), _own_control(r.store, r.broadcast)

@@ -5,7 +5,8 @@ An objective is a frozen dataclass of hyperparameters (fixed for a round, or bak
 :attr:`Objective.inputs`: per-sample tensors such as the teacher's logits (indexed with each mini-batch) and
 per-round constants such as FedCAD's class weights. Each algorithm module defines and registers the objectives it
 trains with (``@register_objective``); :mod:`export` builds programs from the same classes, so the loss a device
-runs is the loss the simulator runs.
+runs is the loss the simulator runs. What an algorithm adds to an objective (a proximal term, a contrastive term) is a
+local term (:mod:`fedge.learning.terms`).
 """
 
 from __future__ import annotations
@@ -47,23 +48,10 @@ class Objective(ABC):
 
     kind: ClassVar[str]
     inputs: ClassVar[tuple[ObjectiveInput, ...]] = ()
-    references: ClassVar[tuple[str, ...]] = ()
-    """Frozen models (by name, their weights in :attr:`fedge.learning.training.TrainRequest.references`) whose
-    representation of each batch the loss compares with the trained model's (MOON). An objective that names any is
-    trained through
-    :meth:`representation_loss`, on a runtime that supports the ``representation`` hook."""
 
     @abstractmethod
     def loss(self, logits: Tensor, y: Tensor, inputs: Mapping[str, Tensor]) -> Tensor:
         """Batch-mean loss of ``logits`` (B, C) for labels ``y`` (B,), with this batch's rows of the inputs."""
-
-    def representation_loss(
-        self, logits: Tensor, z: Tensor, y: Tensor, inputs: Mapping[str, Tensor], reference_z: Mapping[str, Tensor]
-    ) -> Tensor:
-        """The loss of an objective with :attr:`references`: also sees the trained model's representation ``z``
-        (B, D) of the batch (its penultimate layer, :mod:`fedge.learning.models`) and each reference model's,
-        ``reference_z``."""
-        raise NotImplementedError(f"objective {self.kind!r} does not use representations")
 
     @property
     def params(self) -> dict[str, str]:

@@ -1,26 +1,16 @@
 """Local optimization shared by every runtime: the training request, the batch order and the eager SGD loop.
 
 One contract for local training: a frozen :class:`TrainRequest` (data, objective, optimizer settings, epochs, batch
-size, shuffle seed, the objective's inputs, and the hooks FedProx and SCAFFOLD need), answered with
-:class:`TrainStats`. A request may carry an ``on_epoch`` observer, called with an :class:`EpochProgress` after each
-epoch (an edge client logs it, and raises from it to abandon a task whose deadline passed); it never changes results.
-Every runtime (PyTorch here; ExecuTorch and ONNX Runtime in ``edge_client``) implements it and follows the same batch
-order, :func:`batch_order`, so the same task gives the same weights whichever runtime runs it.
+size, shuffle seed, the objective's inputs, and the local terms the algorithm adds, :mod:`fedge.learning.terms`),
+answered with :class:`TrainStats`. A request may carry an ``on_epoch`` observer, called with an :class:`EpochProgress`
+after each epoch (an edge client logs it, and raises from it to abandon a task whose deadline passed); it never changes
+results. Every runtime (PyTorch here; ExecuTorch and ONNX Runtime in ``edge_client``) implements it and follows the
+same batch order, :func:`batch_order`, so the same task gives the same weights whichever runtime runs it.
 
-The training hooks, declared by the request and implemented once per runtime; they act on the trainable parameters
-only (never on batch-norm statistics):
-- ``prox_mu`` and ``anchor`` add FedProx's proximal term ``mu/2 * ||w - w_anchor||^2`` to the loss (FedProx eq. 2);
-  with ``prox_weights`` F it is Fisher-weighted, ``mu/2 * sum F * (w - w_anchor)^2`` per element (FedCurv);
-- ``correction`` is added to each parameter's gradient before the optimizer step, SCAFFOLD's corrected update
-  ``y <- y - lr * (g(y) + c - c_i)`` (SCAFFOLD Algorithm 1, line 10) with ``correction = c - c_i`` (the gradient of a
-  linear term, FedDyn's);
-- an objective with ``references`` sees the model's representation (its penultimate layer) and that of each frozen
-  reference model in ``references`` on the same batch (MOON);
-- ``fisher_samples`` > 0 asks for the diagonal empirical Fisher information of the trained weights in the answer
-  (:func:`fisher_diagonal`, FedCurv).
-The first two run on every runtime. The others are named in :data:`HOOKS`; a runtime that cannot run one says so
-(``edge_client.backends.RUNTIME_HOOKS``), so a client on it is refused at admission, and refuses such a request
-with :func:`check_hooks` rather than silently dropping the term.
+The batch loss is :func:`fedge.learning.terms.batch_loss`: the objective plus each term of the request, the one
+expression every runtime computes (the exporters trace it into their programs). A request may also ask for the
+diagonal empirical Fisher information of the trained weights (``fisher_samples`` > 0, :func:`fisher_diagonal`): a
+statistic of the answer, not a term, that every runtime computes from its own gradients of the objective's loss.
 
 Every runtime takes a batch's inputs from :meth:`TrainRequest.batch_x`, which applies the request's augmentation
 (:mod:`fedge.data.augment`) on the host, so an exported program trains on exactly the images eager PyTorch does.
@@ -43,6 +33,7 @@ from fedge.data.augment import Augmentation, augment_batch, black_level
 from fedge.errors import ConfigError
 from fedge.learning.models import load_exchanged_state
 from fedge.learning.objectives import Objective
+from fedge.learning.terms import TermCall, batch_loss, needs_representation
 from fedge.types import StateDict
 
 
@@ -135,12 +126,8 @@ class TrainRequest:
     batch_size: int
     seed: int  # shuffle seed of :func:`batch_order`
     inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)  # the objective's inputs by name
-    prox_mu: float = 0.0  # FedProx: weight of the proximal term
-    anchor: StateDict | None = None  # FedProx: the weights the proximal term pulls towards
-    correction: StateDict | None = None  # SCAFFOLD: added to each trainable parameter's gradient
-    prox_weights: StateDict | None = None  # FedCurv: per-element weights of the proximal term (None: all ones)
-    references: Mapping[str, StateDict] = field(default_factory=dict)  # MOON: frozen models the loss compares with
-    fisher_samples: int = 0  # FedCurv: > 0 returns the diagonal Fisher of the trained weights from this many samples
+    terms: tuple[TermCall, ...] = ()  # what the algorithm adds to the objective, with this round's tensors
+    fisher_samples: int = 0  # > 0: answer with the diagonal Fisher of the trained weights from this many samples
     augment: Augmentation = field(
         default_factory=Augmentation
     )  # random crop/flip/Cutout of each batch (fedge.data.augment)
@@ -155,17 +142,9 @@ class TrainRequest:
             raise ConfigError(f"x has {len(self.x)} samples but y has {len(self.y)}")
         if self.epochs < 0 or self.batch_size < 1:
             raise ConfigError(f"need epochs >= 0 and batch_size >= 1, got {self.epochs} and {self.batch_size}")
-        if not (math.isfinite(self.prox_mu) and self.prox_mu >= 0):
-            raise ConfigError(f"prox_mu must be >= 0, got {self.prox_mu}")
-        if self.prox_mu > 0 and self.anchor is None:
-            raise ConfigError("a proximal term (prox_mu > 0) needs anchor weights")
-        if self.prox_weights is not None and self.anchor is None:
-            raise ConfigError("per-element proximal weights need anchor weights")
-        if set(self.references) != set(self.objective.references):
-            raise ConfigError(
-                f"objective {self.objective.kind!r} compares with reference models {sorted(self.objective.references)}"
-                f", got {sorted(self.references)}"
-            )
+        kinds = [c.term.kind for c in self.terms]
+        if len(set(kinds)) != len(kinds):
+            raise ConfigError(f"a request takes each local term once, got {kinds}")
         if self.fisher_samples < 0:
             raise ConfigError(f"fisher_samples must be >= 0, got {self.fisher_samples}")
         names = {i.name for i in self.objective.inputs}
@@ -260,21 +239,16 @@ class TrainStats:
     fisher: StateDict | None = None  # the diagonal Fisher of the trained weights, when the request asked for it
 
 
-WEIGHTED_PROX = "weighted_prox"
 REPRESENTATION = "representation"
-FISHER = "fisher"
-HOOKS = (WEIGHTED_PROX, REPRESENTATION, FISHER)
-"""The training hooks a runtime may lack (the plain proximal term and the gradient correction run everywhere)."""
+HOOKS = (REPRESENTATION,)
+"""What an algorithm may need of a model and a runtime beyond a loss of the logits: ``representation``, the
+``representation(x)`` / ``head(z)`` split of the model that a term reading representations uses (MOON, FedDecorr).
+Every training runtime runs it (``edge_client.backends.RUNTIME_HOOKS``); a plugin model must have the split."""
 
 
 def required_hooks(request: TrainRequest) -> frozenset[str]:
     """The hooks of :data:`HOOKS` that ``request`` uses."""
-    used = {
-        WEIGHTED_PROX: request.prox_weights is not None,
-        REPRESENTATION: bool(request.objective.references),
-        FISHER: request.fisher_samples > 0,
-    }
-    return frozenset(name for name, on in used.items() if on)
+    return frozenset({REPRESENTATION}) if needs_representation([c.term for c in request.terms]) else frozenset()
 
 
 def check_hooks(request: TrainRequest, supported: frozenset[str], runtime: str) -> None:
@@ -300,18 +274,6 @@ def batch_order(num_samples: int, epochs: int, batch_size: int, seed: int) -> li
     return batches
 
 
-def proximal_term(model: nn.Module, anchor: StateDict, mu: float, weights: StateDict | None = None) -> torch.Tensor:
-    """``mu/2 * sum ||w - w_anchor||^2`` over the trainable parameters (FedProx eq. 2); with ``weights`` F,
-    ``mu/2 * sum F * (w - w_anchor)^2`` per element (a Fisher-weighted pull, FedCurv)."""
-    total = torch.zeros((), device=next(model.parameters()).device)
-    for name, p in model.named_parameters():
-        square = (p - anchor[name].to(p.device)).pow(2)
-        if weights is not None:
-            square = weights[name].to(p.device) * square
-        total = total + square.sum()
-    return 0.5 * mu * total
-
-
 def representation_and_logits(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's representation of ``x`` (its penultimate layer, ``model.representation``) and the logits from it
     (``model.head``); ConfigError for a model without that split (every model of :mod:`fedge.learning.models` has
@@ -323,6 +285,19 @@ def representation_and_logits(model: nn.Module, x: torch.Tensor) -> tuple[torch.
     return z, head(z)
 
 
+class Split(nn.Module):
+    """``forward(x) -> (z, logits)``: ``model`` as ``head(representation(x))``, for terms that read representations in a
+    functional call (the batched executor, the exported programs); it holds the model as ``self.model``, so the call
+    names the model's weights ``model.<name>``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return representation_and_logits(self.model, x)
+
+
 def _frozen(model: nn.Module, weights: StateDict) -> nn.Module:
     """A copy of ``model`` with ``weights``, in eval mode and without gradients: a reference the loss compares with."""
     frozen = copy.deepcopy(model)
@@ -332,49 +307,72 @@ def _frozen(model: nn.Module, weights: StateDict) -> nn.Module:
     return frozen
 
 
-def _batch_loss(
+def _loss(
     model: nn.Module,
     r: TrainRequest,
     xb: torch.Tensor,
     yb: torch.Tensor,
     inputs: Mapping[str, torch.Tensor],
-    references: Mapping[str, nn.Module],
+    params: Mapping[str, torch.Tensor],
+    tensors: list[dict[str, dict[str, torch.Tensor]]],
+    references: list[dict[str, nn.Module]],
 ) -> torch.Tensor:
-    """The objective's loss of one batch, through the representation hook when the objective compares models."""
-    if not references:
-        return r.objective.loss(model(xb), yb, inputs)
+    """One batch's loss (:func:`fedge.learning.terms.batch_loss`), through the representation when a term reads it."""
+    terms = [c.term for c in r.terms]
+    if not needs_representation(terms):
+        return batch_loss(r.objective, terms, model(xb), yb, inputs, params=params, tensors=tensors)
     z, logits = representation_and_logits(model, xb)
     with torch.no_grad():
-        reference_z = {name: representation_and_logits(m, xb)[0] for name, m in references.items()}
-    return r.objective.representation_loss(logits, z, yb, inputs, reference_z)
+        reference_z = [{name: representation_and_logits(m, xb)[0] for name, m in refs.items()} for refs in references]
+    return batch_loss(
+        r.objective, terms, logits, yb, inputs, params=params, tensors=tensors, z=z, reference_z=reference_z
+    )
 
 
-def fisher_diagonal(model: nn.Module, request: TrainRequest) -> StateDict:
-    """The diagonal empirical Fisher information of ``model``'s trainable parameters on the request's data: the mean
-    over mini-batches of the squared gradient of the batch-mean cross-entropy, as the FedNTD authors' FedCurv computes
-    it (``upload_local_fisher``): one shuffled pass in the request's batch size, stopping after the first batch that
-    takes the count past ``request.fisher_samples``, in training mode. Batch-norm statistics are left as they were."""
+Gradients = Callable[[torch.Tensor, torch.Tensor], Mapping[str, torch.Tensor]]
+"""The gradients of the batch-mean cross-entropy of a batch ``(x, y)`` at a runtime's current weights, in training
+mode, by trainable parameter name, leaving the weights and batch-norm statistics as they were."""
+
+
+def fisher_diagonal(gradients: Gradients, request: TrainRequest) -> StateDict:
+    """The diagonal empirical Fisher information of the trainable parameters on the request's data: the mean over
+    mini-batches of the squared gradient of the batch-mean cross-entropy, as the FedNTD authors' FedCurv computes it
+    (``upload_local_fisher``): one shuffled pass in the request's batch size, stopping after the first batch that
+    takes the count past ``request.fisher_samples``. ``gradients`` is the runtime's (every runtime runs this pass)."""
     r = request
-    device = next(model.parameters()).device
-    params = dict(model.named_parameters())
-    buffers = {k: b.clone() for k, b in model.named_buffers()}
     seed = int(np.random.SeedSequence([r.seed, 0x46495348]).generate_state(1)[0] & 0x7FFFFFFF)  # "FISH"
     fisher_request = dataclasses.replace(r, seed=seed, epochs=1, step_inputs={})
-    squares = {k: torch.zeros_like(p) for k, p in params.items()}
+    squares: dict[str, torch.Tensor] = {}
     batches, seen = 0, 0
-    model.train()
     for step, idx in enumerate(batch_order(len(r.x), 1, r.batch_size, seed)):
-        xb, yb = fisher_request.batch_x(idx, step).to(device), r.y[idx].to(device)
-        grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(xb), yb), list(params.values()))
-        for k, g in zip(params, grads, strict=True):
-            squares[k] += g.detach().pow(2)
+        grads = gradients(fisher_request.batch_x(idx, step), r.y[idx])
+        for k, g in grads.items():
+            if k in squares:
+                squares[k] += g.detach().pow(2)
+            else:
+                squares[k] = torch.zeros_like(g) + g.detach().pow(2)
         batches, seen = batches + 1, seen + len(idx)
         if seen > r.fisher_samples:
             break
-    with torch.no_grad():
-        for k, b in model.named_buffers():
-            b.copy_(buffers[k])
     return {k: (s / max(batches, 1)).cpu() for k, s in squares.items()}
+
+
+def eager_gradients(model: nn.Module) -> Gradients:
+    """:data:`Gradients` of an eager model (on its device); its batch-norm statistics are restored after each batch."""
+    device = next(model.parameters()).device
+    params = dict(model.named_parameters())
+
+    def gradients(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        buffers = {k: b.clone() for k, b in model.named_buffers()}
+        model.train()
+        loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+        grads = torch.autograd.grad(loss, list(params.values()))
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
+        return dict(zip(params, grads, strict=True))
+
+    return gradients
 
 
 def train(model: nn.Module, request: TrainRequest) -> TrainStats:
@@ -384,30 +382,23 @@ def train(model: nn.Module, request: TrainRequest) -> TrainStats:
     model.train()
     opt = MomentumSGD(list(model.parameters()), r.sgd)
     params = dict(model.named_parameters())
-    correction = {k: r.correction[k].to(device) for k in params} if r.correction is not None else None
-    references = {name: _frozen(model, w) for name, w in r.references.items()}
+    tensors = [c.on(device) for c in r.terms]
+    references = [{name: _frozen(model, w) for name, w in c.references.items()} for c in r.terms]
     total, steps, samples = 0.0, 0, 0
     order = batch_order(len(r.x), r.epochs, r.batch_size, r.seed)
     meter = EpochMeter(r, len(order))
     for step, idx in enumerate(order):
         xb, yb = r.batch_x(idx, step).to(device), r.y[idx].to(device)
-        loss = _batch_loss(model, r, xb, yb, r.batch_inputs(idx, step, device), references)
-        if r.prox_mu > 0:
-            assert r.anchor is not None
-            loss = loss + proximal_term(model, r.anchor, r.prox_mu, r.prox_weights)
+        loss = _loss(model, r, xb, yb, r.batch_inputs(idx, step, device), params, tensors, references)
         opt.zero_grad()
         loss.backward()
-        if correction is not None:
-            for k, p in params.items():
-                if p.grad is not None:
-                    p.grad.add_(correction[k])
         opt.step()
         value = float(loss.detach())
         total += value
         meter.step(value)
         steps += 1
         samples += len(idx)
-    fisher = fisher_diagonal(model, r) if r.fisher_samples > 0 else None
+    fisher = fisher_diagonal(eager_gradients(model), r) if r.fisher_samples > 0 else None
     return TrainStats(steps=steps, samples=samples, mean_loss=total / steps if steps else 0.0, fisher=fisher)
 
 

@@ -6,8 +6,9 @@ spend that time inside a round. :func:`planned_trainings` finds them from the ru
 hello: it plays the first rounds of the run's own algorithm, the real server half and the real client half, with a
 :class:`RecordingBackend` that records each training request instead of running it (its logits are zeros, so no
 model runs). Two rounds cover every algorithm here: FD and DS-FL distil toward the previous round's broadcast from
-round 2 on. Hyperparameters that a program bakes in (tau, beta, gamma, FedProx's mu) are fixed for a run; the
-learning rate, which changes per round, is an input of every program.
+round 2 on. Hyperparameters that a program bakes in (tau, beta, gamma, the local terms' such as FedProx's mu) are fixed
+for a run; the learning rate, which changes per round, is an input of every program. A request that asks for the
+Fisher information also needs the plain cross-entropy program, whose gradients the Fisher pass squares.
 """
 
 from __future__ import annotations
@@ -20,20 +21,20 @@ import torch
 from fedge.algorithms import make_strategy, run_client_step
 from fedge.algorithms.base import ClientData, ServerContext
 from fedge.algorithms.dsfl import DSFLSettings
+from fedge.algorithms.fedavg import CrossEntropy
 from fedge.config import RunConfig
 from fedge.learning.models import build_model, exchanged_state, load_exchanged_state
-from fedge.learning.objectives import Objective
 from fedge.learning.training import TrainRequest, TrainStats
+from fedge.programs.spec import TrainingLoss
 from fedge.types import ClientId, StateDict
 from fedge.wire.message import Message
 
 
 @dataclass(frozen=True)
 class PlannedTraining:
-    """One kind of training call a client will make: its objective, FedProx's mu and its batch size."""
+    """One kind of training program a client will run: its loss (objective and local terms) and its batch size."""
 
-    objective: Objective
-    prox_mu: float
+    loss: TrainingLoss
     batch_size: int
 
 
@@ -63,7 +64,9 @@ class RecordingBackend:
 
     def train(self, request: TrainRequest) -> TrainStats:
         self.requests.append(request)
-        return TrainStats(steps=1, samples=len(request.x), mean_loss=0.0)
+        # A Fisher asked for is answered with zeros (FedCurv's client uploads it; no model runs here).
+        fisher = {k: torch.zeros_like(p) for k, p in self.model.named_parameters()} if request.fisher_samples else None
+        return TrainStats(steps=1, samples=len(request.x), mean_loss=0.0, fisher=fisher)
 
 
 def planned_trainings(
@@ -90,7 +93,8 @@ def planned_trainings(
         strategy.aggregate(rnd, {client: strategy.accept(rnd, client, update)})
     out: list[PlannedTraining] = []
     for r in backend.requests:
-        planned = PlannedTraining(r.objective, r.prox_mu, r.batch_size)
-        if planned not in out:
-            out.append(planned)
+        planned = [PlannedTraining(TrainingLoss.of(r.objective, r.terms), r.batch_size)]
+        if r.fisher_samples > 0:  # the Fisher pass runs on the cross-entropy program's gradients
+            planned.append(PlannedTraining(TrainingLoss(CrossEntropy()), r.batch_size))
+        out += [p for p in planned if p not in out]
     return out

@@ -11,10 +11,11 @@ module, so their parameter names are the state-dict names with the prefix ``mode
 Batch-norm running statistics are inputs and outputs of training programs (see :mod:`export.executorch`), listed
 under ``stats`` in state-dict order.
 
-A training program's loss is a registered :class:`fedge.learning.objectives.Objective` with its hyperparameters fixed at
-export, plus FedProx's proximal term when ``prox_mu`` > 0 (its anchor weights are inputs). Inputs of the training
-method, in order: ``x``, ``y``, the objective's inputs (:attr:`Objective.inputs`), one anchor per trainable parameter
-(FedProx only), the BN statistics.
+A training program's loss is a registered :class:`fedge.learning.objectives.Objective` plus the local terms of
+:mod:`fedge.learning.terms`, with their hyperparameters fixed at export (:class:`TrainingLoss`). Inputs of the training
+method, in order: ``x``, ``y``, the objective's inputs (:attr:`Objective.inputs`), the terms' inputs
+(:func:`term_input_names`: each term's round tensors, one per trainable parameter, then its reference models' exchanged
+weights), the BN statistics.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +33,9 @@ from torch import nn
 from fedge.errors import ConfigError, ExportError
 from fedge.learning.models import build_model, example_input
 from fedge.learning.objectives import Objective, make_objective
+from fedge.learning.terms import LocalTerm, TermCall, make_term, term_flag
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the loss's local terms replace FedProx's prox_mu
 WRAPPER_PREFIX = "model."
 """Prefix of parameter names inside a training program: the wrapper holds the model as ``self.model``."""
 
@@ -74,26 +77,38 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class TrainingLoss:
-    """The loss baked into a training program: an objective with its hyperparameters, and FedProx's mu (0: none).
+    """The loss baked into a training program: an objective and the local terms, with their hyperparameters.
 
-    Per-client data of a loss (teacher logits, FedCAD class weights, FD masks, FedProx anchors) are inputs of the
-    program, not part of this key, so one program serves every round.
+    Per-client data of a loss (teacher logits, FedCAD class weights, FD masks, the terms' round tensors and reference
+    weights) are inputs of the program, not part of this key, so one program serves every round.
     """
 
     objective: Objective
-    prox_mu: float = 0.0
+    terms: tuple[LocalTerm, ...] = ()
+
+    def __post_init__(self) -> None:
+        kinds = [t.kind for t in self.terms]
+        if len(set(kinds)) != len(kinds):
+            raise ConfigError(f"a training loss takes each local term once, got {kinds}")
+
+    @classmethod
+    def of(cls, objective: Objective, calls: Sequence[TermCall]) -> TrainingLoss:
+        """The loss of a training request's objective and term calls."""
+        return cls(objective, tuple(c.term for c in calls))
 
     @property
     def tag(self) -> str:
-        """A file-name-safe label, e.g. ``ntd-tau1-beta1`` or ``ce-prox0.1``."""
-        return self.objective.tag + (f"-prox{self.prox_mu:g}" if self.prox_mu else "")
+        """A file-name-safe label, e.g. ``ntd-tau1-beta1`` or ``ce-prox-mu0.1``."""
+        return "-".join([self.objective.tag, *(t.tag for t in self.terms)])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.objective.kind, "params": self.objective.params, "prox_mu": self.prox_mu}
+        terms = [{"kind": t.kind, "params": t.params} for t in self.terms]
+        return {"kind": self.objective.kind, "params": self.objective.params, "terms": terms}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TrainingLoss:
-        return cls(make_objective(str(raw["kind"]), dict(raw.get("params", {}))), float(raw.get("prox_mu", 0.0)))
+        terms = tuple(make_term(str(t["kind"]), dict(t.get("params", {}))) for t in raw.get("terms", ()))
+        return cls(make_objective(str(raw["kind"]), dict(raw.get("params", {}))), terms)
 
 
 @dataclass(frozen=True)
@@ -172,16 +187,64 @@ def stat_names(model: nn.Module) -> tuple[str, ...]:
     return tuple(k for k in model.state_dict() if k in buffers and buffers[k].is_floating_point())
 
 
-def training_input_names(loss: TrainingLoss, params: tuple[str, ...]) -> tuple[str, ...]:
-    """Names of the training method's inputs before the BN statistics: x, y, the objective's, the anchors."""
-    anchors = tuple(f"anchor.{p}" for p in params) if loss.prox_mu else ()
-    return ("x", "y", *(i.name for i in loss.objective.inputs), *anchors)
+def term_input_names(loss: TrainingLoss, params: Sequence[str], weights: Sequence[str]) -> tuple[str, ...]:
+    """Names of the terms' inputs of a training method: for each term in order, each round tensor for each trainable
+    parameter (``prox.anchor.<param>``), then each reference model's exchanged weights (``moon.global.<weight>``)."""
+    names: list[str] = []
+    for term in loss.terms:
+        names += [f"{term.kind}.{t}.{p}" for t in term.tensors for p in params]
+        names += [f"{term.kind}.{r}.{w}" for r in term.references for w in weights]
+    return tuple(names)
+
+
+def training_input_names(loss: TrainingLoss, params: Sequence[str], weights: Sequence[str]) -> tuple[str, ...]:
+    """Names of the training method's inputs before the BN statistics: x, y, the objective's, the terms'."""
+    return ("x", "y", *(i.name for i in loss.objective.inputs), *term_input_names(loss, params, weights))
+
+
+def term_inputs(
+    loss: TrainingLoss, params: Sequence[str], weights: Sequence[str], calls: Sequence[TermCall]
+) -> list[torch.Tensor]:
+    """The values of :func:`term_input_names` from a request's term calls, float32 and contiguous."""
+    by_kind = {c.term.kind: c for c in calls}
+    if set(by_kind) != {t.kind for t in loss.terms}:
+        raise ConfigError(f"the program's terms are {[t.kind for t in loss.terms]}, the request's {sorted(by_kind)}")
+    out: list[torch.Tensor] = []
+    for term in loss.terms:
+        call = by_kind[term.kind]
+        out += [call.tensors[t][p] for t in term.tensors for p in params]
+        out += [call.references[r][w] for r in term.references for w in weights]
+    return [t.detach().to(torch.float32).cpu().contiguous() for t in out]
+
+
+TermArgs = tuple[list[dict[str, dict[str, torch.Tensor]]], list[dict[str, dict[str, torch.Tensor]]]]
+
+
+def split_term_inputs(
+    loss: TrainingLoss, params: Sequence[str], weights: Sequence[str], args: Sequence[torch.Tensor]
+) -> tuple[TermArgs, Sequence[torch.Tensor]]:
+    """Inside a program: the terms' inputs at the head of ``args`` (laid out as :func:`term_input_names`), as each
+    term's round tensors and each term's reference weights by name, and the rest of ``args``."""
+    tensors: list[dict[str, dict[str, torch.Tensor]]] = []
+    references: list[dict[str, dict[str, torch.Tensor]]] = []
+    i = 0
+    for term in loss.terms:
+        tensors.append({})
+        for t in term.tensors:
+            tensors[-1][t] = dict(zip(params, args[i : i + len(params)], strict=True))
+            i += len(params)
+        references.append({})
+        for r in term.references:
+            references[-1][r] = dict(zip(weights, args[i : i + len(weights)], strict=True))
+            i += len(weights)
+    return (tensors, references), args[i:]
 
 
 def example_training_inputs(
-    spec: ModelSpec, loss: TrainingLoss, anchors: tuple[torch.Tensor, ...] = (), batch: int = 2
+    spec: ModelSpec, loss: TrainingLoss, model: nn.Module | None = None, batch: int = 2
 ) -> tuple[torch.Tensor, ...]:
-    """Deterministic inputs of a training method for ``batch`` samples, before the BN statistics."""
+    """Deterministic inputs of a training method for ``batch`` samples, before the BN statistics; the terms' inputs
+    are ``model``'s parameters and weights (zeros without a model)."""
     c = spec.num_classes
     out = [spec.example(batch), torch.arange(batch, dtype=torch.long) % c]
     for i in loss.objective.inputs:
@@ -192,8 +255,15 @@ def example_training_inputs(
             out.append(torch.softmax(torch.arange(batch * c, dtype=torch.float32).reshape(shape) / c, dim=-1))
         else:
             out.append(torch.full(shape, 0.5))
-    if loss.prox_mu:
-        out.extend(a.detach().clone() for a in anchors)
+    reference = model if model is not None else spec.build(seed=0)
+    params = {k: p.detach().clone() for k, p in reference.named_parameters()}
+    weights = {k: v.detach().clone() for k, v in reference.state_dict().items() if v.is_floating_point()}
+    if model is None:
+        params = {k: torch.zeros_like(v) for k, v in params.items()}
+        weights = {k: torch.zeros_like(v) for k, v in weights.items()}
+    for term in loss.terms:
+        out += [params[p].clone() for _ in term.tensors for p in params]
+        out += [weights[w].clone() for _ in term.references for w in weights]
     return tuple(out)
 
 
@@ -218,6 +288,6 @@ def export_command(spec: ModelSpec, loss: TrainingLoss, max_batch: int, out: str
     argv += ["--num-classes", str(spec.num_classes), "--format", "pte-train", "--objective", loss.objective.kind]
     for f in dataclasses.fields(loss.objective):
         argv += [f"--{f.name}", repr(getattr(loss.objective, f.name))]
-    if loss.prox_mu:
-        argv += ["--prox-mu", repr(loss.prox_mu)]
+    for term in loss.terms:
+        argv += ["--term", term_flag(term)]
     return shlex.join([*argv, "--max-batch", str(max_batch), "--out", out])

@@ -11,13 +11,14 @@ kernels. It computes what :func:`fedge.learning.training.train` computes for eac
 - unequal sizes are masked: a step vmaps only over the clients that have a batch of that size at that step (a
   client's trailing batch of an epoch, or a client whose steps are over), and the others' weights and momentum are
   not touched at all;
-- FedProx's proximal term and SCAFFOLD's gradient correction are stacked per client too.
+- the local terms (:func:`fedge.learning.terms.batch_loss`, the expression every runtime computes) are vmapped with
+  the loss, their round tensors stacked per client (FedProx's anchor, SCAFFOLD's correction, FedCurv's weights).
 
 Results equal the sequential executor's up to float summation order (the stacked kernels add in another order):
 ``tests/test_batched_executor.py`` measures it. What cannot be done exactly is refused with :class:`BatchedRefusal`
 (:func:`model_refusal`, :func:`request_refusal`), never dropped: losses other than :data:`OBJECTIVES`, models with
-buffers (batch norm) or dropout, augmentation, MOON's reference models, FedCurv's weighted proximal term and Fisher
-information, and epoch observers.
+buffers (batch norm) or dropout, augmentation, terms with reference models (MOON), the Fisher information (FedCurv),
+and epoch observers.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from fedge.errors import ConfigError
-from fedge.learning.training import TrainRequest, TrainStats, batch_order
+from fedge.learning.terms import batch_loss, needs_representation
+from fedge.learning.training import Split, TrainRequest, TrainStats, batch_order
 from fedge.types import StateDict
 
 INSTEAD = "use --executor sequential or processes"
@@ -53,7 +55,7 @@ def model_refusal(model: nn.Module) -> str | None:
 
 OBJECTIVES = ("ce", "ntd")
 """The local losses tested stacked against fedge.learning.training.train (FedAvg, FedProx, SCAFFOLD, FedDyn: ce;
-FedNTD: ntd)."""
+FedNTD: ntd). Local terms run stacked unless they compare with reference models."""
 
 
 def request_refusal(request: TrainRequest) -> str | None:
@@ -65,8 +67,7 @@ def request_refusal(request: TrainRequest) -> str | None:
         )
     unsupported = {
         "augmentation": r.augment.active or bool(r.step_inputs),
-        "reference models (MOON)": bool(r.references or r.objective.references),
-        "a Fisher-weighted proximal term (FedCurv)": r.prox_weights is not None,
+        "reference models (MOON)": any(c.term.references for c in r.terms),
         "the Fisher information (FedCurv)": r.fisher_samples > 0,
         "an epoch observer": r.on_epoch is not None,
     }
@@ -82,7 +83,8 @@ def group_key(request: TrainRequest) -> tuple[object, ...]:
     shapes = tuple(
         (k, tuple(v.shape[1:]) if _per_sample(r, k) else tuple(v.shape)) for k, v in sorted(r.inputs.items())
     )
-    return (r.objective, r.sgd, r.batch_size, r.prox_mu > 0, r.correction is not None, tuple(r.x.shape[1:]), shapes)
+    terms = tuple(c.term for c in r.terms)
+    return (r.objective, terms, r.sgd, r.batch_size, tuple(r.x.shape[1:]), shapes)
 
 
 def _per_sample(r: TrainRequest, name: str) -> bool:
@@ -111,8 +113,11 @@ def train_stacked(
     names = [n for n, _ in model.named_parameters()]
     params = {n: torch.stack([w[n].to(device, torch.float32) for w in weights]) for n in names}
     momentum = {n: torch.zeros_like(p) for n, p in params.items()} if first.sgd.momentum else {}
-    anchors = _stack([r.anchor for r in requests], names, device) if first.prox_mu > 0 else None
-    corrections = _stack([r.correction for r in requests], names, device) if first.correction is not None else None
+    # Each term's round tensors, stacked over the clients: term index -> tensor name -> parameter -> (K, *shape).
+    term_tensors = [
+        {t: _stack([r.terms[i].tensors[t] for r in requests], names, device) for t in call.term.tensors}
+        for i, call in enumerate(first.terms)
+    ]
 
     # The clients' data, resident on the device in one tensor; offsets turn a client's indices into rows of it.
     offsets = [0, *itertools.accumulate(len(r.x) for r in requests)]
@@ -125,19 +130,22 @@ def train_stacked(
     orders = [batch_order(len(r.x), r.epochs, r.batch_size, r.seed) for r in requests]
     steps = max((len(o) for o in orders), default=0)
     losses: list[list[torch.Tensor]] = [[] for _ in requests]
-    objective, sgd, mu = first.objective, first.sgd, first.prox_mu
+    objective, sgd = first.objective, first.sgd
+    terms = [c.term for c in first.terms]
+    split = Split(model) if needs_representation(terms) else None
 
     def loss_of(
         p: dict[str, torch.Tensor],
         xb: torch.Tensor,
         yb: torch.Tensor,
         inputs: dict[str, torch.Tensor],
-        anchor: dict[str, torch.Tensor],
+        tensors: list[dict[str, dict[str, torch.Tensor]]],
     ) -> torch.Tensor:
-        loss = objective.loss(functional_call(model, p, (xb,)), yb, inputs)
-        if anchor:  # fedge.learning.training.proximal_term, per client
-            loss = loss + 0.5 * mu * sum((p[n] - anchor[n]).pow(2).sum() for n in names)
-        return loss
+        if split is None:
+            logits = functional_call(model, p, (xb,))
+            return batch_loss(objective, terms, logits, yb, inputs, params=p, tensors=tensors)
+        z, logits = functional_call(split, {f"model.{n}": v for n, v in p.items()}, (xb,))
+        return batch_loss(objective, terms, logits, yb, inputs, params=p, tensors=tensors, z=z)
 
     step_fn = vmap(grad_and_value(loss_of))
     with warnings.catch_warnings():
@@ -148,9 +156,12 @@ def train_stacked(
             p = params if sel is None else {n: v[sel] for n, v in params.items()}
             inputs = {k: v[idx] for k, v in rows.items()}
             inputs |= {k: v if sel is None else v[sel] for k, v in whole.items()}
-            anchor = {n: v if sel is None else v[sel] for n, v in (anchors or {}).items()}
-            grads, loss = step_fn(p, x_all[idx], y_all[idx], inputs, anchor)
-            new_p, new_m = _sgd(p, grads, momentum, sel, corrections, sgd.lr, sgd.momentum, sgd.weight_decay)
+            tensors = [
+                {t: {n: v if sel is None else v[sel] for n, v in per.items()} for t, per in by_name.items()}
+                for by_name in term_tensors
+            ]
+            grads, loss = step_fn(p, x_all[idx], y_all[idx], inputs, tensors)
+            new_p, new_m = _sgd(p, grads, momentum, sel, sgd.lr, sgd.momentum, sgd.weight_decay)
             for n in names:
                 if sel is None:
                     params[n] = new_p[n]
@@ -210,7 +221,6 @@ def _sgd(
     grads: Mapping[str, torch.Tensor],
     momentum: Mapping[str, torch.Tensor],
     sel: torch.Tensor | None,
-    corrections: Mapping[str, torch.Tensor] | None,
     lr: float,
     m: float,
     wd: float,
@@ -220,10 +230,6 @@ def _sgd(
     with torch.no_grad():
         for n, w in p.items():
             g = grads[n]
-            if (
-                corrections is not None
-            ):  # SCAFFOLD: added to the gradient before the optimizer (fedge.learning.training.train)
-                g = g + (corrections[n] if sel is None else corrections[n][sel])
             if wd:
                 g = g.add(w, alpha=wd)
             if m:
@@ -233,5 +239,5 @@ def _sgd(
     return new_p, new_m
 
 
-def _stack(states: Sequence[StateDict | None], names: Sequence[str], device: torch.device) -> dict[str, torch.Tensor]:
-    return {n: torch.stack([s[n].to(device, torch.float32) for s in states if s is not None]) for n in names}
+def _stack(states: Sequence[Mapping[str, torch.Tensor]], names: Sequence[str], device: torch.device) -> StateDict:
+    return {n: torch.stack([s[n].to(device, torch.float32) for s in states]) for n in names}

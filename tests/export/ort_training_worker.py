@@ -11,7 +11,6 @@ one.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import sys
@@ -30,6 +29,7 @@ from export.ort_training.graph import StatBatchNorm
 from export.parity import RETRY_SEEDS, drift_request_for_seed
 from fedge.learning.models import exchanged_state
 from fedge.learning.objectives import make_objective
+from fedge.learning.terms import terms_from_flags
 from fedge.programs.spec import ModelSpec, TrainingLoss
 
 SEEDS = (7, *RETRY_SEEDS)  # export.parity.drift_request's samples, then the parity gate's retries
@@ -58,7 +58,8 @@ def gate_reports() -> Iterator[list[str]]:
 
 def run_case(case: dict, out: Path) -> dict:
     spec = ModelSpec(case["model"], tuple(case["input_shape"]), 10)
-    loss = TrainingLoss(make_objective(case["objective"], case.get("params", {})), float(case.get("prox_mu", 0.0)))
+    terms = terms_from_flags(case.get("terms", ()))
+    loss = TrainingLoss(make_objective(case["objective"], case.get("params", {})), terms)
     gate: list[str] = []
     if case.get("gate"):
         with gate_reports() as gate:  # the cache's own check, not a second one (it took 20 s on fedavg_cnn)
@@ -71,11 +72,11 @@ def run_case(case: dict, out: Path) -> dict:
     for data_seed in SEEDS:
         request = drift_request_for_seed(spec, loss, batch_size=case["batch"], seed=data_seed, steps=case["steps"])
         tensors: dict[str, torch.Tensor] = {}
-        if case.get("correction"):
-            gen = torch.Generator().manual_seed(5)
-            correction = {k: 0.01 * torch.randn(v.shape, generator=gen) for k, v in spec.build(0).named_parameters()}
-            request = dataclasses.replace(request, correction=correction)
-            tensors.update({f"correction.{k}": v for k, v in correction.items()})
+        for call in request.terms:  # the terms' round tensors and reference weights, for the eager reference
+            for name, per in call.tensors.items():
+                tensors.update({f"term.{call.term.kind}.{name}.{k}": v for k, v in per.items()})
+            for name, per in call.references.items():
+                tensors.update({f"reference.{call.term.kind}.{name}.{k}": v for k, v in per.items()})
         trainer.set_weights(start)
         stats = trainer.train(request)
         got = trainer.get_weights()
@@ -83,8 +84,6 @@ def run_case(case: dict, out: Path) -> dict:
         tensors.update({f"start.{k}": v for k, v in start.items()})
         tensors.update({f"got.{k}": v for k, v in got.items()})
         tensors.update({f"input.{k}": v for k, v in request.inputs.items()})
-        if request.anchor is not None:
-            tensors.update({f"anchor.{k}": v for k, v in request.anchor.items()})
         tensors.update({"x": request.x, "y": request.y, "x_eval": x_eval, "logits": trainer.logits(x_eval)})
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / f"{case['id']}-{data_seed}.safetensors"))
         runs.append({"data_seed": data_seed, "steps": stats.steps, "batch_seed": request.seed})

@@ -15,9 +15,12 @@ from edge_client.backends.executorch import ProgramDirectory, batch_bound
 from edge_client.backends.onnx_file import read_meta, replace_weights
 from edge_client.backends.runners import PteRunner, PteTrainer
 from export.cli import export_jobs
+from fedge.algorithms.fedprox import Proximal
+from fedge.algorithms.moon import ModelContrastive
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.learning.objectives import OBJECTIVES, make_objective, objective_kinds
+from fedge.learning.terms import LocalTerm, term_flag
 from fedge.programs.planning import planned_trainings
 from fedge.programs.spec import ModelSpec, TrainingLoss, program_file_name
 from fedge.registry import ALGORITHMS
@@ -105,35 +108,39 @@ def test_training_programs_by_default_cover_the_bounds_clients_look_up(tmp_path:
     spec = SPECS["tiny_mlp"]
     # Local training at batch 50 and DS-FL distillation at batch 100: the names the client looks up.
     wanted = {program_file_name(spec, loss_of("ce"), batch_bound(b)) for b in (50, 100)}
-    assert wanted == {"tiny_mlp-1x8x8-c10-ce-b64-v2.pte", "tiny_mlp-1x8x8-c10-ce-b128-v2.pte"}
+    assert wanted == {"tiny_mlp-1x8x8-c10-ce-b64-v3.pte", "tiny_mlp-1x8x8-c10-ce-b128-v3.pte"}
     assert wanted <= {p.name for p in out.iterdir()}
     for name in wanted:
         assert PteTrainer((out / name).read_bytes()).meta.max_batch == int(name.split("-b")[1].split("-")[0])
 
 
-def _planned_names(algorithm: str) -> tuple[set[str], ModelSpec, set[float]]:
+def _planned_names(algorithm: str) -> tuple[set[str], ModelSpec, set[tuple[LocalTerm, ...]]]:
     """The training programs a client of ``algorithm`` with every default looks up, found as the client finds them,
-    and the proximal weights baked into them."""
+    and the sets of local terms baked into them."""
     exp = prepare(RunConfig(algorithm=algorithm, dataset="digits"))
     data = exp.client_data("c001", exp.open_x())
     spec = ModelSpec(exp.model, exp.input_shape, data.num_classes)
     plans = planned_trainings(exp.config, "c001", data, exp.model, exp.input_shape)
-    names = {program_file_name(spec, TrainingLoss(p.objective, p.prox_mu), batch_bound(p.batch_size)) for p in plans}
-    return names, spec, {p.prox_mu for p in plans if p.prox_mu > 0}
+    names = {program_file_name(spec, p.loss, batch_bound(p.batch_size)) for p in plans}
+    return names, spec, {p.loss.terms for p in plans}
 
 
-@pytest.mark.parametrize("algorithm", sorted(a for a, spec in ALGORITHMS.items() if not spec.hooks))
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_fedge_export_with_its_defaults_writes_the_programs_a_default_client_looks_up(algorithm: str) -> None:
-    """For every algorithm an ExecuTorch client runs (the others need hooks its programs lack: it never offers them)."""
-    needed, spec, mus = _planned_names(algorithm)
-    assert needed and len(mus) <= 1
+    """For every algorithm: one export command per set of local terms (baked into the programs, the settings such an
+    export must be given: FedProx's mu, MOON's mu and tau, ...)."""
+    needed, spec, term_sets = _planned_names(algorithm)
+    assert needed
     shape = ",".join(str(d) for d in spec.input_shape)
-    argv = ["export", "--model", spec.name, "--input-shape", shape, "--format", "pte-train", "--objective"]
-    argv += list(objective_kinds())
-    for mu in mus:  # a proximal weight is baked into the program: the one setting such an export must be given
-        argv += ["--prox-mu", repr(mu)]
-    _, jobs = export_jobs(build_parser().parse_args(argv))
-    assert needed <= {job.name for job in jobs}
+    made: set[str] = set()
+    for terms in term_sets:
+        argv = ["export", "--model", spec.name, "--input-shape", shape, "--format", "pte-train", "--objective"]
+        argv += list(objective_kinds())
+        for term in terms:
+            argv += ["--term", term_flag(term)]
+        _, jobs = export_jobs(build_parser().parse_args(argv))
+        made |= {job.name for job in jobs}
+    assert needed <= made
 
 
 @pytest.mark.parametrize("kind", objective_kinds())
@@ -141,7 +148,8 @@ def test_the_command_a_client_prints_for_a_missing_program_writes_that_program(k
     spec = ModelSpec("fedavg_cnn", (1, 8, 8), 10)  # not the paper's 1x28x28, which `fedge export` defaults to
     hyper = {"tau": "2.5", "beta": "0.3", "gamma": "0.7"}  # none of them the defaults
     fields = {f.name for f in dataclasses.fields(OBJECTIVES[kind])}
-    loss = TrainingLoss(make_objective(kind, {k: v for k, v in hyper.items() if k in fields}), prox_mu=0.01)
+    terms = (Proximal(mu=0.01), ModelContrastive(mu=0.3, tau=0.7))  # every hyperparameter of a term in the command
+    loss = TrainingLoss(make_objective(kind, {k: v for k, v in hyper.items() if k in fields}), terms)
     with pytest.raises(ConfigError, match="export it with") as caught:
         ProgramDirectory(tmp_path).program(spec, loss, 128)
     command = str(caught.value).split("`")[1]

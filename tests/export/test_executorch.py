@@ -15,13 +15,18 @@ from export.executorch import export_training
 from export.parity import DRIFT_FLOOR, check_pte, check_training, require
 from fedge.algorithms.fd import FDDistillation
 from fedge.algorithms.fedavg import CrossEntropy
+from fedge.algorithms.fedcurv import FisherProximal
 from fedge.algorithms.fedlsd import ClassWeightedDistillation
 from fedge.algorithms.fedntd import NotTrueDistillation
+from fedge.algorithms.fedprox import proximal
+from fedge.algorithms.moon import ModelContrastive
+from fedge.algorithms.scaffold import Correction
 from fedge.data.augment import preset
 from fedge.errors import ConfigError, ExportError
 from fedge.learning.backend import TorchBackend
 from fedge.learning.models import load_exchanged_state
 from fedge.learning.objectives import Objective
+from fedge.learning.terms import TermCall
 from fedge.learning.training import SGDSettings, TrainRequest
 from fedge.programs.spec import TrainingLoss, program_file_name
 from fedge_io import manifest
@@ -189,11 +194,12 @@ def _request(kind: str, pt: TorchBackend, x: torch.Tensor, y: torch.Tensor, **ho
     return TrainRequest(x, y, objective, sgd, 2, 8, 11, inputs=inputs, **hooks)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("case", ["ntd", "lsd", "fd", "fedprox", "scaffold", "ntd-augmented"])
+@pytest.mark.parametrize("case", ["ntd", "lsd", "fd", "fedprox", "scaffold", "fedcurv", "moon", "ntd-augmented"])
 def test_the_executorch_backend_trains_like_the_torch_backend(case: str) -> None:
-    """Same request, same weights out: batch order, objective inputs, optimizer, FedProx's proximal term in the
-    program, SCAFFOLD's gradient correction on the host and FedNTD's augmented batches (crop, flip and Cutout on the
-    host, the teacher's logits per augmented batch) all line up."""
+    """Same request, same weights out: batch order, objective inputs, optimizer, the local terms in the program
+    (FedProx's pull, SCAFFOLD's correction, FedCurv's Fisher-weighted pull and its Fisher pass, MOON's contrast with
+    two reference models) and FedNTD's augmented batches (crop, flip and Cutout on the host, the teacher's logits per
+    augmented batch) all line up."""
     spec = SPECS["tiny_mlp"]
     et, pt = _backend(), TorchBackend(spec.name, spec.input_shape, spec.num_classes)
     start = weights("tiny_mlp")
@@ -203,9 +209,18 @@ def test_the_executorch_backend_trains_like_the_torch_backend(case: str) -> None
     x, y = spec.example(37, seed=4), torch.randint(0, 10, (37,), generator=gen)
     hooks: dict[str, object] = {}
     if case == "fedprox":
-        hooks = {"prox_mu": 0.3, "anchor": {k: v + 0.05 for k, v in start.items()}}
+        hooks = {"terms": proximal(0.3, {k: v + 0.05 for k, v in start.items()})}
     elif case == "scaffold":
-        hooks = {"correction": {k: 0.01 * torch.randn(v.shape, generator=gen) for k, v in start.items()}}
+        c = {k: 0.01 * torch.randn(v.shape, generator=gen) for k, v in start.items()}
+        hooks = {"terms": (TermCall(Correction(), {"c": c}),)}
+    elif case == "fedcurv":
+        tensors = {"anchor": {k: v + 0.05 for k, v in start.items()}, "weights": {k: v.abs() for k, v in start.items()}}
+        hooks = {"terms": (TermCall(FisherProximal(mu=0.4), tensors),), "fisher_samples": 20}
+    elif case == "moon":
+        other = {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in start.items()}
+        hooks = {
+            "terms": (TermCall(ModelContrastive(mu=0.5, tau=0.5), references={"global": start, "previous": other}),)
+        }
     elif case == "ntd-augmented":
         hooks = {"augment": preset("paper", spec.input_shape)}
     request = _request(case.removesuffix("-augmented") if case[:3] in ("ntd", "lsd", "fd") else "ce", pt, x, y, **hooks)
@@ -218,6 +233,10 @@ def test_the_executorch_backend_trains_like_the_torch_backend(case: str) -> None
     w_et, w_pt = et.get_weights(), pt.get_weights()
     assert max(float((w_et[k] - w_pt[k]).abs().max()) for k in w_pt) < 1e-5
     assert torch.allclose(et.logits(x), pt.logits(x), atol=1e-5, rtol=0)
+    if case == "fedcurv":  # the Fisher pass, from the cross-entropy program's gradients
+        assert stats[0].fisher is not None and stats[1].fisher is not None
+        for k, f in stats[1].fisher.items():
+            assert torch.allclose(stats[0].fisher[k], f, atol=1e-6, rtol=1e-4), k
 
 
 def test_batches_beyond_a_programs_bound_are_refused() -> None:
@@ -239,9 +258,9 @@ def test_a_program_refuses_a_request_for_another_loss() -> None:
     trainer = PteTrainer(ExportingSource(program_cache()).program(spec, TrainingLoss(CrossEntropy()), 64))
     x = spec.example(4)
     request = TrainRequest(x, torch.zeros(4, dtype=torch.long), CrossEntropy(), SGDSettings(0.1), 1, 4, 0)
-    anchor = weights("tiny_mlp")
-    with pytest.raises(ConfigError, match=r"trains ce, the task asks for ce-prox0\.1"):
-        trainer.train(TrainRequest(x, request.y, CrossEntropy(), SGDSettings(0.1), 1, 4, 0, prox_mu=0.1, anchor=anchor))
+    prox = proximal(0.1, weights("tiny_mlp"))
+    with pytest.raises(ConfigError, match=r"trains ce, the task asks for ce-prox-mu0\.1"):
+        trainer.train(TrainRequest(x, request.y, CrossEntropy(), SGDSettings(0.1), 1, 4, 0, terms=prox))
 
 
 def test_a_device_without_exporters_reads_programs_by_their_one_name(tmp_path) -> None:
@@ -256,17 +275,16 @@ def test_a_device_without_exporters_reads_programs_by_their_one_name(tmp_path) -
     assert ProgramDirectory(tmp_path).program(spec, loss, 64) == data
 
 
-def test_the_backend_refuses_a_hook_its_programs_lack_before_making_any_program(tmp_path: Path) -> None:
-    """A Fisher-weighted proximal term (FedCurv) is not in any program: refused, never trained without it."""
+def test_a_missing_program_is_refused_with_the_export_command_that_bakes_its_terms_in(tmp_path: Path) -> None:
+    """A device without the program for a term (FedCurv's pull) is told the command that makes it, terms included."""
     from edge_client.backends.executorch import ProgramDirectory
 
     spec = SPECS["tiny_mlp"]
     backend = ExecuTorchBackend(spec.name, spec.input_shape, spec.num_classes, programs=ProgramDirectory(tmp_path))
     x, y = torch.zeros(4, *spec.input_shape), torch.tensor([0, 1, 0, 1])
     anchor = backend.init_weights(0)
-    request = TrainRequest(
-        x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0, prox_mu=0.2, anchor=anchor, prox_weights=anchor
-    )
-    with pytest.raises(ConfigError, match=r"executorch runtime cannot run the training hook\(s\) weighted_prox"):
+    pull = TermCall(FisherProximal(mu=0.2), {"anchor": anchor, "weights": anchor})
+    request = TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0, terms=(pull,))
+    with pytest.raises(ConfigError, match=r"--objective ce --term fisher_prox:mu=0\.2 --max-batch 64"):
         backend.train(request)
     assert not any(tmp_path.iterdir())

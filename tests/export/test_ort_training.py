@@ -24,6 +24,7 @@ from export.parity import drift_parity
 from fedge.errors import ConfigError
 from fedge.learning.models import exchanged_state, load_exchanged_state
 from fedge.learning.objectives import make_objective
+from fedge.learning.terms import TermCall, terms_from_flags
 from fedge.learning.training import SGDSettings, TrainRequest, train
 from fedge.programs.spec import ModelSpec, TrainingLoss, program_file_name
 
@@ -47,8 +48,11 @@ FEDNTD = [{**c, "objective": "ntd", "params": {"tau": "2.0", "beta": "1.0"}, "ga
 # Every other loss of the training programs on the batch-norm CNN: 5 steps of 20.
 BN_CNN: dict[str, Any] = {"model": "dsfl_mnist_cnn", "input_shape": [1, 28, 28], "batch": 20, "steps": 5}
 LOSSES: list[dict[str, Any]] = [
-    {**BN_CNN, "id": "ce-scaffold", "objective": "ce", "correction": True},
-    {**BN_CNN, "id": "fedprox", "objective": "ce", "prox_mu": 0.1},
+    {**BN_CNN, "id": "ce-scaffold", "objective": "ce", "terms": ["correction"]},
+    {**BN_CNN, "id": "fedprox", "objective": "ce", "terms": ["prox:mu=0.1"]},
+    {**BN_CNN, "id": "fedcurv", "objective": "ce", "terms": ["fisher_prox:mu=0.4"]},
+    # MOON: the two reference models' eval-mode representations (batch norm on their own statistics) in the graph
+    {**BN_CNN, "id": "moon", "objective": "ce", "terms": ["moon:mu=0.5,tau=0.5"]},
     {**BN_CNN, "id": "lsd", "objective": "lsd", "params": {"tau": "2.0"}},
     {**BN_CNN, "id": "soft", "objective": "soft"},
     {**BN_CNN, "id": "fd", "objective": "fd", "params": {"gamma": "0.5"}},
@@ -94,6 +98,11 @@ def group(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tens
 
 def rebuilt_request(case: dict[str, Any], batch_seed: int, tensors: dict[str, torch.Tensor]) -> TrainRequest:
     """The request the worker trained with, from the tensors it saved."""
+    calls = []
+    for term in terms_from_flags(case.get("terms", ())):
+        own = {n: group(tensors, f"term.{term.kind}.{n}.") for n in term.tensors}
+        refs = {n: group(tensors, f"reference.{term.kind}.{n}.") for n in term.references}
+        calls.append(TermCall(term, own, refs))
     return TrainRequest(
         tensors["x"],
         tensors["y"],
@@ -103,9 +112,7 @@ def rebuilt_request(case: dict[str, Any], batch_seed: int, tensors: dict[str, to
         batch_size=case["batch"],
         seed=batch_seed,
         inputs=group(tensors, "input."),
-        prox_mu=float(case.get("prox_mu", 0.0)),
-        anchor=group(tensors, "anchor.") or None,
-        correction=group(tensors, "correction.") or None,
+        terms=tuple(calls),
     )
 
 
@@ -200,7 +207,7 @@ def test_damaged_artifacts_are_refused_before_onnx_runtime_opens_them(
 
 def test_artifacts_are_named_by_the_training_program_scheme() -> None:
     spec = ModelSpec("fedavg_cnn", (1, 28, 28), 10)
-    loss = TrainingLoss(make_objective("ntd", {"tau": "2.0"}), 0.0)
+    loss = TrainingLoss(make_objective("ntd", {"tau": "2.0"}))
     name = artifact_dir_name(spec, loss)
     assert name.startswith("fedavg_cnn-1x28x28-c10-ntd-tau2-beta1-b0-") and name.endswith(".ort-training")
     assert name.removesuffix(".ort-training") + ".pte" == program_file_name(spec, loss, 0)  # batch bound 0: unbounded
@@ -212,12 +219,12 @@ def test_missing_artifacts_say_how_to_make_them(tmp_path: Path) -> None:
         ArtifactDirectory(tmp_path)(spec, TrainingLoss(make_objective("ce")))
 
 
-def test_an_onnxruntime_training_client_offers_every_algorithm_without_torch_only_hooks() -> None:
+def test_an_onnxruntime_training_client_offers_every_algorithm() -> None:
     from edge_client.cli import runtime_capabilities
     from fedge.registry import ALGORITHMS
 
     offered = runtime_capabilities("onnxruntime-training", False)
-    assert offered == tuple(name for name, spec in ALGORITHMS.items() if not spec.hooks) and "fedprox" in offered
+    assert offered == tuple(ALGORITHMS) and {"fedprox", "fedcurv", "moon"} <= set(offered)
 
 
 def test_outside_its_environment_the_runtime_says_where_it_lives() -> None:

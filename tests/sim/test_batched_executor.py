@@ -19,9 +19,11 @@ from coordinator.engine import RoundEngine
 from fedge.algorithms.dsfl import SoftTargets
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.algorithms.fedntd import NotTrueDistillation
+from fedge.algorithms.moon import ModelContrastive
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError
 from fedge.learning.models import build_model, exchanged_state
+from fedge.learning.terms import TermCall
 from fedge.learning.training import SGDSettings, TrainRequest, train
 from fedge_cli.main import main
 from fedge_io.experiment import prepare
@@ -126,10 +128,11 @@ def test_what_it_cannot_do_exactly_is_refused_with_the_executor_to_use():
     model, (a, *_) = _requests()
     start = exchanged_state(model)
     augmented = dataclasses.replace(a, augment=dataclasses.replace(a.augment, flip=0.5))
+    refs = {"global": start, "previous": start}
     for request, reason in [
         (augmented, "augmentation"),
         (dataclasses.replace(a, fisher_samples=10), "Fisher"),
-        (dataclasses.replace(a, anchor=start, prox_weights=start), "Fisher-weighted"),
+        (dataclasses.replace(a, terms=(TermCall(ModelContrastive(), references=refs),)), "reference models"),
         (dataclasses.replace(a, objective=SoftTargets(), inputs={"targets": torch.ones(len(a.x), 10) / 10}), "'soft'"),
     ]:
         with pytest.raises(BatchedRefusal, match=reason) as info:

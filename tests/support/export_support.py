@@ -78,13 +78,15 @@ NON_DEFAULT = {"tau": "2.0", "beta": "0.5", "gamma": "0.7"}
 
 
 def loss_of(kind: str, prox_mu: float = 0.0) -> TrainingLoss:
-    """The objective ``kind`` with the non-default hyperparameters it has, and FedProx's mu."""
+    """The objective ``kind`` with the non-default hyperparameters it has, and FedProx's term with ``prox_mu`` > 0."""
     import dataclasses
 
     from fedge.learning.objectives import OBJECTIVES
+    from fedge.learning.terms import terms_from_flags
 
     names = {f.name for f in dataclasses.fields(OBJECTIVES[kind])}
-    return TrainingLoss(make_objective(kind, {k: v for k, v in NON_DEFAULT.items() if k in names}), prox_mu)
+    objective = make_objective(kind, {k: v for k, v in NON_DEFAULT.items() if k in names})
+    return TrainingLoss(objective, terms_from_flags((), prox_mu))
 
 
 @functools.cache

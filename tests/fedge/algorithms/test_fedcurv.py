@@ -51,7 +51,8 @@ def test_two_rounds_pull_each_client_to_the_other_ones_weights_by_its_fisher() -
     assert torch.allclose(run.global_weight(), (2 * a2 + b2) / 3, atol=1e-6)
     assert not torch.allclose(a2, _local(X_A, Y_A, server, ZERO, ZERO), atol=1e-4)  # the penalty changed the steps
     request = run.backend("a").requests[-1]
-    assert request.prox_mu == 2 * LAM and request.prox_weights is not None and request.fisher_samples == 500
+    (pull,) = request.terms  # the Fisher-weighted pull with mu = 2 lambda, and the Fisher pass asked for
+    assert pull.term.kind == "fisher_prox" and pull.term.mu == 2 * LAM and request.fisher_samples == 500
 
 
 def test_updates_and_broadcasts_carry_the_two_fisher_terms_and_a_negative_fisher_is_refused() -> None:
@@ -87,7 +88,7 @@ def test_a_lossy_upload_codec_may_move_a_small_fisher_value_below_zero_and_is_cl
     assert float(kept["weight"][0, 0]) == float(replies["b"].tensors[FISHER_U + "weight"][0, 0])  # a's clamped to 0
 
 
-def test_a_client_whose_runtime_lacks_the_hooks_is_refused_at_admission_with_the_reason() -> None:
+def test_every_training_runtime_is_admitted_and_an_inference_only_one_is_refused_with_the_reason() -> None:
     exp = prepare(RunConfig(algorithm="fedcurv", dataset="digits", model="tiny_mlp", num_clients=3))
     admit = admission_rule(exp)
 
@@ -103,11 +104,10 @@ def test_a_client_whose_runtime_lacks_the_hooks_is_refused_at_admission_with_the
             capabilities=runtime_capabilities(runtime, False),
         )
 
-    assert admit(hello("torch")) is None
-    why = admit(hello("executorch"))
-    assert (
-        why is not None and "cannot run 'fedcurv'" in why and "needs the training hook(s) fisher, weighted_prox" in why
-    )
+    for runtime in ("torch", "executorch", "onnxruntime-training"):  # the local term runs in every runtime's programs
+        assert admit(hello(runtime)) is None, runtime
+    why = admit(hello("onnxruntime"))
+    assert why is not None and "cannot run 'fedcurv'" in why
 
 
 @pytest.mark.broker

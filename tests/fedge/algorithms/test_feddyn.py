@@ -37,7 +37,8 @@ def test_two_rounds_follow_algorithm_1() -> None:
         assert torch.allclose(run.global_weight(), server, atol=1e-6), rnd
         # the linear term reached the client's training as a gradient correction of -g_k (before this round's update)
         request = run.backend("a").requests[-1]
-        assert request.prox_mu == ALPHA and request.correction is not None
+        prox, linear = request.terms
+        assert prox.term.kind == "prox" and prox.term.mu == ALPHA and linear.term.kind == "correction"
 
 
 def test_the_second_round_differs_from_fedprox() -> None:
@@ -45,8 +46,8 @@ def test_the_second_round_differs_from_fedprox() -> None:
     dyn = TwoClients(config("feddyn", FedDynSettings(dyn_alpha=ALPHA), local_epochs=STEPS))
     dyn.round(1)
     dyn.round(2)
-    g_a = dyn.backend("a").requests[-1].correction
-    assert g_a is not None and float(g_a["weight"].abs().sum()) > 0  # -g_k is not zero in round 2
+    (_, linear) = dyn.backend("a").requests[-1].terms
+    assert float(linear.tensors["c"]["weight"].abs().sum()) > 0  # -g_k is not zero in round 2
 
 
 def test_alpha_must_be_positive() -> None:

@@ -9,9 +9,12 @@ import torch.nn.functional as F
 
 from fedge.algorithms.fd import FDDistillation
 from fedge.algorithms.fedavg import CrossEntropy
+from fedge.algorithms.fedcurv import FisherProximal
+from fedge.algorithms.fedprox import Proximal, proximal
+from fedge.algorithms.scaffold import Correction
 from fedge.errors import ConfigError
 from fedge.learning.models import build_model, exchanged_state
-from fedge.learning.objectives import Objective
+from fedge.learning.terms import LocalTerm, TermBatch, TermCall
 from fedge.learning.training import (
     MomentumSGD,
     SGDSettings,
@@ -19,7 +22,6 @@ from fedge.learning.training import (
     batch_order,
     check_hooks,
     predict_logits,
-    proximal_term,
     required_hooks,
     train,
 )
@@ -143,11 +145,14 @@ def test_proximal_term_adds_mu_times_the_distance_to_the_anchor_to_the_gradient(
     w0 = {k: v.detach().clone() for k, v in prox.named_parameters()}
     sgd = SGDSettings(lr=0.1)
     train(plain, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0))
-    train(prox, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0, prox_mu=0.5, anchor=anchor))
+    train(prox, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0, terms=proximal(0.5, anchor)))
     for k, p in prox.named_parameters():
         expected = dict(plain.named_parameters())[k] - 0.1 * 0.5 * (w0[k] - anchor[k])
         assert torch.allclose(p, expected, atol=1e-7)
-    assert proximal_term(prox, {k: v.detach() for k, v in prox.named_parameters()}, 0.5) == 0
+    at_anchor = dict(prox.named_parameters())
+    here = {k: v.detach() for k, v in at_anchor.items()}
+    assert Proximal(mu=0.5)(TermBatch(at_anchor, {"anchor": here}, torch.zeros(1, 2), torch.zeros(1))) == 0
+    assert proximal(0.0, anchor) == ()  # mu = 0 adds no term: FedAvg's training
 
 
 def test_correction_is_added_to_every_gradient():
@@ -155,7 +160,8 @@ def test_correction_is_added_to_every_gradient():
     plain, corrected = _linear(), _linear()
     correction = {k: torch.full_like(v, 0.25) for k, v in corrected.named_parameters()}
     train(plain, TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0))
-    train(corrected, TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0, correction=correction))
+    terms = (TermCall(Correction(), {"c": correction}),)
+    train(corrected, TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0, terms=terms))
     for k, p in corrected.named_parameters():
         assert torch.allclose(p, dict(plain.named_parameters())[k] - 0.1 * 0.25, atol=1e-7)
 
@@ -164,8 +170,11 @@ def test_a_request_checks_its_inputs():
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
     with pytest.raises(ConfigError, match="takes inputs"):
         TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0, inputs={"teacher": torch.zeros(4, 2)})
-    with pytest.raises(ConfigError, match="anchor"):
-        TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0, prox_mu=0.1)
+    with pytest.raises(ConfigError, match="takes the round tensors"):
+        TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0, terms=(TermCall(Proximal(mu=0.1)),))
+    twice = proximal(0.1, {"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}) * 2
+    with pytest.raises(ConfigError, match="each local term once"):
+        TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0, terms=twice)
     with pytest.raises(ConfigError, match="rows"):
         TrainRequest(x, y, FDDistillation(), SGDSettings(lr=0.1), 1, 4, 0,
                      inputs={"targets": torch.zeros(3, 2), "mask": torch.ones(4, dtype=torch.bool)})  # fmt: skip
@@ -210,29 +219,31 @@ def test_proximal_weights_of_one_are_the_plain_term_and_weight_each_element():
     fisher = {k: torch.rand(v.shape, generator=torch.Generator().manual_seed(1)) for k, v in prox.named_parameters()}
     unit = {k: torch.ones_like(v) for k, v in w0.items()}
     train(plain, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0))
-    train(prox, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0, prox_mu=0.5, anchor=anchor))
-    train(ones, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0, prox_mu=0.5, anchor=anchor, prox_weights=unit))
-    train(weighted, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0, prox_mu=0.5, anchor=anchor, prox_weights=fisher))
+
+    def pull(weights):
+        return (TermCall(FisherProximal(mu=0.5), {"anchor": anchor, "weights": weights}),)
+
+    train(prox, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0, terms=proximal(0.5, anchor)))
+    train(ones, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0, terms=pull(unit)))
+    train(weighted, TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0, terms=pull(fisher)))
     for k, p in weighted.named_parameters():
         assert torch.equal(dict(ones.named_parameters())[k], dict(prox.named_parameters())[k])
         expected = dict(plain.named_parameters())[k] - 0.1 * 0.5 * fisher[k] * (w0[k] - anchor[k])
         assert torch.allclose(p, expected, atol=1e-7)
-    with pytest.raises(ConfigError, match="need anchor"):
-        TrainRequest(x, y, CrossEntropy(), sgd, 1, 4, 0, prox_weights=unit)
+    with pytest.raises(ConfigError, match="takes the round tensors"):
+        TermCall(FisherProximal(mu=0.5), {"weights": unit})
 
 
 @dataclass(frozen=True)
-class _PullToReference(Objective):
-    """CE plus the squared distance of the representation to a frozen reference model's (not registered)."""
+class _PullToReference(LocalTerm):
+    """The squared distance of the representation to a frozen reference model's (not registered)."""
 
     kind = "test-pull"
     references = ("ref",)
+    representation = True
 
-    def loss(self, logits, y, inputs):
-        raise AssertionError("an objective with references is trained through representation_loss")
-
-    def representation_loss(self, logits, z, y, inputs, reference_z):
-        return F.cross_entropy(logits, y) + (z - reference_z["ref"]).pow(2).sum(dim=1).mean()
+    def __call__(self, b):
+        return (b.z - b.reference_z["ref"]).pow(2).sum(dim=1).mean()
 
 
 def test_a_loss_sees_the_representation_of_the_trained_and_of_the_frozen_reference_model():
@@ -241,20 +252,19 @@ def test_a_loss_sees_the_representation_of_the_trained_and_of_the_frozen_referen
     model = build_model("tiny_mlp", input_shape=(1, 8, 8), num_classes=3, seed=1)
     reference = build_model("tiny_mlp", input_shape=(1, 8, 8), num_classes=3, seed=2)
     by_hand = build_model("tiny_mlp", input_shape=(1, 8, 8), num_classes=3, seed=1)
-    request = TrainRequest(
-        x, y, _PullToReference(), SGDSettings(lr=0.1), 1, 6, 0, references={"ref": exchanged_state(reference)}
-    )
+    pull = TermCall(_PullToReference(), references={"ref": exchanged_state(reference)})
+    request = TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 6, 0, terms=(pull,))
     train(model, request)
     z = by_hand.representation(x)
     loss = F.cross_entropy(by_hand.head(z), y) + (z - reference.representation(x).detach()).pow(2).sum(1).mean()
     loss.backward()
     for (name, p), (_, q) in zip(model.named_parameters(), by_hand.named_parameters(), strict=True):
         assert torch.allclose(p, q - 0.1 * q.grad, atol=1e-6), name
-    with pytest.raises(ConfigError, match="compares with reference models"):
-        TrainRequest(x, y, _PullToReference(), SGDSettings(lr=0.1), 1, 6, 0)
+    with pytest.raises(ConfigError, match="compares with the reference models"):
+        TermCall(_PullToReference())
     linear = torch.nn.Linear(64, 3)  # no representation/head split
-    flat = TrainRequest(x.flatten(1), y, _PullToReference(), SGDSettings(lr=0.1), 1, 6, 0,
-                        references={"ref": exchanged_state(linear)})  # fmt: skip
+    flat = TrainRequest(x.flatten(1), y, CrossEntropy(), SGDSettings(lr=0.1), 1, 6, 0,
+                        terms=(TermCall(_PullToReference(), references={"ref": exchanged_state(linear)}),))  # fmt: skip
     with pytest.raises(ConfigError, match="no representation"):
         train(linear, flat)
 
@@ -280,15 +290,15 @@ def test_the_fisher_diagonal_is_the_squared_gradient_of_the_trained_weights_and_
     assert capped.fisher is not None and not torch.allclose(capped.fisher["0.weight"], stats.fisher["0.weight"])
 
 
-def test_a_runtime_refuses_a_hook_it_cannot_run_instead_of_dropping_it():
+def test_every_training_runtime_runs_the_representation_hook_and_a_runtime_without_it_refuses():
     from edge_client.backends import RUNTIME_HOOKS
 
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
     anchor = {k: v.detach() for k, v in _linear().named_parameters()}
-    plain = TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0, prox_mu=0.1, anchor=anchor)
-    weighted = dataclasses.replace(plain, prox_weights=anchor, fisher_samples=10)
-    assert required_hooks(plain) == frozenset() and required_hooks(weighted) == {"weighted_prox", "fisher"}
-    check_hooks(weighted, RUNTIME_HOOKS["torch"], "torch")
-    check_hooks(plain, RUNTIME_HOOKS["executorch"], "executorch")
-    with pytest.raises(ConfigError, match=r"executorch runtime cannot run the training hook\(s\) fisher, weighted_"):
-        check_hooks(weighted, RUNTIME_HOOKS["executorch"], "executorch")
+    plain = TrainRequest(x, y, CrossEntropy(), SGDSettings(lr=0.1), 1, 4, 0, terms=proximal(0.1, anchor))
+    reading = dataclasses.replace(plain, terms=(TermCall(_PullToReference(), references={"ref": anchor}),))
+    assert required_hooks(plain) == frozenset() and required_hooks(reading) == {"representation"}
+    for runtime in ("torch", "executorch", "onnxruntime-training"):
+        check_hooks(reading, RUNTIME_HOOKS[runtime], runtime)
+    with pytest.raises(ConfigError, match=r"onnxruntime runtime cannot run the training hook\(s\) representation"):
+        check_hooks(reading, RUNTIME_HOOKS["onnxruntime"], "onnxruntime")

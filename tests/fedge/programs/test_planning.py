@@ -8,9 +8,10 @@ from fedge.algorithms.dsfl import DSFLSettings, SoftTargets
 from fedge.algorithms.fd import FDDistillation
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.algorithms.fedntd import NotTrueDistillation
-from fedge.algorithms.fedprox import FedProxSettings
+from fedge.algorithms.fedprox import FedProxSettings, Proximal
 from fedge.config import RunConfig, TrainConfig
 from fedge.programs.planning import PlannedTraining, planned_trainings
+from fedge.programs.spec import TrainingLoss
 from fedge_io.experiment import prepare
 
 
@@ -26,18 +27,21 @@ BASE = {"dataset": "digits", "num_clients": 4, "train": TrainConfig(batch_size=3
 @pytest.mark.parametrize(
     ("config", "expected"),
     [
-        (RunConfig(algorithm="fedavg", **BASE), [PlannedTraining(CrossEntropy(), 0.0, 32)]),  # type: ignore[arg-type]
+        (RunConfig(algorithm="fedavg", **BASE), [PlannedTraining(TrainingLoss(CrossEntropy()), 32)]),  # type: ignore[arg-type]
         (
             RunConfig(algorithm="fedntd", **BASE),  # type: ignore[arg-type]
-            [PlannedTraining(NotTrueDistillation(tau=1.0, beta=1.0), 0.0, 32)],
+            [PlannedTraining(TrainingLoss(NotTrueDistillation(tau=1.0, beta=1.0)), 32)],
         ),
         (
             RunConfig(algorithm="fedprox", algo=FedProxSettings(prox_mu=0.3), **BASE),  # type: ignore[arg-type]
-            [PlannedTraining(CrossEntropy(), 0.3, 32)],
+            [PlannedTraining(TrainingLoss(CrossEntropy(), (Proximal(mu=0.3),)), 32)],
         ),
         (  # FD distils from round 2 on, toward the previous round's global outputs
             RunConfig(algorithm="fd", **BASE),  # type: ignore[arg-type]
-            [PlannedTraining(CrossEntropy(), 0.0, 32), PlannedTraining(FDDistillation(gamma=1.0), 0.0, 32)],
+            [
+                PlannedTraining(TrainingLoss(CrossEntropy()), 32),
+                PlannedTraining(TrainingLoss(FDDistillation(gamma=1.0)), 32),
+            ],
         ),
         (  # DS-FL: local training, then from round 2 on distillation at its own batch size
             RunConfig(
@@ -46,7 +50,7 @@ BASE = {"dataset": "digits", "num_clients": 4, "train": TrainConfig(batch_size=3
                 open_size=200,
                 **BASE,  # type: ignore[arg-type]
             ),
-            [PlannedTraining(CrossEntropy(), 0.0, 32), PlannedTraining(SoftTargets(), 0.0, 20)],
+            [PlannedTraining(TrainingLoss(CrossEntropy()), 32), PlannedTraining(TrainingLoss(SoftTargets()), 20)],
         ),
     ],
     ids=["fedavg", "fedntd", "fedprox", "fd", "dsfl"],
