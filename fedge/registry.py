@@ -30,6 +30,7 @@ MODULES: dict[str, str] = {
     "feddyn": "fedge.algorithms.feddyn",
     "fedcurv": "fedge.algorithms.fedcurv",
     "moon": "fedge.algorithms.moon",
+    "feddecorr": "fedge.algorithms.feddecorr",
     "fd": "fedge.algorithms.fd",
     "dsfl": "fedge.algorithms.dsfl",
 }
