@@ -51,6 +51,7 @@ class Presence:
     admitted: dict[ClientId, ClientStatus] = field(default_factory=dict)  # the hello each client was admitted with
     banned: dict[ClientId, str] = field(default_factory=dict)  # refused for the run: its hellos contradicted admission
     ignored: int = 0  # status messages dropped by the two limits above
+    seen_at: dict[ClientId, float] = field(default_factory=dict)  # Unix time of each client's latest hello (the view)
     _last_seen: dict[ClientId, float] = field(default_factory=dict)
 
     def online(self) -> list[ClientId]:
@@ -124,6 +125,7 @@ class Presence:
             return change
         self.refused.pop(client, None)
         self.admitted.setdefault(client, status)
+        self.seen_at[client] = time.time()
         change.came_online = not was_online
         if change.came_online:
             log.info(

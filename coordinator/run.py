@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from coordinator.broker_counters import compare_with_broker
 from coordinator.engine import RoundEngine
+from coordinator.fleet_view import FleetMemory, about
 from coordinator.kit.accounts import FleetSpec, admit_provisioned
 from coordinator.kit.roster import Roster
 from coordinator.kit.writer import FleetKit, generate_fleet_kit
@@ -206,7 +208,13 @@ def run_coordinator(
     board = transport.board
     if stop is not None:  # a round is under way from its tasks to its record
         stop.round_under_way = lambda: board.status.round if board.status.phase in ("training", "aggregating") else 0
+    memory = FleetMemory()  # the view's history and client table (fedge status)
+
+    def view() -> dict[str, Any]:
+        return memory.fields(engine.history.rounds, engine.history.ledger.entries, transport.presence)
+
     board.update(rounds=config.rounds, round=len(engine.history.rounds), **_progress(engine.history.rounds))
+    board.update(about=about(config, exp.model), started=round(time.time(), 3), **view())
     with coordinator_log(run_dir) as logfile, transport:
         try:
             if remaining:
@@ -214,12 +222,14 @@ def run_coordinator(
                 # refusals (or --min-clients itself) leave too few of them, as with a kit.
                 among = provisioned if provisioned is not None else sorted(exp.parts)
                 transport.wait_for_clients(needed, join_timeout, abort=abort, among=among)
+            board.update(**view())  # who joined, with their runtime, device and samples
             before = transport.broker_counters() if broker_counters and remaining else None
             status_before = board.wire_bytes
 
             def record(r: RoundRecord) -> None:
                 journal.round(r)
-                board.update(phase="done", **_progress(engine.history.rounds))
+                memory.round_done(r, time.time())
+                board.update(phase="done", **_progress(engine.history.rounds), **view())
                 # The console's round line, timestamped, into the run's log too (the CLI prints it on stdout).
                 logfile.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, "%s", (round_line(r),), None))
                 if on_round is not None:

@@ -7,7 +7,7 @@ at any time gets the latest one at once. Its bytes are counted apart from the ro
 the comparison with the broker's own counters stays honest.
 
 A status too large for the broker's packet limit (a small ``--fleet-max-packet-size`` and a large fleet) is sent
-without its client lists (the counts stay), never chunked: a retained message must be one packet.
+without its client lists and tables (the counts stay), never chunked: a retained message must be one packet.
 """
 
 from __future__ import annotations
@@ -102,7 +102,10 @@ class StatusBoard:
             try:
                 self.link.publish(self.topic, payload, retain=True)
             except PacketTooLarge:
-                payload = encode_run_status(dataclasses.replace(status, online=(), sampled=(), replied=(), dropped=()))
+                bare = dataclasses.replace(
+                    status, online=(), sampled=(), replied=(), dropped=(), history=(), clients=()
+                )
+                payload = encode_run_status(bare)
                 self.link.publish(self.topic, payload, retain=True)
         except TransportError as exc:  # the view is a convenience: it never stops a run
             log.warning("run status not published: %s", exc)

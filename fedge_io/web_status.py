@@ -39,9 +39,14 @@ from fedge.wire.fields import printable
 from fedge.wire.protocol import BrokerAddress, Topics
 from fedge.wire.run_status import RunStatus, after, decode_run_status, is_gone
 from fedge_io.connection import is_loopback
-from fedge_io.monitor import (  # the terminal view's rules: one answer to "is it gone?", one list format
+from fedge_io.monitor import (  # the terminal view's rules: one answer to "is it gone?", one list format, one table
+    CLIENT_HEADERS,
     LATE_S,
+    ROUND_HEADERS,
+    client_cells,
     names_text,
+    progress_text,
+    round_cells,
 )
 from fedge_io.mqtt import MqttLink
 
@@ -51,6 +56,8 @@ POLL_MS = 1000  # how often the page asks for /status.json
 
 # Display ids of the page, in order, with their labels; the JSON's "view" carries one text per id.
 FIELDS: tuple[tuple[str, str], ...] = (
+    ("about", "run"),
+    ("progress", "time"),
     ("round", "round"),
     ("phase", "phase"),
     ("deadline", "deadline"),
@@ -63,6 +70,7 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ("accuracy", "last accuracy"),
     ("skipped", "skipped rounds"),
     ("bytes", "bytes so far"),
+    ("epsilon", "privacy spent"),
     ("note", "note"),
     ("updated", "last update"),
 )
@@ -76,11 +84,33 @@ h1 { font-size: 1.3em; margin: 0 0 .6em; }
 table { border-collapse: collapse; margin-top: 1em; }
 th { text-align: left; color: #555; font-weight: normal; padding: .25em 1.2em .25em 0; vertical-align: top; }
 td { padding: .25em 0; white-space: pre-line; font-family: ui-monospace, monospace; }
+table.grid td, table.grid th { padding: .15em .9em .15em 0; }
+table.grid th { border-bottom: 1px solid #ccc; }
+h2 { font-size: 1.05em; margin: 1.4em 0 .3em; }
+.plots { display: flex; gap: 2em; flex-wrap: wrap; }
+.plots figure { margin: 0; } .plots figcaption { color: #555; font-size: .85em; }
+svg { background: #fff; border: 1px solid #ddd; }
 footer { margin-top: 1.2em; color: #777; font-size: .85em; }
 """
 
 _JS = """
 "use strict";
+function fill(id, rows) {
+  const body = document.getElementById(id);
+  if (!body) return;
+  const fresh = document.createElement("tbody");
+  fresh.id = id;
+  for (const row of rows) {
+    const tr = document.createElement("tr");
+    for (const text of row) {
+      const td = document.createElement("td");
+      td.textContent = text;
+      tr.appendChild(td);
+    }
+    fresh.appendChild(tr);
+  }
+  body.replaceWith(fresh);
+}
 async function poll() {
   const state = document.getElementById("state");
   try {
@@ -88,6 +118,11 @@ async function poll() {
     for (const [id, text] of Object.entries(got.view)) {
       const cell = document.getElementById(id);
       if (cell) cell.textContent = text;
+    }
+    for (const [id, rows] of Object.entries(got.tables)) fill(id, rows);
+    for (const [id, points] of Object.entries(got.plots)) {
+      const line = document.getElementById(id);
+      if (line) line.setAttribute("points", points);
     }
     state.className = "state " + got.state;
     document.body.dataset.polled = String(got.now);
@@ -184,20 +219,54 @@ def view(status: RunStatus | None, now: float, connected: bool, run: str) -> dic
     shown["skipped"] = str(s.skipped)
     shown["bytes"] = f"wire {format_bytes(s.wire_bytes)}, tensor {format_bytes(s.tensor_bytes)} (multicast)"
     shown["note"] = printable(s.note) or "-"
+    shown["about"] = printable(s.about) or "-"
+    shown["progress"] = progress_text(s, now)
+    shown["epsilon"] = f"epsilon {s.epsilon:.3f}" if s.epsilon >= 0 else "-"
     if s.updated:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(s.updated))
         shown["updated"] = f"{stamp} ({max(0.0, now - s.updated):.1f} s ago)"
     return shown
 
 
+PLOT_W, PLOT_H = 320, 80  # the plots' viewBox
+
+
+def tables(status: RunStatus | None, now: float) -> dict[str, list[list[str]]]:
+    """The rows of the page's two tables (printable texts): every round remembered, newest first, and every client."""
+    if status is None:
+        return {"rounds-body": [], "clients-body": []}
+    clients = [[*client_cells(c, now), printable(c.last_drop) or "-"] for c in status.clients]
+    return {"rounds-body": [round_cells(o) for o in reversed(status.history)], "clients-body": clients}
+
+
+def plots(status: RunStatus | None) -> dict[str, str]:
+    """The points of the two polylines: accuracy (0 to 100%) and wire bytes per round (0 to the largest round's)."""
+    history = status.history if status is not None else ()
+    if not history:
+        return {"accuracy-line": "", "bytes-line": ""}
+    first, last = history[0].round, history[-1].round
+    span = max(last - first, 1)
+
+    def x(rnd: int) -> float:
+        return round((rnd - first) / span * PLOT_W, 1)
+
+    most = max(o.wire_bytes for o in history) or 1
+    accuracy = " ".join(f"{x(o.round)},{round(PLOT_H * (1 - o.accuracy), 1)}" for o in history if o.accuracy >= 0)
+    wire = " ".join(f"{x(o.round)},{round(PLOT_H * (1 - o.wire_bytes / most), 1)}" for o in history)
+    return {"accuracy-line": accuracy, "bytes-line": wire}
+
+
 def status_json(status: RunStatus | None, now: float, connected: bool, run: str) -> bytes:
-    """``/status.json``: the banner's kind, the validated fields of the status (or null) and the display texts."""
+    """``/status.json``: the banner's kind, the validated fields of the status (or null), the display texts, the
+    tables' rows and the plots' points."""
     doc = {
         "state": state_of(status, now, connected, run)[0],
         "now": round(now, 3),
         "connected": connected,
         "status": dataclasses.asdict(status) if status is not None else None,
         "view": view(status, now, connected, run),
+        "tables": tables(status, now),
+        "plots": plots(status),
     }
     # "<" escaped too: even a browser that sniffed the JSON as HTML would find no tag in it.
     return json.dumps(doc, ensure_ascii=True).replace("<", "\\u003c").encode()
@@ -209,6 +278,21 @@ def render_page(status: RunStatus | None, now: float, connected: bool, run: str)
     shown = view(status, now, connected, run)
     kind = state_of(status, now, connected, run)[0]
     rows = "\n".join(f'<tr><th>{e(label)}</th><td id="{i}">{e(shown[i])}</td></tr>' for i, label in FIELDS)
+    grids = tables(status, now)
+    points = plots(status)
+
+    def grid(body: str, headers: list[str]) -> str:
+        head = "".join(f"<th>{e(h)}</th>" for h in headers)
+        cells = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in grids[body])
+        return f'<table class="grid"><thead><tr>{head}</tr></thead><tbody id="{body}">{cells}</tbody></table>'
+
+    def plot(line: str, caption: str, colour: str) -> str:
+        return (
+            f'<figure><svg id="{line}-plot" viewBox="0 0 {PLOT_W} {PLOT_H}" width="{PLOT_W}" height="{PLOT_H}" '
+            f'role="img" aria-label="{e(caption)}"><polyline id="{line}" points="{e(points[line])}" fill="none" '
+            f'stroke="{colour}" stroke-width="2"/></svg><figcaption>{e(caption)}</figcaption></figure>'
+        )
+
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -221,6 +305,12 @@ def render_page(status: RunStatus | None, now: float, connected: bool, run: str)
 <table>
 {rows}
 </table>
+<div class="plots">{plot("accuracy-line", "accuracy per round (0 to 100%)", "#2a7")}
+{plot("bytes-line", "wire bytes per round (0 to the largest)", "#27a")}</div>
+<h2>rounds</h2>
+{grid("rounds-body", ROUND_HEADERS)}
+<h2>clients</h2>
+{grid("clients-body", [*CLIENT_HEADERS, "last drop"])}
 <footer>read-only view of {e(Topics(run).run_status)}, refreshed every {POLL_MS / 1000:g} s</footer>
 <script>{_JS}</script>
 </body></html>

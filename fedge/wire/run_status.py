@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -24,11 +25,45 @@ PHASES: tuple[str, ...] = get_args(Phase)
 MAX_LISTED = 500  # client ids per list in one message: a 10,000-device fleet still fits in a small message
 MAX_ID = 128  # characters of a client id (fedge.wire.protocol.check_name's bound)
 MAX_STATUS_BYTES = 1 << 20  # a monitor refuses a bigger message unread; 4 full lists of 500 ids fit
+MAX_HISTORY = 200  # rounds whose outcome one status carries (the latest): ~14 kB of JSON
 _MAX_COUNT = 10**7
 # The note of the coordinator's last will: the broker publishes it (retained, in place of the last status) when the
 # coordinator's connection ends without a DISCONNECT, i.e. without a clean exit. A clean exit publishes "finished"
 # or "stopped" itself and disconnects, which discards the will.
 GONE_NOTE = "coordinator gone: its connection to the broker ended without a clean exit (killed, crashed or cut off)"
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """One completed round, as the fleet view remembers it."""
+
+    round: int
+    aggregated: bool
+    sampled: int
+    replied: int
+    dropped: int
+    accuracy: float = -1.0  # in [0, 1]; -1: not evaluated that round
+    wire_bytes: int = 0  # the round's own
+    wall_s: float = 0.0
+    ended: float = 0.0  # Unix time the coordinator recorded it (0: a round of an earlier session, resumed)
+    epsilon: float = -1.0  # a DP run's spent epsilon after the round; -1: not a DP run
+
+
+@dataclass(frozen=True)
+class ClientRow:
+    """One client of the run, as the fleet view shows it: what it is, and what it did in the run's rounds."""
+
+    client: str
+    runtime: str = ""
+    device: str = ""
+    samples: int = 0
+    sampled: int = 0  # rounds it was sampled in
+    replied: int = 0  # rounds whose reply was accepted
+    dropped: int = 0  # rounds it was dropped from
+    last_drop: str = ""  # the latest drop's reason
+    last_seen: float = 0.0  # Unix time of its latest hello or accepted reply (0: never)
+    step_s: float = -1.0  # its latest reported step time (seconds); -1: none
+    wire_bytes: int = 0  # MQTT wire bytes of its tasks, copies of broadcasts and replies in the run's ledger
 
 
 @dataclass(frozen=True)
@@ -54,6 +89,11 @@ class RunStatus:
     wire_bytes: int = 0  # cumulative MQTT wire bytes of the completed rounds (the ledger's)
     tensor_bytes: int = 0  # cumulative tensor bytes of the completed rounds (multicast accounting)
     note: str = ""  # why a run stopped, or what it waits for
+    about: str = ""  # the run's algorithm, dataset, model and settings that matter, in one line
+    started: float = 0.0  # Unix time this coordinator session started (elapsed time; 0: unknown)
+    epsilon: float = -1.0  # a DP run's spent epsilon so far; -1: not a DP run
+    history: tuple[RoundOutcome, ...] = ()  # the latest MAX_HISTORY completed rounds, oldest first
+    clients: tuple[ClientRow, ...] = ()  # every client that said hello (MAX_LISTED at most)
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -120,6 +160,23 @@ _NUMBERS: dict[str, tuple[type, float, float]] = {
     "skipped": (int, 0, _MAX_COUNT),
     "wire_bytes": (int, 0, 2**62),
     "tensor_bytes": (int, 0, 2**62),
+    "started": (float, 0, 1e11),
+    "epsilon": (float, -1, 1e9),
+}
+# Each row of the two tables travels as a JSON list in field order; its bounds, per field.
+_ROW_BOUNDS: dict[str, tuple[float, float]] = {
+    "round": (1, _MAX_COUNT),
+    "sampled": (0, _MAX_COUNT),
+    "replied": (0, _MAX_COUNT),
+    "dropped": (0, _MAX_COUNT),
+    "accuracy": (-1, 1),
+    "wire_bytes": (0, 2**62),
+    "wall_s": (0, 1e9),
+    "ended": (0, 1e11),
+    "epsilon": (-1, 1e9),
+    "samples": (0, 2**40),
+    "last_seen": (0, 1e11),
+    "step_s": (-1, 1e9),
 }
 
 
@@ -135,8 +192,49 @@ def encode_run_status(status: RunStatus) -> bytes:
         replied=json.dumps(list(status.replied)),
         dropped=json.dumps([list(d) for d in status.dropped]),
         counts=",".join(str(c) for c in status.counts),
+        about=status.about[: wire.MAX_STRING],
+        history=json.dumps([_row(o) for o in status.history[-MAX_HISTORY:]]),
+        clients=json.dumps([_row(c) for c in status.clients[:MAX_LISTED]]),
     )
     return encode(Message(RUN_STATUS, 0, run=status.run, params=params))
+
+
+def _row(obj: RoundOutcome | ClientRow) -> list[Any]:
+    return [int(v) if isinstance(v, bool) else v for v in dataclasses.astuple(obj)]
+
+
+def _rows(params: Any, name: str, cls: type[Any]) -> tuple[Any, ...]:
+    """The table ``name`` as ``cls`` rows: each a list of its fields' values, in order, within their bounds."""
+    fields = dataclasses.fields(cls)
+    rows = []
+    for raw in _json_list(params, name):
+        if not isinstance(raw, list) or len(raw) != len(fields):
+            raise CodecError(f"field {name!r} must hold rows of {len(fields)} values")
+        values: dict[str, Any] = {}
+        for f, value in zip(fields, raw, strict=True):
+            values[f.name] = _cell(name, f.name, f.type, value)
+        rows.append(cls(**values))
+    return tuple(rows)
+
+
+def _cell(table: str, name: str, hint: Any, value: Any) -> Any:
+    where = f"{table}.{name}"
+    if hint in (bool, "bool"):
+        if value not in (0, 1) or isinstance(value, float):
+            raise CodecError(f"field {where!r} must be 0 or 1")
+        return bool(value)
+    if hint in (str, "str"):
+        limit = MAX_ID if name == "client" else wire.MAX_STRING
+        if not isinstance(value, str) or len(value) > limit or (name == "client" and not value):
+            raise CodecError(f"field {where!r} must be a string of at most {limit} characters")
+        return value
+    lo, hi = _ROW_BOUNDS[name]
+    number = hint in (int, "int")
+    if isinstance(value, bool) or not isinstance(value, int if number else (int, float)):
+        raise CodecError(f"field {where!r} must be a{'n integer' if number else ' number'}")
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise CodecError(f"field {where!r} must be within [{lo:g}, {hi:g}]")
+    return int(value) if number else float(value)
 
 
 def decode_run_status(payload: bytes, run: str | None = None) -> RunStatus:
@@ -172,6 +270,9 @@ def decode_run_status(payload: bytes, run: str | None = None) -> RunStatus:
         ),
         counts=(counts[0], counts[1], counts[2], counts[3]),
         note=str(wire.parse_value("note", p.get("note", ""), str)),
+        about=str(wire.parse_value("about", p.get("about", ""), str)),
+        history=_rows(p, "history", RoundOutcome),
+        clients=_rows(p, "clients", ClientRow),
         **values,
     )
 

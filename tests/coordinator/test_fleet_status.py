@@ -152,6 +152,19 @@ def test_fedge_status_shows_a_live_run_from_the_monitor_login(tmp_path: Path, op
         assert "finished after round 3 of 3" in final.stdout
         assert re.search(r"last accuracy: \d+\.\d\d% \(round 3\)", final.stdout), final.stdout
         assert re.search(r"bytes so far: wire \d", final.stdout), final.stdout
+        # The view remembers: the run, every round's outcome and a row per client, on the terminal and as JSON.
+        assert "fedavg on digits, model tiny_mlp, 3 clients, 3 a round, 3 rounds" in final.stdout
+        assert re.search(r"^  2 +aggregated +2/3, 1 dropped +\d+\.\d\d% ", final.stdout, re.M), final.stdout
+        assert re.search(r"^  c002 +torch +cpu +\d+ +2 +1 +1 ", final.stdout, re.M), final.stdout
+        assert "c002 last dropped: went offline" in final.stdout
+        as_json = status_once(monitor, "--json")
+        doc = json.loads(as_json.stdout)
+        assert doc["eta_s"] == 0.0 and doc["elapsed_s"] > 0
+        assert [(o["round"], o["aggregated"]) for o in doc["status"]["history"]] == [(1, True), (2, True), (3, True)]
+        rows = {c["client"]: c for c in doc["status"]["clients"]}
+        assert sorted(rows) == ["c000", "c001", "c002"] and all(c["runtime"] == "torch" for c in rows.values())
+        assert rows["c000"]["replied"] == 3 and rows["c000"]["step_s"] >= 0 and rows["c000"]["wire_bytes"] > 0
+        assert rows["c002"]["dropped"] == 1 and rows["c002"]["last_drop"].startswith("went offline")
 
         # A monitor reads the run status and nothing else of the run (here: a client's retained hello), and cannot
         # replace the run status (its ACL only reads).

@@ -27,7 +27,16 @@ from signal_support import default_sigint
 from coordinator.run import run_coordinator
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError
-from fedge.wire.run_status import RunStatus, after, decode_run_status, encode_run_status, gone_status, run_status
+from fedge.wire.run_status import (
+    ClientRow,
+    RoundOutcome,
+    RunStatus,
+    after,
+    decode_run_status,
+    encode_run_status,
+    gone_status,
+    run_status,
+)
 from fedge_io.experiment import Experiment, prepare
 from fedge_io.web_status import CSP, Board, StatusServer, parse_web_address, render_page, status_json
 from sim.brokers import free_port, mosquitto_broker, stop_process
@@ -55,6 +64,9 @@ def hostile() -> RunStatus:
         note=EVIL,
         accuracy=0.5,
         accuracy_round=1,
+        about=EVIL,
+        history=(RoundOutcome(1, True, 2, 2, 0, 0.5, 1000, 2.5, NOW - 10),),
+        clients=(ClientRow("<i>c1</i>", EVIL[:40], "cpu", 40, 1, 0, 1, EVIL, NOW - 5, 1.5, 500),),
     )
     return decode_run_status(encode_run_status(made), "lab")  # what the status process holds: decoded and checked
 
@@ -67,6 +79,7 @@ def test_the_page_shows_the_status_and_no_peer_string_becomes_markup() -> None:
     assert '<td id="accuracy">50.00% (round 1)</td>' in page and "(2.0 s ago)" in page
     # The only tags are the page's own: one script, no img, and every peer text is escaped.
     assert page.count("<script>") == 1 and "<img" not in page and "<i>" not in page and "<b>" not in page
+    assert "<td>&lt;i&gt;c1&lt;/i&gt;</td>" in page  # the client table's peer texts are escaped too
     assert "&lt;/td&gt;&lt;script&gt;alert(&quot;x&quot;)" in page and "\x1b" not in page
     # The CSP allows the page's own script and style by hash, and nothing else runs.
     script = re.search(r"<script>(.*?)</script>", page, re.S)
@@ -85,7 +98,10 @@ def test_the_json_holds_the_validated_fields_and_escaped_texts() -> None:
     assert doc["state"] == "live" and doc["status"]["round"] == 2 and doc["status"]["dropped"] == [["c9", EVIL]]
     assert doc["view"]["phase"] == "training" and doc["view"]["waiting"] == "<i>c1</i>"
     assert "\\x1b[2J" in doc["view"]["note"]  # made printable: the page's script only sets textContent
-    assert set(doc) == {"state", "now", "connected", "status", "view"}
+    assert set(doc) == {"state", "now", "connected", "status", "view", "tables", "plots"}
+    (row,) = doc["tables"]["clients-body"]
+    assert row[0] == "<i>c1</i>" and row[-1].startswith("</td><script>")  # texts: the script sets textContent
+    assert doc["plots"]["accuracy-line"] == "0.0,40.0"  # one round at 50%: the middle of the 80-pixel plot
 
 
 @pytest.mark.parametrize(
@@ -143,7 +159,9 @@ def test_the_command_refuses_web_with_once_and_a_bad_address_in_one_line(capsys:
 
     base = ["status", "--broker", "mqtt://127.0.0.1:1", "--run", "lab"]
     assert main([*base, "--web", "8080", "--once"]) == 2
-    assert capsys.readouterr().err == "fedge: error: --once prints one snapshot; it does not go with --web\n"
+    assert capsys.readouterr().err == (
+        "fedge: error: --once and --json print to the terminal; they do not go with --web\n"
+    )
     assert main([*base, "--web", "example.org:8080"]) == 2
     assert "fedge: error: --web wants [ADDRESS:]PORT with an IP address" in capsys.readouterr().err
 
@@ -306,6 +324,22 @@ def test_the_page_in_headless_chromium_follows_a_live_run(tmp_path: Path) -> Non
             assert cell(dom, "replied") == "c000" and cell(dom, "dropped").startswith("c001 (went offline"), dom
             assert re.fullmatch(r"\d+\.\d\d% \(round 2\)", cell(dom, "accuracy")), dom
             assert re.match(r"wire \d", cell(dom, "bytes")), dom
+            # The view's memory, redrawn by the page's script: both rounds, a row per client, and the two plots.
+            assert cell(dom, "about").startswith("fedntd on digits, model tiny_mlp, 2 clients"), dom
+            rounds = re.search(r'<tbody id="rounds-body">(.*?)</tbody>', dom, re.S)
+            assert rounds and re.findall(r"<tr><td>(\d+)</td><td>(\w+)</td>", rounds.group(1)) == [
+                ("2", "SKIPPED"),
+                ("1", "aggregated"),
+            ], dom
+            clients = re.search(r'<tbody id="clients-body">(.*?)</tbody>', dom, re.S)
+            assert clients and re.findall(r"<tr><td>(c\d+)</td><td>torch</td><td>cpu</td>", clients.group(1)) == [
+                "c000",
+                "c001",
+            ], dom
+            assert re.search(r"<td>went offline [^<]*</td></tr>", clients.group(1)), dom  # c001's last drop
+            for line in ("accuracy-line", "bytes-line"):
+                points = re.search(rf'<polyline id="{line}" points="([^"]*)"', dom)
+                assert points and len(points.group(1).split()) == 2, dom
         # The broker is gone: the page keeps the last status and says that it may be stale.
         dom = wait_for_page(url, r'class="state offline"')
         assert cell(dom, "state").startswith("no connection to the broker: this is the status of "), dom

@@ -83,6 +83,23 @@ def _forged(**params: str) -> bytes:
         ({"dropped": json.dumps([["c1", "r" * 300]])}, "dropped"),
         ({"counts": "1,2,3"}, "counts"),
         ({"note": "n" * 300}, "note"),
+        ({"about": "a" * 300}, "about"),
+        ({"epsilon": "-2"}, "epsilon"),
+        # The view's tables: rows of the right length, each value of its type and within its bounds.
+        ({"history": json.dumps([[1, 1, 2, 2, 0]])}, "history"),
+        ({"history": json.dumps([[0, 1, 2, 2, 0, 0.5, 10, 1.0, 0.0, -1.0]])}, "history.round"),
+        ({"history": json.dumps([[1, 2, 2, 2, 0, 0.5, 10, 1.0, 0.0, -1.0]])}, "history.aggregated"),
+        ({"history": json.dumps([[1, 1, 2, 2, 0, 1.5, 10, 1.0, 0.0, -1.0]])}, "history.accuracy"),
+        ({"history": json.dumps([[1, 1, 2, 2, 0, 0.5, -10, 1.0, 0.0, -1.0]])}, "history.wire_bytes"),
+        ({"history": json.dumps([[1, 1, 2.5, 2, 0, 0.5, 10, 1.0, 0.0, -1.0]])}, "history.sampled"),
+        ({"history": json.dumps([[1, 1, 2, 2, 0, "0.5", 10, 1.0, 0.0, -1.0]])}, "history.accuracy"),
+        ({"history": "[[1, 1, 2, 2, 0, NaN, 10, 1.0, 0.0, -1.0]]"}, "history.accuracy"),
+        ({"clients": json.dumps([["x" * 129, "torch", "cpu", 1, 1, 1, 0, "", 0.0, -1.0, 0]])}, "clients.client"),
+        ({"clients": json.dumps([["", "torch", "cpu", 1, 1, 1, 0, "", 0.0, -1.0, 0]])}, "clients.client"),
+        ({"clients": json.dumps([["c1", "t" * 300, "cpu", 1, 1, 1, 0, "", 0.0, -1.0, 0]])}, "clients.runtime"),
+        ({"clients": json.dumps([["c1", "torch", "cpu", 1, 1, 1, 0, "", 0.0, -2.0, 0]])}, "clients.step_s"),
+        ({"clients": json.dumps([["c1", "torch", "cpu", True, 1, 1, 0, "", 0.0, -1.0, 0]])}, "clients.samples"),
+        ({"clients": json.dumps({"c1": []})}, "clients"),
     ],
 )
 def test_a_monitor_refuses_malformed_fields(params: dict[str, str], error: str) -> None:
