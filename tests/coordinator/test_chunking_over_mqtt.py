@@ -181,7 +181,8 @@ def test_with_chunking_the_run_completes_with_the_unchunked_model_and_the_broker
 def test_a_lost_chunk_drops_that_client_for_the_round_and_the_run_goes_on(
     exp: Experiment, limited_url: str, tmp_path: Path
 ) -> None:
-    config = dataclasses.replace(exp.config, min_replies=0.5)
+    # Two clients, one of whose replies is lost: a round of one reply is aggregated only with the cohort floor at 1.
+    config = dataclasses.replace(exp.config, min_replies=0.5, min_cohort=1)
     with thread_clients(exp, limited_url, "lossy") as clients:
         link = clients["c001"].link
         publish, lost = link.publish, []

@@ -232,18 +232,18 @@ def test_the_docs_walkthrough_runs_as_printed(open_dir: Path, shells: list[Shell
     clients = shell.start(steps["clients"], logs / "clients.log")
     status = shell.start(steps["status"], logs / "status.log")
 
-    first = wait_for_text(logs / "coordinator.log", r"^round +1  acc", coordinator, 300)
+    first = wait_for_text(logs / "coordinator.log", r"^\d\d:\d\d:\d\d round +1  acc", coordinator, 300)
     # Stopped after round 1 (Ctrl-C), the doc's resume step continues the run from its journal.
     shell.signal(coordinator, signal.SIGINT)
     assert coordinator.wait(120) == 130, (logs / "coordinator.log").read_text()[-3000:]
     before = (logs / "coordinator.log").read_text()
-    done_before = len(re.findall(r"^round +\d+  acc", before, re.M))
+    done_before = len(re.findall(r"^\d\d:\d\d:\d\d round +\d+  acc", before, re.M))
     assert 1 <= done_before < ROUNDS, before
     resumed = shell.start(steps["resume"], logs / "resume.log")
     assert resumed.wait(300) == 0, (logs / "resume.log").read_text()[-3000:]
     ended = time.monotonic()
     out = (logs / "resume.log").read_text()
-    after = [int(n) for n in re.findall(r"^round +(\d+)  acc", out, re.M)]
+    after = [int(n) for n in re.findall(r"^\d\d:\d\d:\d\d round +(\d+)  acc", out, re.M)]
     assert after == list(range(done_before + 1, ROUNDS + 1)), out  # each round once, over both sessions
     assert "SKIPPED" not in before + out and "final accuracy" in out, out
 
