@@ -84,7 +84,8 @@ h1 { font-size: 1.3em; margin: 0 0 .6em; }
 table { border-collapse: collapse; margin-top: 1em; }
 th { text-align: left; color: #555; font-weight: normal; padding: .25em 1.2em .25em 0; vertical-align: top; }
 td { padding: .25em 0; white-space: pre-line; font-family: ui-monospace, monospace; }
-table.grid td, table.grid th { padding: .15em .9em .15em 0; }
+table.grid td, table.grid th { padding: .15em .9em .15em 0; white-space: nowrap; }
+table.grid td:last-child { white-space: normal; }
 table.grid th { border-bottom: 1px solid #ccc; }
 h2 { font-size: 1.05em; margin: 1.4em 0 .3em; }
 .plots { display: flex; gap: 2em; flex-wrap: wrap; }
@@ -228,7 +229,7 @@ def view(status: RunStatus | None, now: float, connected: bool, run: str) -> dic
     return shown
 
 
-PLOT_W, PLOT_H = 320, 80  # the plots' viewBox
+PLOT_W, PLOT_H, PLOT_PAD = 320, 80, 4  # the plots' viewBox; the lines keep PLOT_PAD from its top and bottom
 
 
 def tables(status: RunStatus | None, now: float) -> dict[str, list[list[str]]]:
@@ -250,9 +251,12 @@ def plots(status: RunStatus | None) -> dict[str, str]:
     def x(rnd: int) -> float:
         return round((rnd - first) / span * PLOT_W, 1)
 
+    def y(share: float) -> float:
+        return round(PLOT_PAD + (PLOT_H - 2 * PLOT_PAD) * (1 - share), 1)
+
     most = max(o.wire_bytes for o in history) or 1
-    accuracy = " ".join(f"{x(o.round)},{round(PLOT_H * (1 - o.accuracy), 1)}" for o in history if o.accuracy >= 0)
-    wire = " ".join(f"{x(o.round)},{round(PLOT_H * (1 - o.wire_bytes / most), 1)}" for o in history)
+    accuracy = " ".join(f"{x(o.round)},{y(o.accuracy)}" for o in history if o.accuracy >= 0)
+    wire = " ".join(f"{x(o.round)},{y(o.wire_bytes / most)}" for o in history)
     return {"accuracy-line": accuracy, "bytes-line": wire}
 
 
