@@ -29,6 +29,7 @@ from fedge.accounting.records import RoundRecord
 from fedge.algorithms.base import Strategy
 from fedge.config import RunConfig
 from fedge.errors import ConfigError, FedgeError
+from fedge.privacy.strategy import DifferentialPrivacyStrategy
 from fedge.privacy.summary import privacy_summary
 from fedge.registry import get_algorithm
 from fedge.secagg.strategy import SecureAggregationStrategy
@@ -56,18 +57,10 @@ STOPPED_AFTER = (
 
 
 def refuse_secure_aggregation(config: RunConfig) -> None:
-    """ConfigError for what secure aggregation cannot do over MQTT: simulated dropouts (the simulator's) and
-    DP-FedAvg's noise shares under it (in process only for now)."""
-    if not config.secure_aggregation:
-        return
-    if config.simulate_dropouts:
+    """ConfigError for what secure aggregation cannot do over MQTT: simulated dropouts (the simulator's)."""
+    if config.secure_aggregation and config.simulate_dropouts:
         raise ConfigError(
             "--simulate-dropouts is for fedge sim without --transport mqtt: over MQTT the clients that vanish are real"
-        )
-    if config.differential_privacy:
-        raise ConfigError(
-            "--dp-noise-multiplier with --secure-aggregation runs in process only for now (fedge sim without "
-            "--transport mqtt): the clients' noise shares do not travel over MQTT yet; drop one of the two"
         )
 
 
@@ -76,18 +69,6 @@ def refuse_noise_seed(config: RunConfig) -> None:
     seeded noise is a simulation's, reproducible by anyone who reads config.json, so it protects nothing."""
     if config.dp_noise_seed is not None:
         raise ConfigError("--dp-noise-seed makes the noise predictable: it is for fedge sim only, not a deployment")
-
-
-def refuse_differential_privacy(config: RunConfig) -> None:
-    """ConfigError when ``config`` asks for DP-FedAvg over a broker in a form that does not travel yet: with secure
-    aggregation, each client's share of the noise is added on the device (in process only for now). Without it, the
-    coordinator clips and noises the updates itself (central DP), which runs over MQTT."""
-    if config.differential_privacy and config.secure_aggregation:
-        raise ConfigError(
-            "--dp-noise-multiplier with --secure-aggregation runs in process only for now (fedge sim without "
-            "--transport mqtt): the clients' noise shares do not travel over MQTT yet; over a broker, DP-FedAvg runs "
-            "without --secure-aggregation, the coordinator clipping and noising the updates (central DP)"
-        )
 
 
 def refuse_simulated_time(config: RunConfig) -> None:
@@ -164,12 +145,16 @@ def run_coordinator(
     place of ``provisioned`` for admission.
     """
     refuse_secure_aggregation(config)
-    refuse_differential_privacy(config)
     refuse_simulated_time(config)
     exp = experiment or prepare(config)
     config = exp.config
     run = run or run_dir.name
-    if config.differential_privacy:
+    if config.differential_privacy and config.secure_aggregation:
+        log.info(
+            "DP under secure aggregation: each client clips its update, adds its share of the noise and masks it on "
+            "its device; this coordinator sees only the noised sum (docs/privacy.md, docs/secure_aggregation.md)"
+        )
+    elif config.differential_privacy:
         log.info(
             "central DP: this coordinator clips and noises each round's updates before they touch the model; the "
             "model it releases is (epsilon, delta)-DP, but the updates reach it in the clear (docs/privacy.md)"
@@ -195,7 +180,7 @@ def run_coordinator(
     transport.max_payload = largest_update(strategy)
     transport.roster = roster
     if config.secure_aggregation:  # the clients run their own parties; the server's drives the stages over MQTT
-        assert isinstance(strategy, SecureAggregationStrategy)
+        assert isinstance(strategy, (SecureAggregationStrategy, DifferentialPrivacyStrategy))
         strategy.use_channel(MqttStages(transport, stage_timeout=round_timeout))
     if not config.differential_privacy:  # DP's rounds take any number of replies (its noise is sized for that)
         transport.min_available = config.cohort_floor  # a round waits for the floor before it samples
@@ -373,7 +358,6 @@ def provision_fleet(
     its files by absolute path; default: where it is written). ``bind_address``: the one interface its listener
     binds (default: every interface)."""
     refuse_secure_aggregation(exp.config)
-    refuse_differential_privacy(exp.config)
     strategy = exp.strategy(run)
     plan = strategy.configure(1, sorted(exp.parts))
     planned = [len(encode(m)) for m in (plan.broadcast, *plan.tasks.values()) if m is not None]

@@ -2,8 +2,9 @@
 
 When a round's broadcast announces secure aggregation (:func:`fedge.secagg.remote.round_config_of`), the client's
 update never leaves the device: the reply carries its report and fresh public keys instead, and the party answers the
-coordinator's stage messages (neighbour keys, share delivery, unmask request) that follow on the task topic. Its
-private keys, self-mask seed, clipped update and masks live here only, in memory, for the round in flight; a new
+coordinator's stage messages (neighbour keys, share delivery, unmask request) that follow on the task topic. Under
+DP-FedAvg it also adds its share of the round's noise (:mod:`fedge.privacy.shares`). Its private keys, self-mask
+seed, clipped update, noise and masks live here only, in memory, for the round in flight; a new
 coordinator session (a restarted coordinator restarts the round) or a newer round discards them, and the next round
 draws new ones.
 """
@@ -14,15 +15,19 @@ import logging
 import math
 import os
 
+import numpy as np
 import torch
 
 from fedge.aggregation.flat import FlatLayout
 from fedge.errors import CodecError
+from fedge.privacy.mechanism import noise_rng
+from fedge.privacy.shares import client_input, share_of
 from fedge.secagg.errors import SecAggError
 from fedge.secagg.messages import ShareDelivery
 from fedge.secagg.remote import (
     STAGE_OF_KIND,
     ClientParty,
+    clipped_delta,
     from_message,
     layout_of,
     round_config_of,
@@ -79,15 +84,22 @@ class SecureRounds:
         new, reference = layout.flatten(update.tensors), layout.flatten(broadcast.tensors)
         if not (math.isfinite(float(new.sum())) and math.isfinite(float(reference.sum()))):
             raise CodecError("the update or the broadcast holds non-finite values: nothing to aggregate securely")
+        share = share_of(broadcast.params)  # DP-FedAvg: the client adds its share of the noise, unweighted
+        if share is not None:
+            vector = client_input(new, reference, share, noise_rng(None, task.round))  # (dim + 1,)
+            clipped = float(np.linalg.norm(new - reference)) > share.clip
+        else:
+            vector, clipped = clipped_delta(new, reference, config.plan.bound)  # (dim,)
         try:
-            party = ClientParty(config, self.client, new, reference, rand_bytes=self._rand)
+            party = ClientParty(config, self.client, vector, weighted=share is None, rand_bytes=self._rand)
         except SecAggError as exc:
             raise CodecError(str(exc)) from None
-        if party.clipped:
+        if clipped:
             log.info(
-                "round %d: secure aggregation: update clipped to L2 norm %g before masking",
+                "round %d: secure aggregation: update clipped to L2 norm %g before %smasking",
                 task.round,
-                config.plan.bound,
+                share.clip if share is not None else config.plan.bound,
+                "noising and " if share is not None else "",
             )
         self._current = (task.transport.get(SESSION, ""), task.round, party)
         keys = party.advertise()

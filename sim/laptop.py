@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO
 
-from coordinator.run import provision_fleet, refuse_differential_privacy, refuse_secure_aggregation, run_coordinator
+from coordinator.run import provision_fleet, refuse_secure_aggregation, run_coordinator
 from fedge.accounting.records import RoundRecord
 from fedge.config import RunConfig
 from fedge.types import ClientId
@@ -67,7 +67,6 @@ def run_over_mqtt(
     ``max_packet_size``: the coordinator's and every client's ``--max-packet-size`` (larger messages are chunked).
     """
     refuse_secure_aggregation(config)  # before a client process starts
-    refuse_differential_privacy(config)
     exp = experiment or prepare(config)
     config = exp.config
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -45,10 +45,13 @@ from fedge.aggregation.flat import FlatLayout
 from fedge.errors import ConfigError
 from fedge.privacy.accountant import Ledger, update_noise_multiplier
 from fedge.privacy.mechanism import adapted_clip, count_std, noise_rng
+from fedge.privacy.shares import ClientShare, share_params
 from fedge.secagg.config import RoundConfig
-from fedge.secagg.driver import run_round
-from fedge.secagg.errors import RoundAbandoned
-from fedge.secagg.protocol import Stage
+from fedge.secagg.driver import run_round, serve_round
+from fedge.secagg.errors import RoundAbandoned, SecAggError
+from fedge.secagg.messages import AdvertiseKeys, SecAggMessage
+from fedge.secagg.protocol import SecAggServer, Stage
+from fedge.secagg.remote import LAYOUT_PARAM, SEED_PARAM, StageChannel
 from fedge.secagg.shamir import RandBytes
 from fedge.secagg.strategy import (
     RING_BITS,
@@ -56,6 +59,8 @@ from fedge.secagg.strategy import (
     _drops,
     _ProtocolLedger,
     graph_seed,
+    remote_drops,
+    remote_reply,
     rounding_rng,
     simulated_dropouts,
 )
@@ -87,6 +92,7 @@ class _Round:
     cohort: tuple[ClientId, ...]
     reference: npt.NDArray[np.float64]  # (dim,) the broadcast weights, flattened in reply-tensor order
     clip: float
+    secure: RoundConfig | None = None  # the secure sum's parameters (a cohort of 2 or more under secure aggregation)
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,8 @@ class DifferentialPrivacyStrategy:
         self._record = AggregationRecord()
         self._secure_metrics: dict[str, float] = {}
         self.last: PrivateRound | None = None
+        self._remote: StageChannel | None = None
+        self._advertised: dict[ClientId, AdvertiseKeys] = {}  # this round's, remote parties only
         log.info(
             "DP-FedAvg: noise multiplier %g (%g on the update%s), clip %s, q = %g of %d clients (expected cohort "
             "%g), delta = %.3g%s, %s accountant; noise seeded from %s",
@@ -161,6 +169,12 @@ class DifferentialPrivacyStrategy:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def use_channel(self, channel: StageChannel) -> None:
+        """Under secure aggregation, run the clients' parties where the clients are (a deployment): each client clips
+        its update, adds its share of the noise (:mod:`fedge.privacy.shares`) and masks it on the device; a reply is
+        its report and public keys, and :meth:`aggregate` drives the remaining stages over ``channel``."""
+        self._remote = channel
 
     def epsilon_after(self, rounds: int) -> float:
         """Epsilon at the run's delta after ``rounds`` rounds (cached: a pure function of the round count)."""
@@ -187,11 +201,64 @@ class DifferentialPrivacyStrategy:
         plan = self.inner.configure(rnd, clients)
         weights = self.inner.global_weights()
         assert weights is not None  # checked in __init__
-        self._round = _Round(rnd, tuple(sorted(clients)), self._layout.flatten(weights), self.clip)
-        return plan
+        cohort = tuple(sorted(clients))
+        secure = self._secure_config(rnd, cohort) if self.dp_config.secure_aggregation and len(cohort) >= 2 else None
+        self._round = _Round(rnd, cohort, self._layout.flatten(weights), self.clip, secure)
+        if self._remote is None or not self.dp_config.secure_aggregation:
+            return plan
+        if secure is None or plan.broadcast is None:  # a lone client's update would reach the coordinator alone
+            log.info(
+                "round %d: a cohort of %d under secure aggregation: no task, the round is noise only", rnd, len(cohort)
+            )
+            return dataclasses.replace(plan, broadcast=None, tasks={})
+        share = self._client_share(secure, self.clip)
+        tensors, meta = secure.to_fields()
+        params = {
+            **plan.broadcast.params,
+            **meta,
+            SEED_PARAM: secure.round_seed.hex(),
+            LAYOUT_PARAM: ",".join(self._layout.specs),
+            **share_params(share),
+        }
+        assert set(tensors) == {"secagg.round_seed"}
+        return dataclasses.replace(plan, broadcast=dataclasses.replace(plan.broadcast, params=params))
+
+    def _stds(self, bound: float) -> npt.NDArray[np.float64]:
+        """(dim + 1,) the std of the released sum's noise: z_delta C per coordinate, sigma_b on the count."""
+        stds = np.full(self._dim + 1, self.z_update * bound)
+        stds[-1] = self.count_std
+        return stds
+
+    def _secure_config(self, rnd: int, cohort: tuple[ClientId, ...]) -> RoundConfig:
+        """The secure sum's parameters: the graph's degree and threshold for the cohort, and a ring whose bound holds
+        the clip plus NOISE_BOUND_STDS of one client's noise share (which depends on the threshold)."""
+        cfg = self.dp_config
+        fields: dict[str, Any] = dict(
+            run=self.inner.run_id,
+            session=self._session,
+            round=rnd,
+            clients=cohort,
+            round_seed=graph_seed(cfg.seed, rnd),
+            dim=self._dim + 1,
+            ring_bits=RING_BITS,
+        )
+        graph = RoundConfig.new(
+            **fields, bound=1.0, degree=cfg.secagg_degree or None, threshold=cfg.secagg_threshold or None
+        )
+        share = self._stds(self.clip) / math.sqrt(graph.min_survivors)  # (dim + 1,) each client's noise std
+        ring_bound = max(self.clip, 1.0) + NOISE_BOUND_STDS * float(share.max())
+        return RoundConfig.new(**fields, bound=ring_bound, degree=graph.degree, threshold=graph.threshold)
+
+    def _client_share(self, config: RoundConfig, bound: float) -> ClientShare:
+        """What each client of a secure round adds: the clip, the count bit (adaptive clipping) and its noise."""
+        share = self._stds(bound) / math.sqrt(config.min_survivors)
+        return ClientShare(bound, self.adaptive, float(share[0]), float(share[-1]))
 
     def accept(self, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
-        return self.inner.accept(rnd, client, reply)
+        if self._remote is None or not self.dp_config.secure_aggregation:
+            return self.inner.accept(rnd, client, reply)
+        checked, self._advertised[client] = remote_reply(self.inner, self._reply_type, rnd, client, reply)
+        return checked
 
     def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
         return self.accept(rnd, client, reply).report
@@ -203,7 +270,9 @@ class DifferentialPrivacyStrategy:
             raise RuntimeError(f"round {rnd} was not configured by this strategy")
         cfg, bound = self.dp_config, state.clip
         ordered = sorted(replies)
-        secure = cfg.secure_aggregation and len(state.cohort) >= 2
+        secure = state.secure is not None
+        if secure and self._remote is not None:
+            return self._aggregate_remote(rnd, state, replies, self._remote)
         vectors: dict[ClientId, npt.NDArray[np.float64]] = {}  # each client's input to the secure sum
         plain = np.zeros(self._dim + 1)  # (dim + 1,) the sum of the clipped deltas and bits, without the protocol
         norms: dict[ClientId, float] = {}
@@ -219,8 +288,7 @@ class DifferentialPrivacyStrategy:
                 vectors[c] = vector
             else:
                 plain += vector
-        stds = np.full(self._dim + 1, self.z_update * bound)  # (dim + 1,) the noise of the released sum
-        stds[-1] = self.count_std
+        stds = self._stds(bound)  # (dim + 1,) the noise of the released sum
         rng = noise_rng(cfg.dp_noise_seed, rnd)
         metrics = {
             "dp_epsilon": self.epsilon_after(rnd),
@@ -239,18 +307,72 @@ class DifferentialPrivacyStrategy:
         else:
             noise = rng.normal(0.0, stds)  # (dim + 1,) the coordinator's draw (also a lone client's, in effect)
             clipped_sum, total, survivors = plain[:-1], plain + noise, tuple(ordered)
+        after = self._release(rnd, state, total, replies, survivors, metrics)
+        self.last = PrivateRound(
+            {c: norms[c] for c in survivors}, clipped_sum, noise[:-1], survivors, state.reference, after, bound
+        )
+        return metrics
+
+    def _release(
+        self,
+        rnd: int,
+        state: _Round,
+        total: npt.NDArray[np.float64],
+        replies: Mapping[ClientId, CheckedReply],
+        survivors: Sequence[ClientId],
+        metrics: dict[str, float],
+    ) -> npt.NDArray[np.float64]:
+        """From the noised sum ``total`` (dim + 1,): the new weights ``w + sum / m`` (handed to the inner strategy,
+        and returned flat) and, under adaptive clipping, the next round's clip."""
+        cfg = self.dp_config
         after = state.reference + total[:-1] / self.expected_cohort  # (dim,) f_f: the fixed denominator
         if self.adaptive:
             self.clip = adapted_clip(
-                bound, float(total[-1]), self.expected_cohort, cfg.dp_target_quantile, cfg.dp_clip_lr
+                state.clip, float(total[-1]), self.expected_cohort, cfg.dp_target_quantile, cfg.dp_clip_lr
             )
             metrics["dp_unclipped_share"] = float(total[-1]) / self.expected_cohort  # noised: public
         self.inner.aggregate(
             rnd, {SUM_CLIENT: self._mean_reply(rnd, replies, survivors, self._layout.unflatten(after))}
         )
-        self.last = PrivateRound(
-            {c: norms[c] for c in survivors}, clipped_sum, noise[:-1], survivors, state.reference, after, bound
-        )
+        return after
+
+    def _aggregate_remote(
+        self, rnd: int, state: _Round, replies: Mapping[ClientId, CheckedReply], channel: StageChannel
+    ) -> dict[str, float]:
+        """The secure sum with the clients' parties on their devices: each reply brought its keys; each client
+        clips, noises and masks its own input; only the noised sum comes back, so :attr:`last` stays None."""
+        config = state.secure
+        assert config is not None
+        stds = self._stds(state.clip)
+        metrics = {
+            "dp_epsilon": self.epsilon_after(rnd),
+            "dp_delta": self.delta,
+            "dp_clip": state.clip,
+            "dp_noise_std": float(stds[0]),
+            "dp_cohort": float(len(state.cohort)),
+        }
+        advertised = [self._advertised[c] for c in sorted(replies) if c in self._advertised]
+        self._advertised = {}
+
+        def deliver(stage: Stage, messages: Mapping[ClientId, SecAggMessage]) -> list[SecAggMessage]:
+            return channel.stage(rnd, config, stage, messages, {})  # summed as they are: no averaging shares
+
+        def refused(message: SecAggMessage, exc: SecAggError) -> None:
+            log.warning("round %d: secure aggregation: refused a %s of %s: %s", rnd, message.KIND, message.client, exc)
+
+        try:
+            result = serve_round(SecAggServer(config), advertised, deliver, refused=refused)
+        except RoundAbandoned as exc:
+            entries, why = channel.take_record(rnd)
+            gone = [c for c in sorted(replies) if c in why]
+            self._record = AggregationRecord(tuple(entries), remote_drops(gone, why, config), str(exc))
+            return metrics
+        entries, why = channel.take_record(rnd)
+        gone = [c for c in result.dropped if c in replies]
+        self._record = AggregationRecord(tuple(entries), remote_drops(gone, why, config), "")
+        metrics |= {"dp_min_survivors": float(config.min_survivors), "dp_survivors": float(len(result.survivors))}
+        self._release(rnd, state, result.decoded_sum, replies, result.survivors, metrics)
+        self.last = None  # the coordinator knows neither a client's clipped update nor its noise
         return metrics
 
     def _secure_sum(
@@ -263,22 +385,11 @@ class DifferentialPrivacyStrategy:
     ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], tuple[ClientId, ...]]:
         """SecAgg+ over the vectors, each client's share of the noise added before masking: (the unmasked sum, the
         noise in it, the survivors). Raises RoundAbandoned (its record kept) when too many clients vanish."""
-        cfg = self.dp_config
-        config = RoundConfig.new(  # the round's degree and threshold (run_round makes its own, with the ring's bound)
-            run=self.inner.run_id,
-            session=self._session,
-            round=rnd,
-            clients=state.cohort,
-            round_seed=graph_seed(cfg.seed, rnd),
-            dim=self._dim + 1,
-            bound=1.0,  # not used: the ring's bound depends on t
-            ring_bits=RING_BITS,
-            degree=cfg.secagg_degree or None,
-            threshold=cfg.secagg_threshold or None,
-        )
+        cfg, config = self.dp_config, state.secure
+        assert config is not None  # a secure round
         t_min = config.min_survivors  # the fewest survivors a completed round can have
         share = stds / math.sqrt(t_min)  # (dim + 1,) each client's noise std
-        ring_bound = max(state.clip, 1.0) + NOISE_BOUND_STDS * float(share.max())
+        ring_bound = config.plan.bound  # the clip plus NOISE_BOUND_STDS of the largest share
         noises: dict[ClientId, npt.NDArray[np.float64]] = {}
         inputs: dict[ClientId, npt.NDArray[np.float64]] = {}
         drop_at: dict[ClientId, Stage] = {}

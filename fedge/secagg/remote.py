@@ -6,9 +6,10 @@ frame, the client's party as a device runs it, and the interface a transport off
   metadata as ``secagg.*`` params), so it rides the transport's topics, chunking and session stamps like any other
   message; parsing checks everything the in-process codec does.
 - :class:`ClientParty`: one client's round on the device. The client clips its own update (new weights minus the
-  broadcast weights) to L2 norm ``bound`` (the ring bound is the norm bound), scales it by its averaging share
-  ``a_k / A`` that the server sends with the share delivery, and runs :class:`~fedge.secagg.protocol.SecAggClient`:
-  its keys, self-mask seed, masks and stochastic rounding never leave the device.
+  broadcast weights) to L2 norm ``bound`` (the ring bound is the norm bound) and scales it by its averaging share
+  ``a_k / A`` that the server sends with the share delivery (or, under DP-FedAvg, adds its share of the noise:
+  :mod:`fedge.privacy.shares`), and runs :class:`~fedge.secagg.protocol.SecAggClient`: its keys, self-mask seed,
+  masks, noise and stochastic rounding never leave the device.
 - :class:`StageChannel`: what the server's side (:func:`fedge.secagg.driver.serve_round`) needs of a transport.
 
 What travels in the clear: each client's report (data size, loss), its public keys, which clients answered each
@@ -149,9 +150,12 @@ def layout_of(broadcast: Message) -> tuple[str, ...]:
     return names
 
 
-def weight_of(frame: Message) -> float:
-    """The averaging share a share delivery carries; MessageError unless a number in (0, 1]."""
-    raw = frame.params.get(WEIGHT_PARAM, "")
+def weight_of(frame: Message) -> float | None:
+    """The averaging share a weighted round's share delivery carries (None: an unweighted round's); MessageError
+    unless a number in (0, 1]."""
+    raw = frame.params.get(WEIGHT_PARAM)
+    if raw is None:
+        return None
     try:
         weight = float(raw[:40])
     except ValueError:
@@ -162,29 +166,33 @@ def weight_of(frame: Message) -> float:
 
 
 class ClientParty:
-    """One client's side of one round on the device: its update clipped to the round's bound, the protocol client
-    with its own keys, and the answer to each stage's message.
+    """One client's side of one round on the device: the vector it adds to the sum, the protocol client with its own
+    keys, and the answer to each stage's message.
 
-    ``update`` and ``reference`` are flat vectors (the client's new weights and the broadcast's) of the round's
-    length. ``rng`` draws the stochastic rounding (default: seeded from the OS); ``rand_bytes`` keys and seeds.
+    ``vector`` (the round's length) is what the client encodes: its update clipped to the round's bound
+    (:func:`clipped_delta`), which ``weighted`` rounds scale by the client's averaging share a_k / A from the share
+    delivery (FedAvg's weighted mean), or DP-FedAvg's noised input (:func:`fedge.privacy.shares.client_input`,
+    summed as it is). ``rng`` draws the stochastic rounding (default: seeded from the OS); ``rand_bytes`` keys and
+    seeds.
     """
 
     def __init__(
         self,
         config: RoundConfig,
         client: ClientId,
-        update: npt.NDArray[np.float64],
-        reference: npt.NDArray[np.float64],
+        vector: npt.NDArray[np.float64],
         *,
+        weighted: bool,
         rand_bytes: RandBytes = os.urandom,
         rng: np.random.Generator | None = None,
     ) -> None:
-        if update.shape != (config.dim,) or reference.shape != (config.dim,):
+        if vector.shape != (config.dim,):
             raise ProtocolViolation(
-                f"the round sums vectors of {config.dim} values, this client's model has {update.shape[0]}"
+                f"the round sums vectors of {config.dim} values, this client's has {vector.shape[0]}"
             )
         self.config = config
-        self.delta, self.clipped = clipped_delta(update, reference, config.plan.bound)  # (dim,) norm <= bound
+        self.vector = vector  # (dim,)
+        self.weighted = weighted
         self.protocol = SecAggClient(config, client, rand_bytes=rand_bytes)
         self._rng = rng
 
@@ -193,14 +201,18 @@ class ClientParty:
         return self.protocol.advertise()
 
     def answer(self, message: SecAggMessage, weight: float | None = None) -> SecAggMessage:
-        """The answer to the server's message of a stage; ``weight`` (a_k / A) is needed with the share delivery.
-        ProtocolViolation for a message out of order or one the protocol forbids answering (revealing nothing)."""
+        """The answer to the server's message of a stage; ``weight`` (a_k / A) comes with a weighted round's share
+        delivery, and with no other. ProtocolViolation for a message out of order or one the protocol forbids
+        answering (revealing nothing)."""
         if isinstance(message, NeighbourKeys):
             return self.protocol.share_keys(message)
         if isinstance(message, ShareDelivery):
-            if weight is None:
-                raise ProtocolViolation("a share delivery without the client's averaging share")
-            return self.protocol.masked_input(message, self.delta * weight, rng=self._rng)
+            if self.weighted != (weight is not None):
+                raise ProtocolViolation(
+                    "a weighted round's share delivery carries the client's averaging share, an unweighted one none"
+                )
+            x = self.vector * weight if weight is not None else self.vector
+            return self.protocol.masked_input(message, x, rng=self._rng)
         if isinstance(message, UnmaskRequest):
             return self.protocol.unmask(message)
         raise ProtocolViolation(f"a client does not answer a {message.KIND} message")

@@ -230,26 +230,10 @@ class SecureAggregationStrategy:
         remote parties, a reply carries the client's report and its advertised public keys, no update."""
         if self._remote is None:
             return self.inner.accept(rnd, client, reply)
-        report = self._remote_report(rnd, client, reply)
-        keys = from_message(reply)
-        if not isinstance(keys, AdvertiseKeys):
-            raise CodecError(f"a reply under secure aggregation carries the client's keys, not a {keys.KIND} message")
         if self._reply_type is None:
             raise RuntimeError("remote parties need the reply type: build the strategy with reply_type")
-        self._advertised[client] = keys
-        return self._reply_type(report, reply)
-
-    def _remote_report(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
-        """The inner strategy's envelope and report checks of a reply that carries no tensors of the model."""
-        inner = self.inner
-        expected = {"kind": UPDATE, "round": rnd, "client": client, "run": inner.run_id}
-        got = {"kind": reply.kind, "round": reply.round, "client": reply.client, "run": reply.run}
-        wrong = [
-            f"{k} {printable(str(got[k]), 64)!r} (expected {expected[k]!r})" for k in expected if got[k] != expected[k]
-        ]
-        if wrong:
-            raise CodecError("reply has " + ", ".join(wrong))
-        return inner.report_of(reply)
+        checked, self._advertised[client] = remote_reply(self.inner, self._reply_type, rnd, client, reply)
+        return checked
 
     def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
         return self.accept(rnd, client, reply).report
@@ -345,7 +329,7 @@ class SecureAggregationStrategy:
         except RoundAbandoned as exc:
             entries, why = channel.take_record(rnd)
             gone = [c for c in sorted(replies) if c in why]
-            self._record = AggregationRecord(tuple(entries), _remote_drops(gone, why, config), str(exc))
+            self._record = AggregationRecord(tuple(entries), remote_drops(gone, why, config), str(exc))
             return metrics
         entries, why = channel.take_record(rnd)
         survivors = result.survivors
@@ -353,7 +337,7 @@ class SecureAggregationStrategy:
         after = self._layout.unflatten(state.reference + result.decoded_sum / weight)
         metrics.update(self.inner.aggregate(rnd, {SUM_CLIENT: _mean_reply(replies, survivors, after)}))
         gone = [c for c in result.dropped if c in replies]
-        self._record = AggregationRecord(tuple(entries), _remote_drops(gone, why, config), "")
+        self._record = AggregationRecord(tuple(entries), remote_drops(gone, why, config), "")
         return metrics | {
             "secagg_survivors": float(len(survivors)),
             "secagg_vanished_unmasking": float(sum(1 for c in survivors if c in why)),
@@ -424,7 +408,26 @@ def _drops(gone: Sequence[ClientId], drop_at: Mapping[ClientId, Stage], config: 
     )
 
 
-def _remote_drops(gone: Sequence[ClientId], why: Mapping[ClientId, str], config: RoundConfig) -> tuple[Drop, ...]:
+def remote_reply(
+    inner: Strategy, reply_type: type[CheckedReply], rnd: int, client: ClientId, reply: Message
+) -> tuple[CheckedReply, AdvertiseKeys]:
+    """A remote party's reply (its report and advertised keys, no update) checked: the inner strategy's envelope and
+    report rules, and the keys' message; CodecError otherwise."""
+    expected = {"kind": UPDATE, "round": rnd, "client": client, "run": inner.run_id}
+    got = {"kind": reply.kind, "round": reply.round, "client": reply.client, "run": reply.run}
+    wrong = [
+        f"{k} {printable(str(got[k]), 64)!r} (expected {expected[k]!r})" for k in expected if got[k] != expected[k]
+    ]
+    if wrong:
+        raise CodecError("reply has " + ", ".join(wrong))
+    report = inner.report_of(reply)
+    keys = from_message(reply)
+    if not isinstance(keys, AdvertiseKeys):
+        raise CodecError(f"a reply under secure aggregation carries the client's keys, not a {keys.KIND} message")
+    return reply_type(report, reply), keys
+
+
+def remote_drops(gone: Sequence[ClientId], why: Mapping[ClientId, str], config: RoundConfig) -> tuple[Drop, ...]:
     """Why each client that replied is not in the round's sum: it stopped answering at some stage (the transport
     says how), or the protocol left it out with too few neighbours to recover its secrets."""
     return tuple(

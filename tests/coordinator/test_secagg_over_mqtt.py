@@ -33,7 +33,7 @@ from coordinator.run import run_coordinator
 from fedge.accounting.ledger import read_ledger_csv
 from fedge.aggregation.flat import FlatLayout
 from fedge.algorithms import run_client_step
-from fedge.config import RunConfig, TrainConfig
+from fedge.config import SECAGG_CLIP, RunConfig, TrainConfig
 from fedge.learning.backend import TorchBackend
 from fedge.secagg.encoding import ring_plan
 from fedge.secagg.remote import clipped_delta
@@ -203,3 +203,28 @@ def test_ten_clients_three_vanishing_at_three_stages_then_an_abandoned_round_the
     assert len(set(advertised.values())) == len(advertised) == 6  # no key advertised twice
     assert summary  # the resumed run finished
     assert math.isfinite(rounds[0]["accuracy"])
+
+    # 4. DP-FedAvg under secure aggregation: the three clients add their noise shares on their devices.
+    dp = dataclasses.replace(  # each client clips to --dp-clip (--secagg-clip at its default)
+        CONFIG, dp_noise_multiplier=0.5, dp_clip="0.5", client_fraction=1.0, secagg_clip=SECAGG_CLIP
+    )
+    private = run_coordinator(
+        dp,
+        tmp_path / "dp",
+        broker=url,
+        run=RUN,
+        experiment=dataclasses.replace(exp, config=dp),
+        round_timeout=60,
+        join_timeout=60,
+        min_clients=3,
+    )
+    (r,) = private.rounds
+    assert r.aggregated and r.replied == ("c007", "c008", "c009")
+    assert r.metrics["dp_survivors"] == 3 and r.metrics["dp_min_survivors"] >= 1
+    ledger = [e for e in read_ledger_csv(tmp_path / "dp" / "ledger.csv") if e.round == 1]
+    assert {e.tensor_bytes for e in ledger if e.kind == "update"} == {64}  # keys only: no update in the clear
+    layout = FlatLayout(exp.strategy(RUN).reply_tensors())
+    masked = [e for e in ledger if e.kind == "secagg.masked-input"]
+    assert len(masked) == 3 and all(e.tensor_bytes == 4 * (layout.dim + 1) for e in masked)  # update and count
+    dp_model = layout.flatten(load_file(tmp_path / "dp" / "global_model.safetensors"))
+    assert np.isfinite(dp_model).all() and float(np.abs(dp_model - before).max()) > 0

@@ -112,7 +112,10 @@ def test_the_budget_stops_the_run_with_exit_0(tmp_path: Path, capsys: pytest.Cap
         (["--algorithm", "scaffold"], "cannot run --algorithm scaffold: DP-FedAvg noises a mean"),
         (["--algorithm", "dsfl"], "cannot run --algorithm dsfl: it uploads outputs (logits)"),
         (["--algorithm", "fedavg", "--robust", "median"], "--robust median with --dp-noise-multiplier"),
-        (["--algorithm", "fedavg", "--transport", "mqtt", "--secure-aggregation"], "runs in process only for now"),
+        (
+            ["--algorithm", "fedavg", "--transport", "mqtt", "--secure-aggregation", "--simulate-dropouts", "0.2"],
+            "over MQTT the clients that vanish are real",
+        ),
     ],
 )
 def test_refusals_are_one_line_errors(
@@ -125,17 +128,15 @@ def test_refusals_are_one_line_errors(
     assert not any(tmp_path.iterdir())
 
 
-def test_deployments_refuse_a_noise_seed_and_dp_with_secure_aggregation_over_a_broker() -> None:
-    from coordinator.run import refuse_differential_privacy, refuse_noise_seed
+def test_deployments_refuse_a_noise_seed_and_take_dp_with_or_without_secure_aggregation() -> None:
+    from coordinator.run import refuse_noise_seed, refuse_secure_aggregation
     from fedge.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--dp-noise-seed makes the noise predictable"):
         refuse_noise_seed(_config())
     refuse_noise_seed(_config(dp_noise_seed=None))
-    refuse_differential_privacy(_config())  # central DP travels over MQTT
-    with pytest.raises(ConfigError, match="the clients' noise shares do not travel over MQTT yet"):
-        refuse_differential_privacy(_config(secure_aggregation=True))
-    refuse_differential_privacy(RunConfig())  # no DP: nothing to refuse
+    refuse_secure_aggregation(_config(dp_noise_seed=None))  # central DP travels over MQTT
+    refuse_secure_aggregation(_config(dp_noise_seed=None, secure_aggregation=True))  # and the clients' noise shares
 
 
 @pytest.mark.broker

@@ -18,13 +18,17 @@ from fedge.aggregation.flat import FlatLayout
 from fedge.algorithms import make_strategy
 from fedge.algorithms.base import CheckedReply, ServerContext, UpdateReport
 from fedge.config import RunConfig
+from fedge.privacy.mechanism import noise_rng
+from fedge.privacy.shares import client_input, share_of
+from fedge.privacy.strategy import DifferentialPrivacyStrategy
 from fedge.secagg.config import RoundConfig
 from fedge.secagg.errors import MessageError, ProtocolViolation
 from fedge.secagg.messages import AdvertiseKeys, SecAggMessage, ShareDelivery
-from fedge.secagg.protocol import STAGES, Stage
+from fedge.secagg.protocol import STAGES, SecAggServer, Stage
 from fedge.secagg.remote import (
     WEIGHT_PARAM,
     ClientParty,
+    clipped_delta,
     from_message,
     layout_of,
     max_frame_bytes,
@@ -44,12 +48,13 @@ def _config(n: int, **overrides: object) -> RunConfig:
     return RunConfig(**(base | overrides))  # type: ignore[arg-type]
 
 
-def _strategy(config: RunConfig) -> SecureAggregationStrategy:
-    def model() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Linear(5, 3)
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(5, 3)
 
-    strategy = make_strategy(config, ServerContext(model, 3, RUN))
+
+def _strategy(config: RunConfig) -> SecureAggregationStrategy:
+    strategy = make_strategy(config, ServerContext(_model, 3, RUN))
     assert isinstance(strategy, SecureAggregationStrategy)
     return strategy
 
@@ -116,12 +121,13 @@ def _remote_round(
     assert round_config is not None
     layout = FlatLayout({n: (tuple(updates[clients[0]].tensors[n].shape), torch.float32) for n in layout_of(broadcast)})
     seeds = rounding_rng(config.seed, 1).integers(0, 2**63, size=len(clients))
+    reference = layout.flatten(broadcast.tensors)
     parties = {
         c: ClientParty(
             round_config,
             c,
-            layout.flatten(updates[c].tensors),
-            layout.flatten(broadcast.tensors),
+            clipped_delta(layout.flatten(updates[c].tensors), reference, round_config.plan.bound)[0],
+            weighted=True,
             rng=np.random.default_rng(int(s)),
         )
         for c, s in zip(sorted(clients), seeds, strict=True)
@@ -190,20 +196,79 @@ def test_frames_are_checked_before_the_protocol_sees_them() -> None:
         with pytest.raises(MessageError):
             weight_of(Message("secagg", 1, params={WEIGHT_PARAM: bad}))
     assert weight_of(Message("secagg", 1, params={WEIGHT_PARAM: "0.25"})) == 0.25
+    assert weight_of(Message("secagg", 1)) is None  # an unweighted round's (DP-FedAvg's)
     assert round_config_of(Message("broadcast", 1)) is None  # a round without secure aggregation
 
 
-def test_a_client_party_clips_its_own_update_and_answers_in_order_only() -> None:
+def test_a_client_party_answers_in_order_only_and_a_weighted_round_needs_its_share() -> None:
     strategy = _strategy(_config(4, secagg_clip=0.5))
     plan = strategy.configure(1, ["a", "b", "c", "d"])
     config = round_config_of(plan.broadcast)  # type: ignore[arg-type]
     assert config is not None
     assert max_frame_bytes(config, "upload") >= 4 * config.dim
-    reference = np.zeros(config.dim)
-    party = ClientParty(config, "a", np.full(config.dim, 10.0), reference)
-    assert party.clipped and np.linalg.norm(party.delta) == pytest.approx(0.5)  # the ring bound is the norm bound
+    delta, clipped = clipped_delta(np.full(config.dim, 10.0), np.zeros(config.dim), config.plan.bound)
+    assert clipped and np.linalg.norm(delta) == pytest.approx(0.5)  # the ring bound is the norm bound
     with pytest.raises(ProtocolViolation):
-        ClientParty(config, "a", np.zeros(config.dim + 1), np.zeros(config.dim + 1))
-    party.advertise()
+        ClientParty(config, "a", np.zeros(config.dim + 1), weighted=True)
+    parties = {c: ClientParty(config, c, delta, weighted=True) for c in config.clients}
+    server = SecAggServer(config)
+    for party in parties.values():
+        server.receive_advertise(party.protocol.advertise())
     with pytest.raises(ProtocolViolation):  # a share delivery before the keys were shared
-        party.answer(ShareDelivery(1, "a", (), ()), 0.5)
+        parties["a"].answer(ShareDelivery(1, "a", (), ()), 0.5)
+    for c, keys in server.close_advertise().items():
+        server.receive_shares(parties[c].answer(keys))  # type: ignore[arg-type]
+    delivery = server.close_share()["a"]
+    with pytest.raises(ProtocolViolation, match="averaging share"):
+        parties["a"].answer(delivery)  # a weighted round without the share: nothing is masked or sent
+    assert parties["a"].answer(delivery, 0.25).client == "a"
+
+
+@pytest.mark.parametrize("clip", ["0.5", "adaptive:0.5"])
+def test_dp_noise_shares_added_on_the_devices_give_the_in_process_model_bit_for_bit(clip: str) -> None:
+    """DP-FedAvg under secure aggregation: each remote party clips its update, appends the count bit (adaptive
+    clipping) and adds its share of the noise before masking; with the in-process path's noise and rounding streams
+    the model (and the next clip) is the in-process one, bit for bit, with a client vanishing after sharing keys."""
+    config = _config(100, dp_noise_multiplier=1.0, dp_clip=clip, dp_noise_seed=5, client_fraction=0.2, seed=2)
+    clients = [f"c{i}" for i in range(6)]
+    drop_at: dict[str, Stage] = {"c4": "upload"}
+    strategies: dict[bool, DifferentialPrivacyStrategy] = {}
+    for remote in (False, True):
+        strategy = make_strategy(config, ServerContext(_model, 3, RUN))
+        assert isinstance(strategy, DifferentialPrivacyStrategy)
+        weights = strategy.global_weights()
+        assert weights is not None
+        updates = _updates(weights, 1, clients)
+        if remote:
+            strategy.use_channel(LocalChannel({}, drop_at))
+        plan = strategy.configure(1, clients)
+        if not remote:
+            assert "dp.clip" not in plan.broadcast.params  # type: ignore[union-attr]  # in process: nothing to send
+            inputs = {c: updates[c] for c in clients}
+            with pytest.MonkeyPatch.context() as patch:  # the in-process protocol loses c4 at the same stage
+                patch.setattr("fedge.privacy.strategy.simulated_dropouts", lambda *a: dict(drop_at))
+                strategy.aggregate(1, {c: strategy.accept(1, c, inputs[c]) for c in clients})
+            strategies[remote] = strategy
+            continue
+        broadcast = _wire(plan.broadcast)  # type: ignore[arg-type]
+        round_config, share = round_config_of(broadcast), share_of(broadcast.params)
+        assert round_config is not None and share is not None and share.count == clip.startswith("adaptive")
+        layout = FlatLayout({n: (tuple(updates["c0"].tensors[n].shape), torch.float32) for n in layout_of(broadcast)})
+        reference = layout.flatten(broadcast.tensors)
+        noise = noise_rng(5, 1)  # the in-process stream: each client's draw in id order
+        seeds = rounding_rng(config.seed, 1).integers(0, 2**63, size=len(clients))
+        channel = strategy._remote
+        assert isinstance(channel, LocalChannel)
+        for c, s in zip(clients, seeds, strict=True):
+            vector = client_input(layout.flatten(updates[c].tensors), reference, share, noise)
+            channel.parties[c] = ClientParty(round_config, c, vector, weighted=False, rng=np.random.default_rng(int(s)))
+        replies = {}
+        for c in clients:
+            reply = to_message(channel.parties[c].advertise(), run=RUN, kind=UPDATE, params=updates[c].params)
+            replies[c] = strategy.accept(1, c, _wire(reply))
+        metrics = strategy.aggregate(1, replies)
+        assert metrics["dp_survivors"] == 5 and strategy.last is None  # the coordinator knows no client's noise
+        strategies[remote] = strategy
+    a, b = strategies[True].global_weights(), strategies[False].global_weights()
+    assert a is not None and b is not None and all(torch.equal(a[k], b[k]) for k in a)
+    assert strategies[True].clip == strategies[False].clip
