@@ -47,7 +47,7 @@ from fedge.privacy.accountant import Ledger, update_noise_multiplier
 from fedge.privacy.mechanism import adapted_clip, count_std, noise_rng
 from fedge.privacy.shares import ClientShare, share_params
 from fedge.secagg.config import RoundConfig
-from fedge.secagg.driver import run_round, serve_round
+from fedge.secagg.driver import run_configured, serve_round
 from fedge.secagg.errors import RoundAbandoned, SecAggError
 from fedge.secagg.messages import AdvertiseKeys, SecAggMessage
 from fedge.secagg.protocol import SecAggServer, Stage
@@ -389,7 +389,6 @@ class DifferentialPrivacyStrategy:
         assert config is not None  # a secure round
         t_min = config.min_survivors  # the fewest survivors a completed round can have
         share = stds / math.sqrt(t_min)  # (dim + 1,) each client's noise std
-        ring_bound = config.plan.bound  # the clip plus NOISE_BOUND_STDS of the largest share
         noises: dict[ClientId, npt.NDArray[np.float64]] = {}
         inputs: dict[ClientId, npt.NDArray[np.float64]] = {}
         drop_at: dict[ClientId, Stage] = {}
@@ -403,17 +402,10 @@ class DifferentialPrivacyStrategy:
         drop_at.update({c: s for c, s in simulated.items() if c in vectors})
         ledger = _ProtocolLedger(rnd)
         try:
-            result = run_round(
+            result = run_configured(
+                config,
                 inputs,
-                bound=ring_bound,
-                round_seed=config.round_seed,
-                run=config.run,
-                session=config.session,
-                round=rnd,
-                ring_bits=RING_BITS,
                 drop_at=drop_at,
-                degree=config.degree,
-                threshold=config.threshold,
                 rng=rounding_rng(cfg.seed, rnd),
                 rand_bytes=self._rand,
                 on_message=ledger,

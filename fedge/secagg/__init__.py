@@ -11,7 +11,9 @@ functions and state machines with no I/O:
 - :mod:`~fedge.secagg.graph`: the public neighbour graph, degree and threshold;
 - :mod:`~fedge.secagg.messages` and :mod:`~fedge.secagg.config`: the messages and round parameters as plain data;
 - :mod:`~fedge.secagg.protocol`: :class:`SecAggClient` and :class:`SecAggServer`;
-- :mod:`~fedge.secagg.driver`: :func:`run_round`, a whole round in one process (the simulator's entry point).
+- :mod:`~fedge.secagg.driver`: :func:`run_round` / :func:`run_configured`, a whole round in one process (the
+  simulator's entry points), and :func:`serve_round`, the server's side of a round whatever carries its messages;
+- :mod:`~fedge.secagg.remote`: the messages in fedge's frame, a client's party on its device, the transport interface.
 
 Threat model: an honest-but-curious server (and broker) that follows the protocol; clients may drop at any stage.
 A server that lies about who dropped is bounded by t > k/2 and the client's refusal to reveal both shares of a peer,
@@ -19,7 +21,7 @@ but the consistency-check round that fully defends against a malicious server is
 """
 
 from fedge.secagg.config import RoundConfig
-from fedge.secagg.driver import RoundResult, run_round
+from fedge.secagg.driver import RoundResult, run_configured, run_round, serve_round
 from fedge.secagg.encoding import RingPlan, decode, encode, ring_plan, ring_sum
 from fedge.secagg.errors import (
     DecryptionError,
@@ -86,6 +88,8 @@ __all__ = [
     "recovery_risk",
     "ring_plan",
     "ring_sum",
+    "run_configured",
     "run_round",
+    "serve_round",
     "unpack",
 ]

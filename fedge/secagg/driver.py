@@ -88,30 +88,46 @@ def run_round(
     ``on_message`` is told of each message as it goes, so a caller can account for the bytes of a round that ends in
     :class:`fedge.secagg.errors.RoundAbandoned` (raised when too many clients vanish) as well.
     """
-    drops = dict(drop_at or {})
     ids = sorted(vectors)
-    unknown = set(drops) - set(ids)
-    if unknown or any(s not in STAGES for s in drops.values()):
-        raise SecAggConfigError(f"drop_at names clients outside the cohort or unknown stages: {sorted(unknown)[:5]}")
     if not ids:
         raise SecAggConfigError("no vectors to aggregate")
     first = np.shape(vectors[ids[0]])  # every client's length is checked when it encodes
     if len(first) != 1:
         raise SecAggConfigError(f"secure aggregation sums flat vectors, got shape {first}")
-    dim = int(first[0])
     config = RoundConfig.new(
         run=run,
         session=session,
         round=round,
         clients=ids,
         round_seed=round_seed,
-        dim=dim,
+        dim=int(first[0]),
         bound=bound,
         ring_bits=ring_bits,
         degree=degree,
         threshold=threshold,
         min_survivors=min_survivors,
     )
+    return run_configured(config, vectors, drop_at=drop_at, rng=rng, rand_bytes=rand_bytes, on_message=on_message)
+
+
+def run_configured(
+    config: RoundConfig,
+    vectors: Mapping[ClientId, npt.ArrayLike],
+    *,
+    drop_at: Mapping[ClientId, Stage] | None = None,
+    rng: np.random.Generator | None = None,
+    rand_bytes: RandBytes = os.urandom,
+    on_message: OnMessage | None = None,
+) -> RoundResult:
+    """:func:`run_round` with the round's parameters already fixed (a strategy that announced them with the round):
+    ``vectors`` has one entry per client of ``config.clients``, each of ``config.dim`` values."""
+    drops = dict(drop_at or {})
+    ids = sorted(vectors)
+    if tuple(ids) != config.clients:
+        raise SecAggConfigError("the vectors must be those of the round's clients, one each")
+    unknown = set(drops) - set(ids)
+    if unknown or any(s not in STAGES for s in drops.values()):
+        raise SecAggConfigError(f"drop_at names clients outside the cohort or unknown stages: {sorted(unknown)[:5]}")
     seeds = (rng if rng is not None else np.random.default_rng(int.from_bytes(os.urandom(32), "big"))).integers(
         0, 2**63, size=len(ids)
     )

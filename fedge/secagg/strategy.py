@@ -47,7 +47,7 @@ from fedge.accounting.records import AggregationRecord, Drop
 from fedge.aggregation.flat import FlatLayout
 from fedge.errors import CodecError, ConfigError
 from fedge.secagg.config import RoundConfig
-from fedge.secagg.driver import RoundResult, run_round, serve_round
+from fedge.secagg.driver import RoundResult, run_configured, serve_round
 from fedge.secagg.errors import RoundAbandoned, SecAggError
 from fedge.secagg.messages import AdvertiseKeys, MaskedInput, SecAggMessage
 from fedge.secagg.protocol import SecAggServer, Stage
@@ -265,17 +265,10 @@ class SecureAggregationStrategy:
         ledger = _ProtocolLedger(rnd)
         metrics = self._round_metrics(config, clipped)
         try:
-            result = run_round(
+            result = run_configured(
+                config,
                 vectors,
-                bound=cfg.secagg_clip,
-                round_seed=config.round_seed,
-                run=config.run,
-                session=config.session,
-                round=rnd,
-                ring_bits=RING_BITS,
                 drop_at=drop_at,
-                degree=config.degree,
-                threshold=config.threshold,
                 rng=rounding_rng(cfg.seed, rnd),
                 rand_bytes=self._rand,
                 on_message=ledger,
@@ -284,7 +277,6 @@ class SecureAggregationStrategy:
             gone = [c for c in sorted(drop_at) if c in replies]
             self._record = AggregationRecord(tuple(ledger.entries), _drops(gone, drop_at, config), str(exc))
             return metrics
-        assert result.config == config, "the protocol ran with other parameters than the round announced"
         survivors = result.survivors
         weight = sum(shares[c] for c in survivors)  # sum_{U3} a_k / A
         after = self._layout.unflatten(state.reference + result.decoded_sum / weight)
