@@ -65,7 +65,7 @@ def test_sigterm_mid_round_finishes_the_round_says_so_and_the_logs_carry_timesta
             "--config",
             str(tmp_path / "fleet/config.json"),
         ),
-        *("--run-dir", str(run_dir), "--round-timeout", "20", "--rejoin-grace", "1", "--min-cohort", "1"),
+        *("--run-dir", str(run_dir), "--round-timeout", "10", "--rejoin-grace", "1", "--min-cohort", "1"),
         *("--broker-counters", "off", "--no-report"),
     ]
     with client_processes(files, mosquitto_url, "graceful", log_dir=tmp_path / "logs") as clients:
@@ -81,7 +81,7 @@ def test_sigterm_mid_round_finishes_the_round_says_so_and_the_logs_carry_timesta
             deadline = time.monotonic() + 180
             while _journal_round(run_dir) < 1 and time.monotonic() < deadline and coordinator.poll() is None:
                 time.sleep(0.05)
-            # c001 stops answering (stopped, its connection open): round 2 waits for it until its 20 s deadline.
+            # c001 stops answering (stopped, its connection open): round 2 waits for it until its 10 s deadline.
             clients["c001"].send_signal(signal.SIGSTOP)
             time.sleep(2.0)  # round 2's tasks are out
             coordinator.send_signal(signal.SIGTERM)
