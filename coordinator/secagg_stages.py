@@ -27,7 +27,7 @@ from fedge.secagg.config import RoundConfig
 from fedge.secagg.errors import SecAggError
 from fedge.secagg.messages import SecAggMessage
 from fedge.secagg.protocol import Stage
-from fedge.secagg.remote import SECAGG, check_frame, from_message, max_frame_bytes, to_message
+from fedge.secagg.remote import check_frame, from_message, max_frame_bytes, to_message
 from fedge.types import ClientId
 from fedge.wire import chunking
 from fedge.wire.fields import printable
@@ -48,6 +48,7 @@ class MqttStages:
         self.stage_timeout = stage_timeout
         self._entries: list[LedgerEntry] = []
         self._gone: dict[ClientId, str] = {}  # why each client stopped answering this round
+        self._partial: dict[tuple[str, int], tuple[int, int]] = {}  # (client, message id) -> chunk bytes, wire so far
 
     def take_record(self, rnd: int) -> tuple[list[LedgerEntry], dict[ClientId, str]]:
         entries, gone = [e for e in self._entries if e.round == rnd], self._gone
@@ -105,6 +106,10 @@ class MqttStages:
                 answers[answer.client] = answer
                 waiting.discard(answer.client)
         t.board.update(note="")
+        for d in reassembly.drop_all(time.monotonic(), "the stage ended"):
+            size, wire = self._partial.pop((d.sender, d.message_id), (0, 0))
+            self._entries.append(LedgerEntry(rnd, "up", d.sender, "incomplete", 1, 0, size, wire, uncompressed_bytes=0))
+        self._partial.clear()
         for c in sorted(waiting):
             if c in offline:
                 why = f"went offline {offline[c] - started:.1f} s into stage {stage!r}"
@@ -147,13 +152,16 @@ class MqttStages:
         payload: bytes | None = item.payload
         if chunking.is_chunk(item.payload):
             verdict = reassembly.add(client, item.payload, time.monotonic())
-            if verdict.status == "rejected":
+            if verdict.status in ("rejected", "duplicate") or verdict.message_id is None:
                 self._refuse(rnd, client, "invalid", size, wire, f"chunk: {verdict.reason}")
                 return None
+            key = (client, verdict.message_id)
+            held = self._partial.get(key, (0, 0))
+            self._partial[key] = (held[0] + size, held[1] + wire)
             payload = verdict.payload
-            if payload is None:  # more chunks to come: counted with the last one's entry below
-                self._entries.append(LedgerEntry(rnd, "up", client, f"{SECAGG}.chunk", 1, 0, size, wire, 0))
+            if payload is None:  # more chunks to come: the message's entry counts them all once it is whole
                 return None
+            size, wire = self._partial.pop(key)
         assert payload is not None
         if len(payload) > limit:
             self._refuse(rnd, client, "oversize", size, wire, f"{len(payload)} bytes, stage {stage!r} allows {limit}")

@@ -16,6 +16,7 @@ from coordinator.secagg_stages import MqttStages
 from fedge.secagg.config import RoundConfig
 from fedge.secagg.protocol import SecAggClient, SecAggServer
 from fedge.secagg.remote import SECAGG, from_message, to_message
+from fedge.wire import chunking
 from fedge.wire.message import decode, encode
 from fedge.wire.protocol import SESSION, BrokerAddress
 
@@ -41,16 +42,19 @@ def test_a_stage_takes_one_valid_answer_per_client_asked_and_refuses_the_rest(
         keys = server.close_advertise()
         shares = {c: parties[c].share_keys(keys[c]) for c in clients}
 
-        def send(sender: str, frame_of: str, session: str = transport.session, pad: int = 0) -> None:
+        def send(sender: str, frame_of: str, session: str = transport.session, pad: int = 0, chunks: int = 1) -> None:
             frame = to_message(shares[frame_of], run=RUN, params={"pad": "x" * pad} if pad else None)
-            frame = dataclasses.replace(frame, transport={SESSION: session})
-            fakes[sender].link.send(fakes[sender].topics.update(sender), encode(frame), qos=1)
+            payload = encode(dataclasses.replace(frame, transport={SESSION: session}))
+            topic = fakes[sender].topics.update(sender)
+            parts = chunking.split(payload, len(payload) // chunks + 64, 7) if chunks > 1 else [payload]
+            for part in parts:
+                fakes[sender].link.publish(topic, part, qos=1)
 
         send("a", "a", session="an-old-session")  # another coordinator's
         send("a", "a")
         send("b", "b", pad=200_000)  # larger than stage 'share' allows: refused unread
         send("d", "a")  # not asked
-        send("c", "c")
+        send("c", "c", chunks=3)  # in chunks, as a large upload travels
         send("c", "c")  # a second answer
         stages = MqttStages(transport, stage_timeout=3)
         answers = stages.stage(1, config, "share", keys, {})
@@ -60,7 +64,10 @@ def test_a_stage_takes_one_valid_answer_per_client_asked_and_refuses_the_rest(
     assert gone == {"b": "silent past the 3 s deadline of stage 'share'"}
     down = [e for e in entries if e.direction == "down"]
     assert sorted(e.client for e in down) == clients and all(e.wire_bytes > e.payload_bytes for e in down)
-    refused = sorted((e.client, e.kind) for e in entries if e.direction == "up" and not e.kind.startswith("secagg"))
+    up = [e for e in entries if e.direction == "up"]
+    chunked = next(e for e in up if e.client == "c" and e.kind == "secagg.encrypted-shares")
+    assert chunked.payload_bytes > len(encode(to_message(shares["c"], run=RUN)))  # all three chunks, headers too
+    refused = sorted((e.client, e.kind) for e in up if not e.kind.startswith("secagg"))
     assert refused == [("a", "invalid"), ("b", "oversize"), ("c", "invalid"), ("d", "invalid")]
     assert sorted(e.client for e in entries if e.kind == "secagg.encrypted-shares") == ["a", "c"]
     # What a client got on its task topic: its neighbours' keys, framed and stamped with the session.
