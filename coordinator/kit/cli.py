@@ -36,10 +36,20 @@ def add_kit_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_kit_cli(args: argparse.Namespace) -> int:
-    from coordinator.kit.membership import add_client, revoke_client
+    from coordinator.kit.membership import Membership, add_client, revoke_client
+    from fedge.errors import ConfigError
 
+    try:
+        if args.kit_command == "add-client":
+            done: Membership = add_client(args.kit, args.client, data_from=args.data_from)
+        else:
+            done = revoke_client(args.kit, args.client, reason=args.reason)
+    except OSError as exc:  # e.g. a kit whose broker files belong to another user: one line, not a traceback
+        raise ConfigError(
+            f"cannot change the fleet kit {args.kit}: {exc}; run fedge kit as the user that owns the kit (root for a "
+            "kit whose broker/ was given to mosquitto)"
+        ) from None
     if args.kit_command == "add-client":
-        done = add_client(args.kit, args.client, data_from=args.data_from)
         print(f"client {done.client} added to the fleet: its bundle is {done.bundle}")
         if done.data is not None:
             print(f"its data file: {done.data}")
@@ -48,7 +58,6 @@ def run_kit_cli(args: argparse.Namespace) -> int:
         print(f"on the device, with clients/{done.client}/ and {data} (and shared.safetensors, if there is one):")
         print(f"    {shlex.join(command)}")
     else:
-        done = revoke_client(args.kit, args.client, reason=args.reason)
         print(f"client {done.client} revoked: its login is gone from the broker's files and the coordinator's list")
     if done.reloaded:
         print(f"broker reloaded (SIGHUP to mosquitto, pid {', '.join(map(str, done.reloaded))})")

@@ -122,7 +122,11 @@ class Kit:
     def check_new(self, client: str) -> None:
         if not _NAME.match(client):
             raise ConfigError(f"client id {client!r}: use 1-64 letters, digits, '.', '_' or '-'")
-        if client in (COORDINATOR, *monitor_names(len(self.monitors))):
+        if (
+            client == COORDINATOR
+            or client in monitor_names(len(self.monitors))
+            or re.fullmatch(r"monitor(-\d+)?", client)
+        ):
             raise ConfigError(f"{client!r} is the name of one of the kit's own logins; choose another client id")
         if client in self.revoked:
             raise ConfigError(

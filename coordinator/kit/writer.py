@@ -160,6 +160,9 @@ def _readme(spec: FleetSpec, conf_dir: Path) -> str:
         lines.append("ca/           -> keep offline: ca.key only serves to issue new certificates (issue_certificate)")
     lines += [
         "",
+        "Devices come and go while the run goes on (the broker reloaded, the coordinator told; roster.json keeps the",
+        "history): fedge kit add-client ID --kit THIS_DIR [--data-from ID]; fedge kit revoke ID --kit THIS_DIR",
+        "",
         "Every 'password' and '*.key' file is a secret: never commit, mail or paste it. A new kit makes new ones.",
     ]
     return "\n".join(lines) + "\n"

@@ -130,3 +130,31 @@ def test_add_client_and_revoke_during_a_live_run_over_mosquitto(
         add_client(kit, "c001")
     with pytest.raises(ConfigError, match="not in the fleet"):
         revoke_client(kit, "c009", reason="")
+
+
+def test_without_a_broker_on_this_machine_the_kit_changes_and_says_what_is_left_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cryptography import x509
+
+    from coordinator.kit.accounts import FleetSpec
+    from coordinator.kit.writer import generate_fleet_kit
+
+    spec = FleetSpec("lab", ("c000", "c001"), ("127.0.0.1",), 100_000, port=free_port(), client_certificates=True)
+    kit = generate_fleet_kit(spec, tmp_path / "kit").root
+    assert main(["kit", "add-client", "c002", "--kit", str(kit)]) == 0
+    said = capsys.readouterr().out
+    assert "to do: no mosquitto started with" in said and "systemctl reload fedge-lab-broker" in said
+    # A certificate kit: the new device gets its own certificate from the kit's CA, named for its login.
+    cert = x509.load_pem_x509_certificate((kit / "clients" / "c002" / "client.crt").read_bytes())
+    assert cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == "fedge-lab-c002"
+    assert (kit / "clients" / "c002" / "client.key").stat().st_mode & 0o777 == 0o600
+    assert json.loads((kit / "clients" / "c002" / "bundle.json").read_text())["cert_file"] == "client.crt"
+    # ... and cannot revoke: mosquitto would let the certificate in; nothing is changed.
+    before = (kit / "broker" / "passwd").read_text()
+    assert main(["kit", "revoke", "c001", "--kit", str(kit)]) == 2
+    assert "certificate revocation list" in capsys.readouterr().err
+    assert (kit / "broker" / "passwd").read_text() == before
+    assert main(["kit", "add-client", "monitor-3", "--kit", str(kit)]) == 2  # one of the kit's own logins
+    assert main(["kit", "add-client", "c003", "--kit", str(kit), "--data-from", "c009"]) == 2
+    assert "no such client" in capsys.readouterr().err
