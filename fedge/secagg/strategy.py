@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -316,8 +317,10 @@ class SecureAggregationStrategy:
             )
 
         metrics = self._round_metrics(config, clipped=None)
+        timings: dict[str, float] = {}  # the server's own seconds per stage
+        started = time.perf_counter()
         try:
-            result = serve_round(SecAggServer(config), advertised, deliver, refused=refused)
+            result = serve_round(SecAggServer(config), advertised, deliver, timings=timings, refused=refused)
         except RoundAbandoned as exc:
             entries, why = channel.take_record(rnd)
             gone = [c for c in sorted(replies) if c in why]
@@ -333,6 +336,9 @@ class SecureAggregationStrategy:
         return metrics | {
             "secagg_survivors": float(len(survivors)),
             "secagg_vanished_unmasking": float(sum(1 for c in survivors if c in why)),
+            "secagg_s": time.perf_counter() - started,  # the stages after the replies, waiting for clients included
+            "secagg_server_s": sum(timings.values()),
+            "secagg_unmask_server_s": timings.get("unmask.server", 0.0),
         }
 
     def _round_metrics(self, config: RoundConfig, clipped: int | None) -> dict[str, float]:

@@ -160,6 +160,7 @@ def test_remote_parties_give_the_in_process_model_bit_for_bit(dropouts: float) -
     a, b = remote.global_weights(), local.global_weights()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert local.last is not None and metrics["secagg_survivors"] == len(local.last.result.survivors)
+    assert metrics["secagg_s"] >= metrics["secagg_server_s"] >= metrics["secagg_unmask_server_s"] > 0
     record = remote.aggregation_record(1)
     assert not record.abandoned
     assert {d.client for d in record.drops} == {c for c, s in drop_at.items() if s in ("share", "upload")}
