@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -232,7 +231,7 @@ def _cell(table: str, name: str, hint: Any, value: Any) -> Any:
     number = hint in (int, "int")
     if isinstance(value, bool) or not isinstance(value, int if number else (int, float)):
         raise CodecError(f"field {where!r} must be a{'n integer' if number else ' number'}")
-    if not (math.isfinite(value) and lo <= value <= hi):
+    if not lo <= value <= hi:  # exact for any int (math.isfinite overflows on huge ones); False for NaN and inf
         raise CodecError(f"field {where!r} must be within [{lo:g}, {hi:g}]")
     return int(value) if number else float(value)
 

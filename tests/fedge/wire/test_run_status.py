@@ -94,6 +94,10 @@ def _forged(**params: str) -> bytes:
         ({"history": json.dumps([[1, 1, 2.5, 2, 0, 0.5, 10, 1.0, 0.0, -1.0]])}, "history.sampled"),
         ({"history": json.dumps([[1, 1, 2, 2, 0, "0.5", 10, 1.0, 0.0, -1.0]])}, "history.accuracy"),
         ({"history": "[[1, 1, 2, 2, 0, NaN, 10, 1.0, 0.0, -1.0]]"}, "history.accuracy"),
+        # An integer too large for a float is refused like any other out of bounds, not an OverflowError.
+        ({"history": json.dumps([[1, 1, 10**400, 2, 0, 0.5, 10, 1.0, 0.0, -1.0]])}, "history.sampled"),
+        ({"history": json.dumps([[1, 1, 2, 2, 0, 0.5, 10, 10**400, 0.0, -1.0]])}, "history.wall_s"),
+        ({"clients": json.dumps([["c1", "torch", "cpu", 1, 1, 1, 0, "", 0.0, -1.0, 10**400]])}, "clients.wire_bytes"),
         ({"clients": json.dumps([["x" * 129, "torch", "cpu", 1, 1, 1, 0, "", 0.0, -1.0, 0]])}, "clients.client"),
         ({"clients": json.dumps([["", "torch", "cpu", 1, 1, 1, 0, "", 0.0, -1.0, 0]])}, "clients.client"),
         ({"clients": json.dumps([["c1", "t" * 300, "cpu", 1, 1, 1, 0, "", 0.0, -1.0, 0]])}, "clients.runtime"),
