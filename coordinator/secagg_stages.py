@@ -9,7 +9,9 @@ A stage ends when every recipient answered, or went offline (its last will) and 
 seconds, or at the stage's deadline (``stage_timeout`` seconds). What arrives is hostile until checked: a message on
 a topic of a client that was not sent this stage's message, a second answer, a frame larger than the stage allows
 (:func:`fedge.secagg.remote.max_frame_bytes`, judged before a byte of it is parsed), another session's, round's or
-kind's, or one that does not parse, is refused with a logged reason and counted; chunked answers are reassembled
+kind's, or one that does not parse, is refused with a logged reason and counted; so is a protocol message that does
+not answer the stage (an earlier stage's answer, which a client sends again after a reconnect), but its sender is
+still waited for; chunked answers are reassembled
 within one largest frame per recipient. Every message either way gets a ledger entry with its MQTT wire bytes.
 """
 
@@ -27,7 +29,7 @@ from fedge.secagg.config import RoundConfig
 from fedge.secagg.errors import SecAggError
 from fedge.secagg.messages import SecAggMessage
 from fedge.secagg.protocol import Stage
-from fedge.secagg.remote import check_frame, from_message, max_frame_bytes, to_message
+from fedge.secagg.remote import ANSWER_OF_STAGE, check_frame, from_message, max_frame_bytes, to_message
 from fedge.types import ClientId
 from fedge.wire import chunking
 from fedge.wire.fields import printable
@@ -172,6 +174,8 @@ class MqttStages:
             if frame.transport.get(SESSION) != t.session:
                 raise CodecError("it answers another coordinator session")
             message = from_message(frame)
+            if ANSWER_OF_STAGE.get(stage) != message.KIND:  # e.g. the previous stage's answer again: still waited for
+                raise CodecError(f"a {message.KIND} message does not answer stage {stage!r}")
         except (CodecError, SecAggError) as exc:
             self._refuse(rnd, client, "invalid", size, wire, str(exc))
             return None

@@ -35,10 +35,13 @@ from fedge.secagg.messages import (
     BUNDLE_BYTES,
     MAX_CLIENTS,
     PREFIX,
+    EncryptedShares,
+    MaskedInput,
     NeighbourKeys,
     SecAggMessage,
     ShareDelivery,
     UnmaskRequest,
+    UnmaskShares,
     message_from_fields,
 )
 from fedge.secagg.protocol import SecAggClient, Stage
@@ -256,3 +259,11 @@ STAGE_OF_KIND: dict[str, Stage] = {
     UnmaskRequest.KIND: "unmask",
 }
 """The stage each server-to-client message opens (what a client that vanishes at that stage never answers)."""
+
+ANSWER_OF_STAGE: dict[Stage, str] = {
+    "share": EncryptedShares.KIND,
+    "upload": MaskedInput.KIND,
+    "unmask": UnmaskShares.KIND,
+}
+"""The kind of message that answers each stage: any other (an earlier stage's answer sent again, as a client does
+after a reconnect) answers nothing and must not take the sender's turn."""

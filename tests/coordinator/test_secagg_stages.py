@@ -14,6 +14,7 @@ from mqtt_support import FakeClient, fake_clients, mosquitto_url  # noqa: F401 -
 from coordinator.mqtt import MqttTransport
 from coordinator.secagg_stages import MqttStages
 from fedge.secagg.config import RoundConfig
+from fedge.secagg.messages import MaskedInput, SecAggMessage
 from fedge.secagg.protocol import SecAggClient, SecAggServer
 from fedge.secagg.remote import SECAGG, from_message, to_message
 from fedge.wire import chunking
@@ -73,3 +74,43 @@ def test_a_stage_takes_one_valid_answer_per_client_asked_and_refuses_the_rest(
     # What a client got on its task topic: its neighbours' keys, framed and stamped with the session.
     got = decode(fakes["a"].next(SECAGG).payload)
     assert got.transport[SESSION] == transport.session and from_message(got) == keys["a"]
+
+
+def test_an_earlier_stages_answer_sent_again_does_not_take_the_clients_turn(
+    mosquitto_url: str,  # noqa: F811
+    fake_clients: Callable[..., FakeClient],  # noqa: F811
+) -> None:
+    # A client that reconnects sends its latest reply again (edge_client's _resend_latest): during the upload stage
+    # that is its share-stage answer. Refused and counted, it must not stand for the upload the client then sends.
+    clients = ["a", "b", "c"]
+    fakes = {c: fake_clients(mosquitto_url, RUN, c) for c in clients}
+    transport = MqttTransport(BrokerAddress.parse(mosquitto_url), RUN, round_timeout=10, rejoin_grace=0.5)
+    with transport:
+        transport.wait_for_clients(3, 10)
+        config = RoundConfig.new(run=RUN, session="s", round=1, clients=clients, round_seed=bytes(32), dim=4, bound=1.0)
+        parties = {c: SecAggClient(config, c) for c in clients}
+        server = SecAggServer(config)
+        for c in clients:
+            server.receive_advertise(parties[c].advertise())
+        keys = server.close_advertise()
+        shares = {c: parties[c].share_keys(keys[c]) for c in clients}
+        for c in clients:
+            server.receive_shares(shares[c])
+        deliveries = server.close_share()
+        masked = {c: parties[c].masked_input(deliveries[c], [0.1, 0.2, 0.3, 0.4]) for c in clients}
+
+        def send(sender: str, message: SecAggMessage) -> None:
+            frame = dataclasses.replace(to_message(message, run=RUN), transport={SESSION: transport.session})
+            fakes[sender].link.publish(fakes[sender].topics.update(sender), encode(frame), qos=1)
+
+        send("a", shares["a"])  # the share stage's answer again
+        for c in clients:
+            send(c, masked[c])
+        stages = MqttStages(transport, stage_timeout=3)
+        answers = stages.stage(1, config, "upload", deliveries, {})
+        entries, gone = stages.take_record(1)
+    assert [m.client for m in answers] == clients
+    assert all(isinstance(m, MaskedInput) and (m.masked == masked[m.client].masked).all() for m in answers)
+    assert gone == {}
+    refused = [(e.client, e.kind) for e in entries if e.direction == "up" and not e.kind.startswith("secagg")]
+    assert refused == [("a", "invalid")]
