@@ -23,6 +23,9 @@ from fedge.wire.fields import printable
 from fedge.wire.protocol import ClientStatus
 from fedge.wire.run_status import MAX_HISTORY, MAX_LISTED, ClientRow, RoundOutcome
 
+MAX_VALUE = 1e9
+"""The largest step time or epsilon a run status carries (fedge.wire.run_status refuses a larger one)."""
+
 
 def outcome(r: RoundRecord, ended: float = 0.0) -> RoundOutcome:
     """One round's line of the view. ``ended``: when it was recorded (0: unknown, a resumed run's earlier round)."""
@@ -37,7 +40,7 @@ def outcome(r: RoundRecord, ended: float = 0.0) -> RoundOutcome:
         wire_bytes=r.bytes.wire,
         wall_s=round(max(r.wall_s, 0.0), 3),
         ended=round(ended, 3),
-        epsilon=float(epsilon) if epsilon is not None and math.isfinite(epsilon) else -1.0,
+        epsilon=min(float(epsilon), MAX_VALUE) if epsilon is not None and math.isfinite(epsilon) else -1.0,
     )
 
 
@@ -60,7 +63,7 @@ def client_rows(
             last_drop[d.client] = d.reason
         for t in r.timings:
             if t.client in r.replied and math.isfinite(t.compute_s):
-                step[t.client] = t.compute_s
+                step[t.client] = min(t.compute_s, MAX_VALUE)  # the client's word: capped, as monitors refuse more
     wire: defaultdict[str, int] = defaultdict(int)
     for e in entries:
         if e.client != BROADCAST_CLIENT:
