@@ -76,7 +76,7 @@ class FleetSpec:
             value = getattr(self, attr)
             object.__setattr__(self, attr, (value,) if isinstance(value, str) else tuple(value))
         for name, what in [(self.run, "run name"), *((c, "client id") for c in self.clients)]:
-            if not _NAME.match(name):
+            if not _NAME.fullmatch(name):  # not match: "$" also matches before a final newline
                 raise ConfigError(f"{what} {name!r} for a fleet kit: use 1-64 letters, digits, '.', '_' or '-'")
         if not self.clients:
             raise ConfigError("a fleet kit needs at least one client id")
@@ -91,13 +91,13 @@ class FleetSpec:
         if not self.broker_hosts:
             raise ConfigError("a fleet kit needs the broker's host name or IP address (what devices connect to)")
         for host in self.broker_hosts:
-            if not _HOST.match(host) and not _is_ip(host):
+            if not _HOST.fullmatch(host) and not _is_ip(host):
                 raise ConfigError(f"broker host {host!r} is neither a DNS name nor an IP address")
         if self.max_message_bytes <= 0:
             raise ConfigError(f"max_message_bytes must be > 0, got {self.max_message_bytes}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"broker port must be in 1..65535, got {self.port}")
-        if self.bind_address is not None and not (_HOST.match(self.bind_address) or _is_ip(self.bind_address)):
+        if self.bind_address is not None and not (_HOST.fullmatch(self.bind_address) or _is_ip(self.bind_address)):
             raise ConfigError(f"bind address {self.bind_address!r} is neither an IP address nor a host name")
         if self.client_certificates and not self.tls:
             raise ConfigError("client certificates need TLS")

@@ -120,7 +120,7 @@ class Kit:
         self.monitors = _strings(monitor.get("usernames") or [monitor.get("username")], self.root / MONITOR)
 
     def check_new(self, client: str) -> None:
-        if not _NAME.match(client):
+        if not _NAME.fullmatch(client):
             raise ConfigError(f"client id {client!r}: use 1-64 letters, digits, '.', '_' or '-'")
         if (
             client == COORDINATOR

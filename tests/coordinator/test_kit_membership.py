@@ -158,3 +158,19 @@ def test_without_a_broker_on_this_machine_the_kit_changes_and_says_what_is_left_
     assert main(["kit", "add-client", "monitor-3", "--kit", str(kit)]) == 2  # one of the kit's own logins
     assert main(["kit", "add-client", "c003", "--kit", str(kit), "--data-from", "c009"]) == 2
     assert "no such client" in capsys.readouterr().err
+
+
+def test_a_client_id_with_a_trailing_newline_is_refused_before_a_file_changes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # re's "$" also matches before a final newline: such an id would split a line of the broker's passwd and acl.
+    from coordinator.kit.accounts import FleetSpec
+    from coordinator.kit.writer import generate_fleet_kit
+
+    with pytest.raises(ConfigError, match="client id"):
+        FleetSpec("lab", ("c000", "c001\n"), ("127.0.0.1",), 100_000, port=free_port())
+    kit = generate_fleet_kit(FleetSpec("lab", ("c000",), ("127.0.0.1",), 100_000, port=free_port()), tmp_path / "k")
+    before = (kit.root / "broker" / "passwd").read_text()
+    assert main(["kit", "add-client", "c002\n", "--kit", str(kit.root)]) == 2
+    assert "use 1-64 letters" in capsys.readouterr().err
+    assert (kit.root / "broker" / "passwd").read_text() == before and not (kit.root / "clients" / "c002\n").exists()
