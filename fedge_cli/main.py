@@ -403,12 +403,17 @@ def _cmd_provision(args: argparse.Namespace) -> int:
         print("and watch the run (read-only login):")
         print(f"    {shlex.join(['fedge', 'status', '--bundle', str(kit.root / 'monitor')])}")
         print(f"keep {kit.root / 'ca'} offline: it only serves to issue new certificates")
-        _write_services(args, kit.root, kit.coordinator_dir, plan.conf_dir, plugins)
+        _write_services(args, kit.root, kit.coordinator_dir, plan.conf_dir, plugins, exp.config.secure_aggregation)
     return 0
 
 
 def _write_services(
-    args: argparse.Namespace, kit_root: Path, coordinator_bundle: Path, broker_conf_dir: Path, plugins: Sequence[str]
+    args: argparse.Namespace,
+    kit_root: Path,
+    coordinator_bundle: Path,
+    broker_conf_dir: Path,
+    plugins: Sequence[str],
+    secure_aggregation: bool,
 ) -> None:
     """The kit's systemd units (coordinator.kit.services), with this machine's fedge and mosquitto."""
     from coordinator.broker_setup import mosquitto_command
@@ -428,6 +433,7 @@ def _write_services(
         run_dir=out / "runs" / args.run,
         device_root=args.fleet_device_root,
         plugins=plugins,
+        secure_aggregation=secure_aggregation,
     )
     print(f"or run them all as services: {kit_root / 'systemd'}")
     steps = install_commands(

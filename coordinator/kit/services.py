@@ -9,7 +9,8 @@
   and leaves it alone once it has finished (exit 0). Ctrl-C/SIGTERM exit codes (130, 143) count as a clean stop;
   every other exit is retried (exit 2 is a configuration error, but also a broker that cannot be reached yet). A
   SIGTERM during a round lets that round finish first (:mod:`coordinator.stopping`): ``TimeoutStopSec`` leaves it the
-  round timeout the unit runs with (the default 300 s) and half a minute more before systemd kills it.
+  round timeout the unit runs with (the default 300 s; under secure aggregation four times it, the training and the
+  protocol's three stages, each with that deadline) and half a minute more before systemd kills it.
 - ``fedge-<run>-client@.service``: one template for every device, instantiated by client id
   (``systemctl enable --now fedge-<run>-client@c003``); it expects the device's files under ``DEVICE_ROOT/<run>/<id>/``
   (its bundle folder ``clients/<id>/`` as ``bundle/``, its data file, and ``shared.safetensors`` when there is one)
@@ -46,6 +47,14 @@ DEFAULT_DEVICE_ROOT = Path("/opt/fedge")
 CLIENT_FINAL_EXITS = (3,)
 SERVICE_USER = "fedge"  # the system user the coordinator and client units run as
 COORDINATOR_STOP_S = 330  # a stop finishes the round under way: the default --round-timeout (300 s) and a margin
+SECURE_ROUND_TIMEOUTS = (
+    4  # a secure round's deadlines: the training's, then one per protocol stage (share, upload, unmask)
+)
+
+
+def coordinator_stop_s(secure_aggregation: bool) -> int:
+    """The coordinator unit's ``TimeoutStopSec``: the longest round at the default --round-timeout, and a margin."""
+    return COORDINATOR_STOP_S + ((SECURE_ROUND_TIMEOUTS - 1) * 300 if secure_aggregation else 0)
 
 
 def _path(path: Path) -> str:
@@ -106,9 +115,11 @@ def coordinator_unit(
     run_dir: Path,
     broker_unit_name: str | None,
     plugins: Sequence[str] = (),
+    secure_aggregation: bool = False,
 ) -> str:
     """``fedge``: the command that runs fedge on the coordinator's machine (e.g. ``[python, "-m",
-    "fedge_cli.main"]``); ``plugins``: the run's ``--plugin`` entries (files by this machine's path)."""
+    "fedge_cli.main"]``); ``plugins``: the run's ``--plugin`` entries (files by this machine's path);
+    ``secure_aggregation``: the run's rounds last up to four round timeouts, which a stop waits for."""
     after = f" {broker_unit_name}" if broker_unit_name else ""
     command = [*(_path(Path(w)) for w in fedge), "coordinator", "--bundle", _path(bundle), "--config", _path(config)]
     command += [
@@ -127,7 +138,7 @@ WorkingDirectory={_path(config.parent)}
 Restart=on-failure
 RestartSec=10
 SuccessExitStatus=130 143
-TimeoutStopSec={COORDINATOR_STOP_S}
+TimeoutStopSec={coordinator_stop_s(secure_aggregation)}
 User={SERVICE_USER}
 Group={SERVICE_USER}
 NoNewPrivileges=yes
@@ -177,9 +188,11 @@ def write_units(
     run_dir: Path,
     device_root: Path = DEFAULT_DEVICE_ROOT,
     plugins: Sequence[str] = (),
+    secure_aggregation: bool = False,
 ) -> dict[str, Path]:
     """Write the three unit files into ``out`` (made if absent); their paths by role. ``plugins``: the run's
-    ``--plugin`` entries, as this machine resolves them (files by absolute path)."""
+    ``--plugin`` entries, as this machine resolves them (files by absolute path); ``secure_aggregation``: whether
+    the run's config asks for it (its rounds take longer to finish on a stop)."""
     out.mkdir(parents=True, exist_ok=True)
     broker = f"fedge-{run}-broker.service"
     units = {
@@ -194,6 +207,7 @@ def write_units(
                 run_dir=run_dir,
                 broker_unit_name=broker,
                 plugins=plugins,
+                secure_aggregation=secure_aggregation,
             ),
         ),
         "client": (f"fedge-{run}-client@.service", client_unit(run, device_root=device_root, plugins=plugins)),

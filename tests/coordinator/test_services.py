@@ -206,3 +206,17 @@ def test_the_coordinator_unit_runs_as_its_unprivileged_user_set_up_as_the_readme
         stop_process(broker)
         if not existed:
             subprocess.run(["userdel", "--remove", SERVICE_USER], capture_output=True)
+
+
+def test_a_secure_aggregation_kits_coordinator_unit_waits_for_the_whole_secure_round_on_stop(tmp_path: Path) -> None:
+    # A SIGTERM during a round finishes it; a secure round has four deadlines (training, share, upload, unmask) of the
+    # round timeout each, so systemd must not kill the coordinator after one.
+    def stop_s(*flags: str) -> int:
+        out = tmp_path / ("secure" if flags else "plain")
+        args = ["provision", "--out", str(out), "--run", "lab", "--fleet-broker", "127.0.0.1", "--dataset", "digits"]
+        assert main([*args, "--num-clients", "3", *flags]) == 0
+        unit = (out / "kit" / "systemd" / "fedge-lab-coordinator.service").read_text()
+        return int(next(ln for ln in unit.splitlines() if ln.startswith("TimeoutStopSec=")).split("=")[1])
+
+    assert stop_s() == 330
+    assert stop_s("--secure-aggregation") == 4 * 300 + 30
