@@ -37,7 +37,7 @@ def test_export_writes_checked_files_and_check_accepts_them(tmp_path: Path, caps
     # The training program gets the one name clients look programs up by (fedge.programs.spec.program_file_name).
     assert files == [
         "manifest.json",  # the SHA-256 of every file, checked before a runtime loads one (fedge_io/manifest.py)
-        "tiny_mlp-1x8x8-c10-ce-b16-v2.pte",
+        "tiny_mlp-1x8x8-c10-ce-b16-v3.pte",
         "tiny_mlp.onnx",
         "tiny_mlp.pte",
         "weights.safetensors",

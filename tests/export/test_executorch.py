@@ -215,11 +215,12 @@ def test_the_executorch_backend_trains_like_the_torch_backend(case: str) -> None
         hooks = {"terms": (TermCall(Correction(), {"c": c}),)}
     elif case == "fedcurv":
         tensors = {"anchor": {k: v + 0.05 for k, v in start.items()}, "weights": {k: v.abs() for k, v in start.items()}}
-        hooks = {"terms": (TermCall(FisherProximal(mu=0.4), tensors),), "fisher_samples": 20}
+        # mu = 2 lambda of FedCurv's defaults: the program tests/sim/test_local_terms_over_mqtt.py's clients use
+        hooks = {"terms": (TermCall(FisherProximal(mu=2.0), tensors),), "fisher_samples": 20}
     elif case == "moon":
         other = {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in start.items()}
         hooks = {
-            "terms": (TermCall(ModelContrastive(mu=0.5, tau=0.5), references={"global": start, "previous": other}),)
+            "terms": (TermCall(ModelContrastive(mu=1.0, tau=0.5), references={"global": start, "previous": other}),)
         }
     elif case == "ntd-augmented":
         hooks = {"augment": preset("paper", spec.input_shape)}

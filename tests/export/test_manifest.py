@@ -114,7 +114,7 @@ def test_fedge_export_check_refuses_flipped_bytes_at_several_offsets_with_one_li
     """Every kind of file, damaged at four offsets, checked by one `fedge export check` process: a damaged file that
     reached a runtime would abort or crash it (no exit status 1, lines missing)."""
     damaged_files = []
-    for name in ("tiny_mlp.pte", "tiny_mlp-1x8x8-c10-ce-b64-v2.pte", "tiny_mlp.onnx"):
+    for name in ("tiny_mlp.pte", "tiny_mlp-1x8x8-c10-ce-b64-v3.pte", "tiny_mlp.onnx"):
         size = (exports / name).stat().st_size
         for offset in (8, size // 3, size // 2, size - 9):
             damaged = tmp_path / f"{name}-at-{offset}"

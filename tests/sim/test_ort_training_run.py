@@ -52,7 +52,7 @@ def run_with_ort_clients(
         log = (run_dir / "logs" / f"{client}.log").read_text()
         assert "(onnxruntime-training runtime)" in log
         assert "prepared 1 training program(s) for fedntd" in log  # before the hello, from the run's config
-    assert any(cache.glob("*-ntd-tau1-beta1-b0-v2.ort-training"))
+    assert any(cache.glob("*-ntd-tau1-beta1-b0-v3.ort-training"))
 
 
 def test_a_mixed_fleet_with_onnxruntime_training_clients_gives_the_all_pytorch_model(
