@@ -26,7 +26,6 @@ from coordinator.mqtt import MqttTransport
 from fedge.accounting.ledger import LedgerEntry
 from fedge.errors import CodecError
 from fedge.secagg.config import RoundConfig
-from fedge.secagg.errors import SecAggError
 from fedge.secagg.messages import SecAggMessage
 from fedge.secagg.protocol import Stage
 from fedge.secagg.remote import ANSWER_OF_STAGE, check_frame, from_message, max_frame_bytes, to_message
@@ -176,8 +175,8 @@ class MqttStages:
             message = from_message(frame)
             if ANSWER_OF_STAGE.get(stage) != message.KIND:  # e.g. the previous stage's answer again: still waited for
                 raise CodecError(f"a {message.KIND} message does not answer stage {stage!r}")
-        except (CodecError, SecAggError) as exc:
-            self._refuse(rnd, client, "invalid", size, wire, str(exc))
+        except Exception as exc:  # any defect of hostile bytes, whatever the library raised (as coordinator.replies)
+            self._refuse(rnd, client, "invalid", size, wire, str(exc) or type(exc).__name__)
             return None
         self._entries.append(LedgerEntry(rnd, "up", client, message.KIND, 1, frame.tensor_bytes, size, wire))
         return message

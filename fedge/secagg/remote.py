@@ -105,7 +105,10 @@ def from_message(frame: Message) -> SecAggMessage:
     for name, t in frame.tensors.items():
         if not name.startswith(TENSOR_PREFIX):
             raise MessageError(f"a secure-aggregation frame carries only {TENSOR_PREFIX}* tensors, got {name[:60]!r}")
-        arrays[name[len(TENSOR_PREFIX) :]] = t.detach().cpu().numpy()
+        try:
+            arrays[name[len(TENSOR_PREFIX) :]] = t.detach().cpu().numpy()
+        except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16, float8): no protocol message has one
+            raise MessageError(f"tensor {name[:60]!r} has dtype {t.dtype}, which no protocol message uses") from None
     meta = {k: v for k, v in frame.params.items() if k.startswith(PREFIX)}
     message = message_from_fields(arrays, meta)
     if message.round != frame.round or message.client != frame.client:

@@ -152,7 +152,11 @@ def decode(data: bytes, *, check_finite: bool = True) -> Message:
         import torch  # here, not at the top: see the imports
 
         for name, t in tensors.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            try:
+                finite = not t.is_floating_point() or bool(torch.isfinite(t).all())
+            except (RuntimeError, NotImplementedError, TypeError):  # e.g. float8: torch has no isfinite for it
+                raise CodecError(f"tensor {name!r} has a dtype whose values cannot be checked ({t.dtype})") from None
+            if not finite:
                 raise CodecError(f"tensor {name!r} holds non-finite values")
     params = {k[len(_PARAM_PREFIX) :]: v for k, v in meta.items() if k.startswith(_PARAM_PREFIX)}
     transport = {k[len(_TRANSPORT_PREFIX) :]: v for k, v in meta.items() if k.startswith(_TRANSPORT_PREFIX)}

@@ -114,3 +114,37 @@ def test_an_earlier_stages_answer_sent_again_does_not_take_the_clients_turn(
     assert gone == {}
     refused = [(e.client, e.kind) for e in entries if e.direction == "up" and not e.kind.startswith("secagg")]
     assert refused == [("a", "invalid")]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_frame_whose_tensor_dtype_numpy_or_isfinite_cannot_read_is_refused_not_raised(
+    mosquitto_url: str,  # noqa: F811
+    fake_clients: Callable[..., FakeClient],  # noqa: F811
+    dtype: str,
+) -> None:
+    import torch
+
+    clients = ["a", "b", "c"]
+    fakes = {c: fake_clients(mosquitto_url, RUN, c) for c in clients}
+    transport = MqttTransport(BrokerAddress.parse(mosquitto_url), RUN, round_timeout=10, rejoin_grace=0.5)
+    with transport:
+        transport.wait_for_clients(3, 10)
+        config = RoundConfig.new(run=RUN, session="s", round=1, clients=clients, round_seed=bytes(32), dim=4, bound=1.0)
+        parties = {c: SecAggClient(config, c) for c in clients}
+        server = SecAggServer(config)
+        for c in clients:
+            server.receive_advertise(parties[c].advertise())
+        keys = server.close_advertise()
+        shares = {c: parties[c].share_keys(keys[c]) for c in clients}
+        for c in clients:
+            frame = dataclasses.replace(to_message(shares[c], run=RUN), transport={SESSION: transport.session})
+            if c == "a":  # its arrays in a dtype the parsers choke on (numpy has no bfloat16; isfinite no float8)
+                odd = {k: torch.zeros(4).to(getattr(torch, dtype)) for k in frame.tensors}
+                frame = dataclasses.replace(frame, tensors=odd)
+            fakes[c].link.publish(fakes[c].topics.update(c), encode(frame), qos=1)
+        stages = MqttStages(transport, stage_timeout=2)
+        answers = stages.stage(1, config, "share", keys, {})
+        entries, gone = stages.take_record(1)
+    assert [m.client for m in answers] == ["b", "c"]
+    assert [(e.client, e.kind) for e in entries if e.direction == "up" and e.kind == "invalid"] == [("a", "invalid")]
+    assert gone == {"a": "silent past the 2 s deadline of stage 'share'"}

@@ -78,6 +78,12 @@ def test_non_finite_values_are_rejected():
         decode(encode(_msg(w=torch.tensor([math.inf]))))
 
 
+def test_a_float_dtype_torch_cannot_check_is_a_codec_error_not_a_traceback():
+    # torch has no isfinite for float8: a peer's status or reply holding one must be refused like any bad payload.
+    with pytest.raises(CodecError, match="cannot be checked"):
+        decode(encode(_msg(w=torch.zeros(2).to(torch.float8_e4m3fn))))
+
+
 def test_wrong_schema_and_missing_metadata():
     blob = encode(_msg(w=torch.ones(1)))
     with pytest.raises(CodecError, match="schema"):
