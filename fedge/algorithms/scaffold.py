@@ -14,6 +14,9 @@ plain SGD; with momentum m, K steps move the weights by about ``K * lr / (1 - m)
 estimate divides by that effective step, ``(1 - m) * (x - y) / (K * lr)`` (for m = 0 it is the paper's formula).
 Without this, c_i overshoots by 1/(1 - m) (10x at m = 0.9) and the corrected steps diverge.
 
+The reported local loss includes the linear term's value ``<c - c_i, y>`` (its gradient is what the algorithm needs;
+its value depends on where the weights are measured from), as FedDyn's includes ``-<g_k, theta>``.
+
 Traffic: both directions carry the model plus one control variate, twice FedAvg's parameters. A client that restarts
 loses ``c_i`` and starts again from zeros, as a newly sampled client would.
 """
