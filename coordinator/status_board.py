@@ -7,7 +7,8 @@ at any time gets the latest one at once. Its bytes are counted apart from the ro
 the comparison with the broker's own counters stays honest.
 
 A status too large for the broker's packet limit (a small ``--fleet-max-packet-size`` and a large fleet) is sent
-without its client lists and tables (the counts stay), never chunked: a retained message must be one packet.
+without its client lists and tables (the counts stay), never chunked: a retained message must be one packet. So is one
+larger than a monitor reads (:data:`fedge.wire.run_status.MAX_STATUS_BYTES`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from fedge.errors import TransportError
 from fedge.wire.protocol import publish_packet_bytes
-from fedge.wire.run_status import RunStatus, encode_run_status, run_status
+from fedge.wire.run_status import MAX_STATUS_BYTES, RunStatus, encode_run_status, run_status
 from fedge_io.mqtt import MqttLink, PacketTooLarge
 
 log = logging.getLogger(__name__)
@@ -90,22 +91,19 @@ class StatusBoard:
 
     def final_message(self) -> tuple[str, bytes, bool]:
         """(topic, payload, retain) of the current status, for the link to send before it disconnects."""
-        payload = encode_run_status(dataclasses.replace(self.status, updated=round(self.clock(), 3)))
+        payload = _encoded(dataclasses.replace(self.status, updated=round(self.clock(), 3)))
         self.wire_bytes += publish_packet_bytes(self.topic, len(payload), 1) + 4
         return self.topic, payload, True
 
     def publish(self) -> None:
         """Publish the current status now (retained, QoS 1); a broker that is away gets it after the reconnect."""
         status = dataclasses.replace(self.status, updated=round(self.clock(), 3))
-        payload = encode_run_status(status)
+        payload = _encoded(status)
         try:
             try:
                 self.link.publish(self.topic, payload, retain=True)
             except PacketTooLarge:
-                bare = dataclasses.replace(
-                    status, online=(), sampled=(), replied=(), dropped=(), history=(), clients=()
-                )
-                payload = encode_run_status(bare)
+                payload = encode_run_status(_bare(status))
                 self.link.publish(self.topic, payload, retain=True)
         except TransportError as exc:  # the view is a convenience: it never stops a run
             log.warning("run status not published: %s", exc)
@@ -114,3 +112,15 @@ class StatusBoard:
         self.published += 1
         self._dirty = False
         self._sent_at = time.monotonic()
+
+
+def _bare(status: RunStatus) -> RunStatus:
+    """``status`` without its client lists and tables (the counts stay)."""
+    return dataclasses.replace(status, online=(), sampled=(), replied=(), dropped=(), history=(), clients=())
+
+
+def _encoded(status: RunStatus) -> bytes:
+    """``status`` encoded; without its lists and tables when it would exceed what every monitor reads (long ids and
+    reasons of a large fleet): monitors refuse a larger one unread."""
+    payload = encode_run_status(status)
+    return payload if len(payload) <= MAX_STATUS_BYTES else encode_run_status(_bare(status))

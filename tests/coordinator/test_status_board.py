@@ -79,3 +79,31 @@ def test_after_its_link_broke_the_board_replaces_the_last_will_with_the_status(m
         shown = received(monitor)
         assert [is_gone(s) for s in shown] == [True, False], shown
         assert (shown[-1].phase, shown[-1].round) == ("training", 2)
+
+
+class _Recorder:
+    """A link that keeps what is published (no broker: the board's own decision is under test)."""
+
+    connections = 1
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def publish(self, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> None:
+        self.sent.append(payload)
+
+
+def test_a_status_over_the_monitors_size_limit_goes_out_without_its_lists_and_tables() -> None:
+    from fedge.wire.run_status import MAX_STATUS_BYTES, ClientRow
+
+    ids = tuple(f"c{i:0127d}" for i in range(500))  # long ids, and reasons whose JSON escapes take 6 bytes a char
+    rows = tuple(ClientRow(c, last_drop="é" * 200) for c in ids)
+    link = _Recorder()
+    board = StatusBoard(link, T.run_status, "board", "s1")  # type: ignore[arg-type]
+    board.update(
+        phase="training", round=2, online=ids, sampled=ids, dropped=[(c, "é" * 256) for c in ids], clients=rows
+    )
+    (payload,) = link.sent
+    assert len(payload) <= MAX_STATUS_BYTES
+    shown = decode_run_status(payload, "board")  # every monitor can read it
+    assert (shown.round, shown.counts) == (2, (500, 500, 0, 500)) and shown.clients == () and shown.online == ()
