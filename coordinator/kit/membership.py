@@ -104,6 +104,9 @@ class Kit:
         self.root = root.absolute()
         self.bundle_path = self.root / COORDINATOR / BUNDLE_FILE
         self.bundle = _json(self.bundle_path)
+        lacking = [k for k in ("format", "run", "broker") if not isinstance(self.bundle.get(k), (str, int))]
+        if lacking:
+            raise ConfigError(f"{self.bundle_path} lacks {lacking}: is it a fedge fleet kit (made by fedge provision)?")
         self.run = str(self.bundle["run"])
         self.clients = _strings(self.bundle.get("clients"), self.bundle_path)
         revoked = self.bundle.get("revoked") or {}

@@ -174,3 +174,13 @@ def test_a_client_id_with_a_trailing_newline_is_refused_before_a_file_changes(
     assert main(["kit", "add-client", "c002\n", "--kit", str(kit.root)]) == 2
     assert "use 1-64 letters" in capsys.readouterr().err
     assert (kit.root / "broker" / "passwd").read_text() == before and not (kit.root / "clients" / "c002\n").exists()
+
+
+def test_a_folder_that_is_not_a_kit_is_one_line_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "coordinator").mkdir()
+    (tmp_path / "coordinator" / "bundle.json").write_text('{"clients": []}')  # a JSON object, not a kit's bundle
+    assert main(["kit", "add-client", "c002", "--kit", str(tmp_path)]) == 2
+    assert main(["kit", "revoke", "c002", "--kit", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("is it a fedge fleet kit") == 2
