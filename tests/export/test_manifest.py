@@ -158,9 +158,12 @@ def test_a_client_never_loads_a_damaged_program_or_model_file(exports: Path, tmp
     base = ["client", "--client-id", "c000", "--data", str(data), "--run-config", str(config), "--run", "r"]
     base += ["--broker", "mqtt://127.0.0.1:1", "--connect-timeout", "1"]
 
-    # A deployed .onnx is the user's file: refused at start-up with the reason, exit 2, before any connection.
+    # A deployed .onnx is the user's file: refused at start-up with the reason, exit 2, before any connection. (No
+    # --run-config: a predict-only client given a training run's config stops at once, exit 3, as it cannot train.)
+    predict = [a for a in base if a not in ("--run-config", str(config))]
     done = run_device_side(
-        [*base, "--runtime", "onnxruntime", "--predict-only", "--model-file", str(damaged / "tiny_mlp.onnx")], tmp_path
+        [*predict, "--runtime", "onnxruntime", "--predict-only", "--model-file", str(damaged / "tiny_mlp.onnx")],
+        tmp_path,
     )
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     assert "tiny_mlp.onnx: SHA-256 does not match" in done.stderr and "Traceback" not in done.stderr

@@ -207,7 +207,9 @@ def test_a_device_that_requires_signatures_loads_only_programs_its_ca_signed(
     assert code == 0 and "prepared 1 training program(s)" in log and "exporting" not in log, log[-2000:]
 
     # A predict-only ONNX Runtime client's --model-file: the same rule.
-    onnx = [*base[:-2], "--runtime", "onnxruntime", "--predict-only", *trust]
+    # (No --run-config: a predict-only client given a training run's config stops at once, exit 3: it cannot train.)
+    onnx = [a for a in base[:-2] if a not in ("--run-config", str(config))]
+    onnx += ["--runtime", "onnxruntime", "--predict-only", *trust]
     code, log = serve_until_connected([*onnx, "--model-file", str(signed / "tiny_mlp.onnx")], tmp_path)
     assert code == 0 and "Traceback" not in log, log[-2000:]
     code, log = serve_until_connected([*onnx, "--model-file", str(unsigned / "tiny_mlp.onnx")], tmp_path)
