@@ -297,7 +297,8 @@ def test_viewers_on_the_one_monitor_bundle_stay_connected_together(tmp_path: Pat
 def test_sigterm_stops_fedge_status_cleanly_whenever_it_comes(tmp_path: Path) -> None:
     """SIGTERM (systemd, docker stop, kill) at different moments of a live view: while it starts (its imports), while
     it connects and while it watches, with another viewer on the same bundle. Each time: exit 0 (a view stopped, as
-    by Ctrl-C) or 143 (stopped before the view began), and no traceback."""
+    by Ctrl-C) or 143 (stopped before the view began), or, before the interpreter ran fedge at all, killed silently by
+    the default action; never a traceback."""
     require_mosquitto()
     run = "watched-term"
     exp = prepare(RunConfig(dataset="digits", model="tiny_mlp", num_clients=1))
@@ -320,7 +321,11 @@ def test_sigterm_stops_fedge_status_cleanly_whenever_it_comes(tmp_path: Path) ->
                 proc.send_signal(signal.SIGTERM)
                 code = proc.wait(60)
                 text = out.read_text()
-                assert code in (0, 143) and "Traceback" not in text and "Error" not in text, (after, code, text)
+                # -SIGTERM: the signal came before Python had run fedge's first line (a loaded machine can take
+                # longer than 0.3 s to start an interpreter): killed by the default action, having printed nothing.
+                early = code == -signal.SIGTERM and text == ""
+                assert early or code in (0, 143), (after, code, text)
+                assert "Traceback" not in text and "Error" not in text, (after, code, text)
             assert other.poll() is None  # the other viewer watches on
         finally:
             other.send_signal(signal.SIGINT)
