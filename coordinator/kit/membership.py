@@ -27,6 +27,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import tempfile
 from dataclasses import dataclass
@@ -122,6 +123,18 @@ class Kit:
         monitor = _json(self.root / MONITOR / BUNDLE_FILE)
         self.monitors = _strings(monitor.get("usernames") or [monitor.get("username")], self.root / MONITOR)
 
+    def check_writable(self) -> None:
+        """ConfigError, before anything is changed, unless this user can replace every file the change writes (each
+        is written anew beside the old one, then renamed over it: its folder must be writable)."""
+        folders = [self.root, self.bundle_path.parent, *self.broker_dirs, self.root / "clients"]
+        blocked = [str(d) for d in folders if d.is_dir() and not os.access(d, os.W_OK | os.X_OK)]
+        if blocked:
+            raise ConfigError(
+                f"cannot change the fleet kit {self.root}: {', '.join(blocked)} not writable by this user; nothing was "
+                "changed; run fedge kit as the user that owns the kit (root for a kit whose broker/ was given to "
+                "mosquitto)"
+            )
+
     def check_new(self, client: str) -> None:
         if not _NAME.fullmatch(client):
             raise ConfigError(f"client id {client!r}: use 1-64 letters, digits, '.', '_' or '-'")
@@ -215,6 +228,7 @@ def add_client(root: Path, client: str, *, data_from: str | None = None, cert_da
     (``<client>.safetensors``) from this client's (a replacement board takes over a lost one's data)."""
     kit = Kit(root)
     kit.check_new(client)
+    kit.check_writable()
     source = kit.root / "clients" / (data_from or (kit.clients[0] if kit.clients else ""))
     template = _json(source / BUNDLE_FILE) if (source / BUNDLE_FILE).is_file() else {}
     data = None
@@ -222,10 +236,26 @@ def add_client(root: Path, client: str, *, data_from: str | None = None, cert_da
         if data_from not in kit.clients:
             raise ConfigError(f"--data-from {data_from}: no such client in the fleet ({', '.join(kit.clients)})")
         data = _copy_data(kit.root.parent, data_from, client)
+    folder = kit.root / "clients" / client
+    folder.mkdir(mode=0o700, parents=True)  # before the try: a folder this command did not make is never removed
+    try:
+        _issue(kit, client, folder, template, cert_days)
+    except BaseException:  # the kit's client list is unchanged: leave no bundle behind, so the same command can retry
+        shutil.rmtree(folder, ignore_errors=True)
+        if data is not None:
+            data.unlink(missing_ok=True)
+        raise
+    kit.write_bundle()  # after the broker's files: a coordinator that admits it finds a broker that lets it in
+    kit.record({"action": "add-client", "client": client, **({"data_from": data_from} if data_from else {})})
+    pids, todo = kit.reload_broker()
+    return Membership(client, folder, data, pids, todo)
+
+
+def _issue(kit: Kit, client: str, folder: Path, template: dict[str, object], cert_days: int) -> None:
+    """The new device's bundle in ``folder``, and its login in the broker's files (the coordinator's list is not
+    changed)."""
     username = fleet_username(kit.run, client)
     password = secrets.token_urlsafe(32)
-    folder = kit.root / "clients" / client
-    folder.mkdir(mode=0o700, parents=True)
     bundle: dict[str, object] = {
         "format": kit.bundle["format"],
         "role": "client",
@@ -247,17 +277,18 @@ def add_client(root: Path, client: str, *, data_from: str | None = None, cert_da
             bundle.update(cert_file="client.crt", key_file="client.key")
     _replace(folder / BUNDLE_FILE, json.dumps(bundle, indent=1) + "\n")
     kit.clients.append(client)
-    kit.write_broker_files({username: password})
-    kit.write_bundle()  # after the broker's files: a coordinator that admits it finds a broker that lets it in
-    kit.record({"action": "add-client", "client": client, **({"data_from": data_from} if data_from else {})})
-    pids, todo = kit.reload_broker()
-    return Membership(client, folder, data, pids, todo)
+    try:
+        kit.write_broker_files({username: password})
+    except BaseException:
+        kit.clients.remove(client)
+        raise
 
 
 def revoke_client(root: Path, client: str, *, reason: str) -> Membership:
     """Cut ``client`` off: its login removed from the broker's files (reloaded: refused, its connection dropped), the
     coordinator told through its client list, the revocation recorded; its bundle's password deleted."""
     kit = Kit(root)
+    kit.check_writable()
     if client not in kit.clients:
         known = "it was revoked already" if client in kit.revoked else f"the fleet holds {', '.join(kit.clients)}"
         raise ConfigError(f"client {client} is not in the fleet of run {kit.run!r}: {known}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -184,3 +185,42 @@ def test_a_folder_that_is_not_a_kit_is_one_line_not_a_traceback(
     assert main(["kit", "add-client", "c002", "--kit", str(tmp_path)]) == 2
     assert main(["kit", "revoke", "c002", "--kit", str(tmp_path)]) == 2
     assert capsys.readouterr().err.count("is it a fedge fleet kit") == 2
+
+
+def test_an_add_client_that_fails_half_way_leaves_nothing_behind_and_can_be_run_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from coordinator.kit import membership
+    from coordinator.kit.accounts import FleetSpec
+    from coordinator.kit.writer import generate_fleet_kit
+
+    kit = generate_fleet_kit(FleetSpec("lab", ("c000",), ("127.0.0.1",), 100_000, port=free_port()), tmp_path / "k")
+    real = membership.Kit.write_broker_files
+
+    def fails(self: membership.Kit, passwords: dict[str, str | None]) -> None:
+        raise PermissionError(13, "Permission denied", str(self.broker_dirs[-1] / "passwd"))
+
+    monkeypatch.setattr(membership.Kit, "write_broker_files", fails)
+    assert main(["kit", "add-client", "c001", "--kit", str(kit.root)]) == 2
+    assert "Permission denied" in capsys.readouterr().err
+    assert not (kit.root / "clients" / "c001").exists()  # no half-made bundle that would block the retry
+    monkeypatch.setattr(membership.Kit, "write_broker_files", real)
+    assert main(["kit", "add-client", "c001", "--kit", str(kit.root)]) == 0
+    assert "c001" in json.loads((kit.root / "coordinator" / "bundle.json").read_text())["clients"]
+
+
+def test_a_kit_this_user_cannot_write_is_refused_before_anything_changes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from coordinator.kit.accounts import FleetSpec
+    from coordinator.kit.writer import generate_fleet_kit
+
+    kit = generate_fleet_kit(FleetSpec("lab", ("c000",), ("127.0.0.1",), 100_000, port=free_port()), tmp_path / "k")
+    broker = kit.root / "broker"
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != broker and real_access(p, mode))  # as if not root
+    assert main(["kit", "add-client", "c001", "--kit", str(kit.root)]) == 2
+    assert "nothing was changed" in capsys.readouterr().err
+    assert not (kit.root / "clients" / "c001").exists()
+    assert main(["kit", "revoke", "c000", "--kit", str(kit.root)]) == 2
+    assert "c000" in (broker / "passwd").read_text()
