@@ -256,3 +256,12 @@ def test_dsfl_keeps_its_aggregation_flag(tmp_path: Path):
     assert buffered.buffered and buffered.server_lr == 0.5
     with pytest.raises(ConfigError, match="is a FedBuff setting"):
         parsed("--algorithm", "fedavg", "--server-lr", "0.5")
+
+
+def test_a_buffer_that_cannot_fill_says_why(tmp_path: Path):
+    """Every update refused (an update bound no move passes): once every client has trained on version 0 the step
+    can never fill, and the run stops with the reason instead of waiting forever."""
+    from fedge.algorithms.fedavg import FedAvgSettings
+
+    with pytest.raises(ConfigError, match="every client trained on version 0, and only 0 of the 3 updates"):
+        run_inprocess(_config(algo=FedAvgSettings(max_update_ratio=1e-9)), tmp_path / "run")
