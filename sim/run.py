@@ -123,6 +123,11 @@ def run_inprocess(
         if config.simulated_time:  # docs/simulated_time.md
             profiles, clock_about = load_profiles(config, sorted(exp.parts), lambda: _measure(exp, threads_per_worker))
             if config.buffered:  # FedBuff keeps the clock itself, event by event
+                if clock_about.get("reference_compute") != "given":
+                    log.warning(
+                        "FedBuff on a reference compute measured on this machine: the order in which updates arrive, "
+                        "hence the model, depends on the measurement; give compute=SECONDS for a reproducible run"
+                    )
                 fedbuff = fedbuff_engine(
                     config, strategy, inner, test_x, test_y, profiles=profiles, samples=sizes,
                     initial_bytes=exp.initial_bytes(),

@@ -265,3 +265,13 @@ def test_a_buffer_that_cannot_fill_says_why(tmp_path: Path):
 
     with pytest.raises(ConfigError, match="every client trained on version 0, and only 0 of the 3 updates"):
         run_inprocess(_config(algo=FedAvgSettings(max_update_ratio=1e-9)), tmp_path / "run")
+
+
+def test_a_measured_reference_is_said_to_make_the_run_unreproducible(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    with caplog.at_level("WARNING", logger="sim.run"):
+        run_inprocess(_config(client_profiles="", rounds=1), tmp_path / "measured")  # --link alone: measured here
+    assert "give compute=SECONDS for a reproducible run" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sim.run"):
+        run_inprocess(_config(rounds=1), tmp_path / "given")
+    assert "reproducible" not in caplog.text
