@@ -9,9 +9,10 @@ Why this field: the secrets are 32 bytes (256 bits), so the field must exceed 2^
 p = 2^521 - 1 holds a whole secret in one element (no chunking, one polynomial per secret), its shares are
 66 bytes, and Python's integers do the arithmetic. It also catches garbled shares for free: a secret lies below
 2^256, while a share replaced by random bytes interpolates to an essentially uniform field element, below 2^256
-with probability 2^-265, which :func:`combine` refuses. This is no defence against a holder who shifts its share
-on purpose (f(0) then moves by a known multiple of the shift); the protocol checks a rebuilt masking key against
-its advertised public key for that (:mod:`fedge.secagg.protocol`).
+with probability 2^-265, which :func:`combine` refuses. A holder who shifts its share on purpose moves f(0) by a
+known multiple of the shift, so that it may still fit: :func:`combine` therefore checks every share beyond the
+threshold against the rebuilt polynomial (one more honest share than the threshold exposes it), and the protocol
+checks a rebuilt masking key against its advertised public key (:mod:`fedge.secagg.protocol`).
 
 Shares are evaluated at x = 1..n (the holder's index in the round's sorted client list, plus one); x = 0 would be
 the secret itself and is never a share.
@@ -70,17 +71,28 @@ def split(secret: bytes, threshold: int, xs: int | Sequence[int], *, rand_bytes:
 
 
 def combine(shares: Sequence[Share], threshold: int, *, secret_len: int = SECRET_BYTES) -> bytes:
-    """The secret of ``secret_len`` bytes from at least ``threshold`` shares (the first ``threshold`` are used).
+    """The secret of ``secret_len`` bytes from at least ``threshold`` shares.
 
-    Refuses fewer than ``threshold`` shares, a repeated x, and a result that does not fit in ``secret_len`` bytes
-    (the sign of a tampered share, see the module docstring).
+    The first ``threshold`` shares give the polynomial; every further share must lie on it. Refuses fewer than
+    ``threshold`` shares, a repeated x, a further share off the polynomial, and a result that does not fit in
+    ``secret_len`` bytes (the signs of a tampered share, see the module docstring). The check of the further shares is
+    what stops a holder who shifts its share on purpose: shifting it by the inverse of its Lagrange weight moves the
+    secret by exactly 1, which still fits, so with exactly ``threshold`` shares such a shift goes unseen (a self-mask
+    seed has no public key to check it against), and with one more it is refused.
     """
     if threshold < 1:
         raise ShareError(f"threshold must be >= 1, got {threshold}")
     if len(shares) < threshold:
         raise ShareError(f"{len(shares)} shares cannot reconstruct a secret shared with threshold {threshold}")
+    _check_distinct(shares)
     used = list(shares[:threshold])
     value = interpolate_at_zero(used)
+    for extra in shares[threshold:]:
+        if interpolate_at(used, extra.x) != extra.y:
+            raise ShareError(
+                f"the share at x = {extra.x} is off the polynomial the first {threshold} shares give: "
+                "a share is corrupt"
+            )
     if value.bit_length() > 8 * secret_len:
         raise ShareError(f"the shares interpolate to a value wider than {secret_len} bytes: a share is corrupt")
     return value.to_bytes(secret_len, "big")
@@ -88,21 +100,42 @@ def combine(shares: Sequence[Share], threshold: int, *, secret_len: int = SECRET
 
 def interpolate_at_zero(shares: Sequence[Share]) -> int:
     """f(0) of the unique polynomial of degree < len(shares) through ``shares`` (Lagrange interpolation)."""
+    return interpolate_at(shares, 0)
+
+
+def interpolate_at(shares: Sequence[Share], at: int) -> int:
+    """f(``at``) of the unique polynomial of degree < len(shares) through ``shares``:
+    sum_i y_i prod_{j != i} (at - x_j) / (x_i - x_j), with one modular inverse for all the denominators (Montgomery's
+    batch inversion: an inverse costs some 40 multiplications in this field)."""
     if not shares:
         raise ShareError("no shares to interpolate")
+    _check_distinct(shares)
+    xs = [s.x for s in shares]
+    numerators, denominators = [], []
+    for i, xi in enumerate(xs):
+        num, den = 1, 1
+        for j, xj in enumerate(xs):
+            if i != j:
+                num = num * (at - xj) % PRIME
+                den = den * (xi - xj) % PRIME
+        numerators.append(num)
+        denominators.append(den)
+    prefix = [1]  # prefix[i]: the product of the first i denominators
+    for den in denominators:
+        prefix.append(prefix[-1] * den % PRIME)
+    inverse = pow(prefix[-1], -1, PRIME)  # 1 / (all denominators): then peel them off one at a time
+    total = 0
+    for i in range(len(xs) - 1, -1, -1):
+        weight = numerators[i] * inverse * prefix[i] % PRIME  # numerators[i] / denominators[i]
+        total = (total + shares[i].y * weight) % PRIME
+        inverse = inverse * denominators[i] % PRIME
+    return total
+
+
+def _check_distinct(shares: Sequence[Share]) -> None:
     xs = [s.x for s in shares]
     if len(set(xs)) != len(xs):
         raise ShareError(f"repeated share points among x = {sorted(xs)}")
-    # f(0) = sum_i y_i prod_{j != i} x_j / (x_j - x_i); one modular inverse per share.
-    total = 0
-    for i, si in enumerate(shares):
-        num, den = 1, 1
-        for j, sj in enumerate(shares):
-            if i != j:
-                num = num * sj.x % PRIME
-                den = den * (sj.x - si.x) % PRIME
-        total = (total + si.y * num * pow(den, -1, PRIME)) % PRIME
-    return total
 
 
 def share_value_to_bytes(share: Share) -> bytes:

@@ -13,6 +13,7 @@ from fedge.secagg.shamir import (
     SHARE_BYTES,
     Share,
     combine,
+    interpolate_at,
     interpolate_at_zero,
     share_from_bytes,
     share_value_to_bytes,
@@ -94,6 +95,29 @@ def test_a_shifted_share_shifts_the_secret_by_its_lagrange_weight() -> None:
     shifted = [Share(shares[0].x, shares[0].y + 1), *shares[1:]]
     # The weight of x = 1 among {1, 2, 3} at 0 is 2 * 3 / ((2 - 1) (3 - 1)) = 3.
     assert combine(shifted, 3) == (3).to_bytes(32, "big")
+
+
+def test_a_share_shifted_to_move_the_secret_by_one_is_refused_given_one_more_share(seeded: Seeded) -> None:
+    # The attack on a self-mask seed (no public key to check it by): shift one's share by the inverse of its Lagrange
+    # weight, so the rebuilt seed is off by exactly 1 and still fits in 32 bytes; the masks then expand from a wrong
+    # seed and the sum is garbage. With exactly t shares nothing can tell; one more honest share exposes it.
+    shares = split(SECRET, 3, 5, rand_bytes=seeded(8))
+    weight = 2 * 3 * pow((2 - 1) * (3 - 1), -1, PRIME) % PRIME  # of x = 1 among {1, 2, 3} at 0
+    shifted = Share(shares[0].x, (shares[0].y + pow(weight, -1, PRIME)) % PRIME)
+    moved = (int.from_bytes(SECRET, "big") + 1).to_bytes(32, "big")
+    assert combine([shifted, *shares[1:3]], 3) == moved  # t shares: undetectable
+    for extra in shares[3:]:
+        with pytest.raises(ShareError, match=f"share at x = {extra.x} is off the polynomial"):
+            combine([shifted, *shares[1:3], extra], 3)
+    assert combine(shares, 3) == SECRET  # honest extra shares are all on it
+
+
+def test_evaluation_matches_a_direct_polynomial() -> None:
+    # f(x) = 7 + 5x + 3x^2: the batch-inverted Lagrange form gives f at 0 and at points beyond the shares.
+    f = [7, 5, 3]
+    shares = [Share(x, sum(c * x**k for k, c in enumerate(f)) % PRIME) for x in (2, 5, 9)]
+    for at in (0, 1, 4, 100, PRIME - 1):
+        assert interpolate_at(shares, at) == sum(c * pow(at, k, PRIME) for k, c in enumerate(f)) % PRIME
 
 
 def test_share_bytes_round_trip(seeded: Seeded) -> None:
