@@ -93,7 +93,7 @@ class RunConfig:
         metadata={
             "help": "cohort floor: a round aggregates at least this many replies, whatever --min-replies' share of "
             "the sampled (capped at the clients per round; DP-FedAvg runs, whose noise is sized to the expected "
-            "cohort, are exempt) (default: 2)"
+            "cohort, are exempt and refuse another value) (default: 2)"
         },
     )
     eval_every: int = 1
@@ -526,6 +526,13 @@ class RunConfig:
             robust == "mean",
             f"--robust {robust} with --dp-noise-multiplier: DP-FedAvg bounds each client's part of a noised mean; a "
             "robust rule's output can move with one client by more than the clip: use --robust mean",
+        )
+        min_cohort_default = next(f.default for f in dataclasses.fields(self) if f.name == "min_cohort")
+        _check(
+            self.min_cohort == min_cohort_default,
+            f"--min-cohort {self.min_cohort} with --dp-noise-multiplier: DP-FedAvg divides by the expected cohort, so "
+            "any number of replies makes a valid round (a floor would void rounds the accountant counts): leave "
+            "--min-cohort at its default, which DP ignores",
         )
         clip_factor = getattr(algo, "clip_factor", 0.0)
         _check(

@@ -112,6 +112,7 @@ def test_the_budget_stops_the_run_with_exit_0(tmp_path: Path, capsys: pytest.Cap
         (["--algorithm", "scaffold"], "cannot run --algorithm scaffold: DP-FedAvg noises a mean"),
         (["--algorithm", "dsfl"], "cannot run --algorithm dsfl: it uploads outputs (logits)"),
         (["--algorithm", "fedavg", "--robust", "median"], "--robust median with --dp-noise-multiplier"),
+        (["--algorithm", "fedavg", "--min-cohort", "3"], "--min-cohort 3 with --dp-noise-multiplier"),
         (
             ["--algorithm", "fedavg", "--transport", "mqtt", "--secure-aggregation", "--simulate-dropouts", "0.2"],
             "over MQTT the clients that vanish are real",
