@@ -3,7 +3,8 @@
 #
 #   docker run --rm -v /srv/fleet:/fleet fedge-coordinator:0.1.0 \
 #       coordinator --bundle /fleet/kit/coordinator --config /fleet/config.json --run-dir /fleet/runs/lab
-#   docker stop -t 330 ...   # a SIGTERM lets the round under way finish first (the default round timeout is 300 s)
+#   docker stop -t 330 ...   # a SIGTERM lets the round under way finish first (the default round timeout is 300 s;
+#                            # 1230 under --secure-aggregation, whose round has four deadlines)
 ARG PYTHON=3.11
 FROM python:${PYTHON}-slim-bookworm
 

@@ -21,7 +21,9 @@ revocation list would refuse (not built). The embedded broker (``fedge sim``) re
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import itertools
 import json
 import os
@@ -30,6 +32,7 @@ import secrets
 import shutil
 import signal
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +51,7 @@ from fedge.errors import ConfigError
 from fedge_io.credentials import BUNDLE_FILE
 
 ROSTER_FILE = "roster.json"
+LOCK_FILE = ".fedge-kit.lock"
 PASSWORD_FILES = ("passwd", "amqtt-passwd")
 MAX_REASON = 200
 
@@ -122,6 +126,15 @@ class Kit:
         self.client_certificates = "use_identity_as_username true" in conf
         monitor = _json(self.root / MONITOR / BUNDLE_FILE)
         self.monitors = _strings(monitor.get("usernames") or [monitor.get("username")], self.root / MONITOR)
+        # Read (and checked) before anything changes: a change is recorded last, and must not fail half-way.
+        self.roster_path = self.root / ROSTER_FILE
+        events = _json(self.roster_path).get("events", []) if self.roster_path.exists() else []
+        if not isinstance(events, list):
+            raise ConfigError(
+                f"{self.roster_path}: 'events' must be a list of the kit's changes; was the file edited by hand? "
+                "Nothing was changed"
+            )
+        self.events: list[object] = events
 
     def check_writable(self) -> None:
         """ConfigError, before anything is changed, unless this user can replace every file the change writes (each
@@ -176,11 +189,8 @@ class Kit:
         _replace(self.bundle_path, json.dumps(self.bundle, indent=1) + "\n")
 
     def record(self, event: dict[str, object]) -> None:
-        path = self.root / ROSTER_FILE
-        events = _json(path).get("events", []) if path.exists() else []
-        assert isinstance(events, list)
-        events.append({"at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **event})
-        _replace(path, json.dumps({"run": self.run, "events": events}, indent=1) + "\n")
+        self.events.append({"at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **event})
+        _replace(self.roster_path, json.dumps({"run": self.run, "events": self.events}, indent=1) + "\n")
 
     def reload_broker(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """SIGHUP to every mosquitto on this machine started with this kit's configuration; else what to do."""
@@ -222,10 +232,32 @@ def _conf_of(pid: int) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _kit_lock(root: Path) -> Iterator[None]:
+    """One change to the kit at ``root`` at a time: each reads, changes and rewrites the broker's files, the
+    coordinator's bundle and the roster, so two at once (two operators, a script) could each drop the other's."""
+    if not root.is_dir():
+        raise ConfigError(f"{root}: no such fleet kit (fedge provision writes it as OUT/kit)")
+    try:
+        fd = os.open(root / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot change the fleet kit {root}: {exc.strerror}; nothing was changed") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits for another fedge kit command on this kit to finish
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def add_client(root: Path, client: str, *, data_from: str | None = None, cert_days: int = 365) -> Membership:
     """Issue device ``client``'s bundle (``clients/<client>/``) into the kit at ``root``, let it log in to the live
     broker, and add it to the coordinator's client list. ``data_from``: write its data file beside the others'
     (``<client>.safetensors``) from this client's (a replacement board takes over a lost one's data)."""
+    with _kit_lock(root):
+        return _add_client(root, client, data_from=data_from, cert_days=cert_days)
+
+
+def _add_client(root: Path, client: str, *, data_from: str | None, cert_days: int) -> Membership:
     kit = Kit(root)
     kit.check_new(client)
     kit.check_writable()
@@ -287,6 +319,11 @@ def _issue(kit: Kit, client: str, folder: Path, template: dict[str, object], cer
 def revoke_client(root: Path, client: str, *, reason: str) -> Membership:
     """Cut ``client`` off: its login removed from the broker's files (reloaded: refused, its connection dropped), the
     coordinator told through its client list, the revocation recorded; its bundle's password deleted."""
+    with _kit_lock(root):
+        return _revoke_client(root, client, reason=reason)
+
+
+def _revoke_client(root: Path, client: str, *, reason: str) -> Membership:
     kit = Kit(root)
     kit.check_writable()
     if client not in kit.clients:

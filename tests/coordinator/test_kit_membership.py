@@ -224,3 +224,36 @@ def test_a_kit_this_user_cannot_write_is_refused_before_anything_changes(
     assert not (kit.root / "clients" / "c001").exists()
     assert main(["kit", "revoke", "c000", "--kit", str(kit.root)]) == 2
     assert "c000" in (broker / "passwd").read_text()
+
+
+def test_kit_changes_take_turns_and_a_damaged_roster_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two `fedge kit` commands on one kit at once would each rewrite the bundle and broker files from what they read:
+    the second waits for the first's lock, so neither drops the other's device."""
+    import fcntl
+
+    from coordinator.kit.accounts import FleetSpec
+    from coordinator.kit.membership import LOCK_FILE
+    from coordinator.kit.writer import generate_fleet_kit
+
+    kit = generate_fleet_kit(FleetSpec("lab", ("c000",), ("127.0.0.1",), 100_000, port=free_port()), tmp_path / "k")
+    held = os.open(kit.root / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another command is under way
+    done: list[str] = []
+    worker = threading.Thread(target=lambda: done.append(add_client(kit.root, "c001").client))
+    worker.start()
+    time.sleep(0.5)
+    assert not done and "c001" not in json.loads((kit.root / "coordinator" / "bundle.json").read_text())["clients"]
+    os.close(held)  # the other command finishes
+    worker.join(30)
+    assert done == ["c001"]
+    assert main(["kit", "add-client", "c002", "--kit", str(kit.root)]) == 0
+    clients = json.loads((kit.root / "coordinator" / "bundle.json").read_text())["clients"]
+    assert clients == ["c000", "c001", "c002"]
+    (kit.root / ROSTER_FILE).write_text('{"run": "lab", "events": {"edited": "by hand"}}')
+    assert main(["kit", "add-client", "c003", "--kit", str(kit.root)]) == 2
+    err = capsys.readouterr().err
+    assert "'events' must be a list" in err and "Nothing was changed" in err and "Traceback" not in err
+    assert "c003" not in json.loads((kit.root / "coordinator" / "bundle.json").read_text())["clients"]
+    assert not (kit.root / "clients" / "c003").exists()
