@@ -50,6 +50,7 @@ from fedge.wire.protocol import (
     COMPUTE_CPU_S,
     COMPUTE_S,
     DEADLINE,
+    INSTANCE,
     REFUSED,
     SESSION,
     BrokerAddress,
@@ -254,7 +255,9 @@ class MqttTransport:
         self._drain()
         notice = {"reason": reason[:1000], "at": f"{time.time():.3f}"}
         for client in self.presence.online():
-            msg = Message(CANCELLED, 0, self.topics.run, client, notice, transport={SESSION: self.session})
+            instance = printable(self.presence.clients[client].extra.get(INSTANCE, ""), 64)  # the process it told
+            params = {**notice, **({INSTANCE: instance} if instance else {})}
+            msg = Message(CANCELLED, 0, self.topics.run, client, params, transport={SESSION: self.session})
             try:
                 self.link.send(self.topics.task(client), encode(msg), qos=self.qos)
             except TransportError as exc:  # telling is a courtesy: the run stops either way

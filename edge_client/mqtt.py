@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import platform
+import secrets
 import threading
 import time
 from collections import deque
@@ -47,6 +48,7 @@ from fedge.wire.protocol import (
     CANCELLED,
     COMPUTE_CPU_S,
     COMPUTE_S,
+    INSTANCE,
     REFUSED,
     SESSION,
     STATE_ROUND,
@@ -129,6 +131,9 @@ class MqttEdgeClient:
         self.refused: str | None = None  # the coordinator's reason, when it refused this client (serve then returns)
         self.cancelled: str | None = None  # the coordinator's reason, when the run could not start (serve returns)
         self._started_at = time.time()  # a run-cannot-start notice sent before this is an earlier process's
+        # Announced in the hello and echoed in a run-cannot-start notice: the notice is this process's whatever the
+        # two machines' clocks say (a notice queued for an earlier process carries that one's, or none).
+        self._instance = secrets.token_hex(8)
         self._reassembly = chunking.Reassembler(
             max_bytes=2 * (MAX_INBOUND_BYTES + chunking.MAX_CHUNKS + chunking.ENTRY_OVERHEAD),
             max_sender_bytes=MAX_INBOUND_BYTES + chunking.MAX_CHUNKS + chunking.ENTRY_OVERHEAD,
@@ -148,6 +153,7 @@ class MqttEdgeClient:
                 open_size=0 if client.data.open_x is None else len(client.data.open_x),
                 capabilities=tuple(ALGORITHMS) if capabilities is None else capabilities,
                 extra={
+                    INSTANCE: self._instance,
                     "torch": torch.__version__,
                     **({"host": platform.node(), "pid": str(os.getpid())} if announce_host else {}),
                 },
@@ -224,12 +230,17 @@ class MqttEdgeClient:
     def _on_cancelled(self, msg: Message) -> None:
         """The coordinator gave up before round 1 (too few clients can join) and says why: stop waiting. A notice
         sent before this process started was queued for an earlier one (a persistent session) and is ignored."""
-        try:
-            at = float(msg.params.get("at", "")[:40])
-        except ValueError:
-            at = math.nan
-        if not at >= self._started_at:  # also NaN
-            log.info("ignoring a notice that an earlier run could not start (sent before this process started)")
+        instance = msg.params.get(INSTANCE, "")
+        if instance:
+            mine = instance == self._instance
+        else:  # a coordinator that saw no instance in this process's hello: its clock against ours
+            try:
+                at = float(msg.params.get("at", "")[:40])
+            except ValueError:
+                at = math.nan
+            mine = at >= self._started_at  # False for NaN
+        if not mine:
+            log.info("ignoring a notice that an earlier run could not start (meant for an earlier process)")
             return
         self.cancelled = printable(msg.params.get("reason", ""), 1000) or "no reason given"
         log.error("run %s cannot start: %s", msg.run, self.cancelled)

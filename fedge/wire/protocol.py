@@ -34,6 +34,8 @@ STATUS = "status"  # a client's hello (online) or last will (offline); metadata 
 ERROR = "error"  # a client could not do its task; metadata only, the reason in param "error"
 REFUSED = "refused"  # coordinator -> client, on its task topic: not admitted to the run, the reason in param "reason"
 CANCELLED = "cancelled"  # coordinator -> client, on its task topic: the run cannot start; params "reason", "at"
+# and INSTANCE
+INSTANCE = "instance"  # a client process's random id: in its hello's extra, echoed in a cancelled notice to it
 # (the Unix time it was sent: a client ignores one older than its own process, queued for an earlier life)
 
 Channel = Literal["task", "broadcast", "update", "status"]

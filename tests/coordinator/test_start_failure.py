@@ -136,3 +136,27 @@ def test_a_runtime_that_cannot_run_the_algorithm_stops_before_building_anything(
     assert run_client(args, onnx_model=exported) == 3
     err = capsys.readouterr().err
     assert "the onnxruntime runtime cannot run 'fedavg'" in err and "--runtime torch or executorch" in err
+
+
+def test_a_notice_is_matched_to_the_process_it_was_meant_for_whatever_the_clocks_say() -> None:
+    """The notice echoes the instance id of the process whose hello the coordinator saw: a client whose clock runs
+    ahead of the coordinator's still takes it, and a notice meant for an earlier process (queued for a persistent
+    session) is ignored even when its time is later. Without an instance id, the times decide."""
+    import threading
+    from types import SimpleNamespace
+
+    from edge_client.mqtt import MqttEdgeClient
+    from fedge.wire.message import Message
+    from fedge.wire.protocol import INSTANCE
+
+    def told(params: dict[str, str], started_at: float) -> bool:
+        client = SimpleNamespace(_instance="ab12", _started_at=started_at, _stop=threading.Event(), cancelled=None)
+        MqttEdgeClient._on_cancelled(client, Message(CANCELLED, 0, "r", "c000", params))  # type: ignore[arg-type]
+        return client._stop.is_set() and client.cancelled == "too few clients"
+
+    now = time.time()
+    skewed = {"reason": "too few clients", "at": f"{now - 30:.3f}"}  # the coordinator's clock 30 s behind
+    assert told({**skewed, INSTANCE: "ab12"}, started_at=now)
+    assert not told({"reason": "too few clients", "at": f"{now + 30:.3f}", INSTANCE: "ffff"}, started_at=now)
+    assert not told(skewed, started_at=now)  # no instance: the times decide
+    assert told({"reason": "too few clients", "at": f"{now + 1:.3f}"}, started_at=now)
