@@ -25,6 +25,7 @@ from fedge.wire.chunking import ChunkHeader, parse_header
 from fedge.wire.fields import printable
 from fedge.wire.message import Message, decode
 from fedge.wire.protocol import ERROR, SESSION
+from fedge_io.log_budget import LogBudget
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class RoundContext:
     session: str = ""  # the coordinator's session: a reply naming another answers a task of a dead coordinator
     replied: set[ClientId] = field(default_factory=set)
     failed: dict[ClientId, str] = field(default_factory=dict)  # client -> the error it reported
+    log_budget: LogBudget = field(default_factory=lambda: LogBudget(log))  # a flooding client's lines are capped
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,8 @@ def _judge(msg: Message, sender: ClientId, ctx: RoundContext) -> tuple[str, str]
 def reject(ctx: RoundContext, sender: ClientId, category: str, detail: object) -> Rejection:
     """A logged rejection of ``sender``'s message, its peer-controlled text made printable."""
     text = printable(str(detail))
-    log.warning("round %d: rejected a message from %s: %s: %s", ctx.rnd, printable(sender, 40), category, text)
+    who = printable(sender, 40)
+    ctx.log_budget.warn(who, "round %d: rejected a message from %s: %s: %s", ctx.rnd, who, category, text)
     return Rejection(printable(sender, 64), category, text)
 
 

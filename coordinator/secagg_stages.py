@@ -34,6 +34,7 @@ from fedge.wire import chunking
 from fedge.wire.fields import printable
 from fedge.wire.message import decode, encode
 from fedge.wire.protocol import SESSION, delivery_wire_bytes
+from fedge_io.log_budget import LogBudget
 from fedge_io.mqtt import Inbound
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,11 @@ class MqttStages:
         self._entries: list[LedgerEntry] = []
         self._gone: dict[ClientId, str] = {}  # why each client stopped answering this round
         self._partial: dict[tuple[str, int], tuple[int, int]] = {}  # (client, message id) -> chunk bytes, wire so far
+        self._log_budget = LogBudget(log)  # a client flooding a stage with refused messages: its lines capped
 
     def take_record(self, rnd: int) -> tuple[list[LedgerEntry], dict[ClientId, str]]:
         entries, gone = [e for e in self._entries if e.round == rnd], self._gone
-        self._entries, self._gone = [], {}
+        self._entries, self._gone, self._log_budget = [], {}, LogBudget(log)
         return entries, gone
 
     def stage(
@@ -183,6 +185,7 @@ class MqttStages:
 
     def _refuse(self, rnd: int, client: str, kind: str, size: int, wire: int, why: str) -> None:
         self._entries.append(LedgerEntry(rnd, "up", client, kind, 1, 0, size, wire, uncompressed_bytes=0))
-        log.warning(
-            "round %d: secure aggregation: refused a message from %s: %s", rnd, printable(client, 64), printable(why)
+        who = printable(client, 64)
+        self._log_budget.warn(
+            who, "round %d: secure aggregation: refused a message from %s: %s", rnd, who, printable(why)
         )
