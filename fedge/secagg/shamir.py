@@ -85,10 +85,10 @@ def combine(shares: Sequence[Share], threshold: int, *, secret_len: int = SECRET
     if len(shares) < threshold:
         raise ShareError(f"{len(shares)} shares cannot reconstruct a secret shared with threshold {threshold}")
     _check_distinct(shares)
-    used = list(shares[:threshold])
-    value = interpolate_at_zero(used)
+    polynomial = _Interpolant(shares[:threshold])
+    value = polynomial.at(0)
     for extra in shares[threshold:]:
-        if interpolate_at(used, extra.x) != extra.y:
+        if polynomial.at(extra.x) != extra.y:
             raise ShareError(
                 f"the share at x = {extra.x} is off the polynomial the first {threshold} shares give: "
                 "a share is corrupt"
@@ -104,32 +104,53 @@ def interpolate_at_zero(shares: Sequence[Share]) -> int:
 
 
 def interpolate_at(shares: Sequence[Share], at: int) -> int:
-    """f(``at``) of the unique polynomial of degree < len(shares) through ``shares``:
-    sum_i y_i prod_{j != i} (at - x_j) / (x_i - x_j), with one modular inverse for all the denominators (Montgomery's
-    batch inversion: an inverse costs some 40 multiplications in this field)."""
+    """f(``at``) of the unique polynomial of degree < len(shares) through ``shares``."""
     if not shares:
         raise ShareError("no shares to interpolate")
     _check_distinct(shares)
-    xs = [s.x for s in shares]
-    numerators, denominators = [], []
-    for i, xi in enumerate(xs):
-        num, den = 1, 1
-        for j, xj in enumerate(xs):
-            if i != j:
-                num = num * (at - xj) % PRIME
-                den = den * (xi - xj) % PRIME
-        numerators.append(num)
-        denominators.append(den)
-    prefix = [1]  # prefix[i]: the product of the first i denominators
-    for den in denominators:
-        prefix.append(prefix[-1] * den % PRIME)
-    inverse = pow(prefix[-1], -1, PRIME)  # 1 / (all denominators): then peel them off one at a time
-    total = 0
-    for i in range(len(xs) - 1, -1, -1):
-        weight = numerators[i] * inverse * prefix[i] % PRIME  # numerators[i] / denominators[i]
-        total = (total + shares[i].y * weight) % PRIME
-        inverse = inverse * denominators[i] % PRIME
-    return total
+    return _Interpolant(shares).at(at)
+
+
+class _Interpolant:
+    """The polynomial through distinct ``shares`` in barycentric form: f(x) = l(x) sum_i w_i y_i / (x - x_i), with
+    l(x) = prod_i (x - x_i) and w_i = 1 / prod_{j != i} (x_i - x_j). The weights cost O(t^2) multiplications once;
+    each evaluation O(t) and one modular inverse (an inverse costs some 40 multiplications in this field), so checking
+    the shares beyond the threshold stays cheap when t is large (t = 53 for 1,000 clients at 30% dropouts)."""
+
+    def __init__(self, shares: Sequence[Share]) -> None:
+        self.xs = [s.x for s in shares]
+        self.ys = [s.y for s in shares]
+        denominators = []
+        for i, xi in enumerate(self.xs):
+            den = 1
+            for j, xj in enumerate(self.xs):
+                if i != j:
+                    den = den * (xi - xj) % PRIME
+            denominators.append(den)
+        self.weighted = [w * y % PRIME for w, y in zip(_inverses(denominators), self.ys, strict=True)]
+
+    def at(self, x: int) -> int:
+        diffs = [(x - xi) % PRIME for xi in self.xs]
+        if 0 in diffs:  # x is one of the points: its own value
+            return self.ys[diffs.index(0)]
+        total, whole = 0, 1
+        for wy, inverse, diff in zip(self.weighted, _inverses(diffs), diffs, strict=True):
+            total = (total + wy * inverse) % PRIME
+            whole = whole * diff % PRIME
+        return whole * total % PRIME
+
+
+def _inverses(values: Sequence[int]) -> list[int]:
+    """1 / v mod p for each of ``values`` (none 0) with one modular inverse (Montgomery's batch inversion)."""
+    prefix = [1]  # prefix[i]: the product of the first i values
+    for v in values:
+        prefix.append(prefix[-1] * v % PRIME)
+    inverse = pow(prefix[-1], -1, PRIME)  # 1 / (all of them): then peel them off one at a time
+    out = [0] * len(values)
+    for i in range(len(values) - 1, -1, -1):
+        out[i] = inverse * prefix[i] % PRIME
+        inverse = inverse * values[i] % PRIME
+    return out
 
 
 def _check_distinct(shares: Sequence[Share]) -> None:

@@ -116,7 +116,7 @@ def test_evaluation_matches_a_direct_polynomial() -> None:
     # f(x) = 7 + 5x + 3x^2: the batch-inverted Lagrange form gives f at 0 and at points beyond the shares.
     f = [7, 5, 3]
     shares = [Share(x, sum(c * x**k for k, c in enumerate(f)) % PRIME) for x in (2, 5, 9)]
-    for at in (0, 1, 4, 100, PRIME - 1):
+    for at in (0, 1, 4, 5, 100, PRIME - 1):  # 5: one of the shares' own points
         assert interpolate_at(shares, at) == sum(c * pow(at, k, PRIME) for k, c in enumerate(f)) % PRIME
 
 
