@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from edge_client.data import ClientDataInfo
     from fedge.algorithms.base import ClientData
     from fedge.learning.backend import TorchBackend
+    from fedge.privacy.shares import NoiseFloor
     from fedge_io.credentials import Bundle
 
 from fedge_io.connection import add_connection_arguments, connection_from_args
@@ -238,6 +239,7 @@ def run_client(
         max_packet_size=connection.max_packet_size,
         state=state_files(args),
         idle_warning_s=args.idle_warning,
+        noise_floor=provisioned_noise_floor(args),
     )
 
     signals: list[int] = []
@@ -285,6 +287,18 @@ def unrunnable_algorithm(args: argparse.Namespace) -> str | None:
         f"the {args.runtime} runtime{mode} cannot run {algorithm!r}, the algorithm of {path}; start this client with "
         f"--runtime {' or '.join(able) or 'torch'} (docs/on_device.md says what each runtime runs)"
     )
+
+
+def provisioned_noise_floor(args: argparse.Namespace) -> NoiseFloor | None:
+    """The least DP noise this client adds under secure aggregation, from the run's config.json (``--run-config``,
+    else beside ``--data``); None without DP or without a config (the broadcast's noise is then taken as asked)."""
+    from fedge.config import RunConfig
+    from fedge.privacy.shares import NoiseFloor
+
+    path = args.run_config or Path(args.data).with_name("config.json")
+    if not path.is_file():
+        return None
+    return NoiseFloor.of_config(RunConfig.from_json_file(path))
 
 
 def requires_signed_programs(args: argparse.Namespace) -> bool:

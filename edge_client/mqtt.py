@@ -38,6 +38,7 @@ from edge_client.progress import ObservedBackend, TaskAbandoned
 from edge_client.secure import SecureRounds, stage_of
 from edge_client.state import ClientStateFiles
 from fedge.errors import CodecError, ConfigError
+from fedge.privacy.shares import NoiseFloor
 from fedge.registry import ALGORITHMS
 from fedge.secagg.remote import SECAGG
 from fedge.wire import chunking
@@ -94,6 +95,7 @@ class MqttEdgeClient:
         max_packet_size: PacketLimit = "auto",
         idle_warning_s: float = IDLE_WARNING_S,
         state: ClientStateFiles | None = None,
+        noise_floor: NoiseFloor | None = None,
     ) -> None:
         """``announce_host``: put this machine's host name and process id in the hello (off by default: anyone who
         may read statuses would learn them). ``capabilities``: the algorithms this client's runtime can run (default
@@ -101,6 +103,7 @@ class MqttEdgeClient:
         the largest MQTT packet to publish (:class:`fedge_io.mqtt.MqttLink`); a larger update travels as chunks.
         ``idle_warning_s``: warn when no task arrived for this long, again after twice as long, and so on (0: never).
         ``state``: where the client's algorithm state is kept between rounds, for restarts and resumed runs.
+        ``noise_floor``: under secure aggregation with DP, the least noise this client adds (its run config's).
         """
         self.client = client
         self.state = state
@@ -110,7 +113,8 @@ class MqttEdgeClient:
         self.fail_at_round = fail_at_round
         # Fault injection for tests: with fail_at_round, vanish when that round's secure-aggregation stage opens.
         self.fail_at_stage = fail_at_stage
-        self.secure = SecureRounds(client.client_id)  # this client's own secure-aggregation party, when asked
+        # This client's own secure-aggregation party, when asked.
+        self.secure = SecureRounds(client.client_id, noise_floor=noise_floor)
         self._stop = threading.Event()
         self._broadcasts: dict[tuple[str, int], Message] = {}  # by (session, round)
         self._pending: Message | None = None  # a task waiting for its broadcast

@@ -21,7 +21,7 @@ import torch
 from fedge.aggregation.flat import FlatLayout
 from fedge.errors import CodecError
 from fedge.privacy.mechanism import noise_rng
-from fedge.privacy.shares import client_input, share_of
+from fedge.privacy.shares import NoiseFloor, client_input, share_of
 from fedge.secagg.errors import SecAggError
 from fedge.secagg.messages import ShareDelivery
 from fedge.secagg.remote import (
@@ -46,9 +46,14 @@ log = logging.getLogger(__name__)
 class SecureRounds:
     """The party of the round in flight, keyed by (coordinator session, round)."""
 
-    def __init__(self, client: ClientId, *, rand_bytes: RandBytes = os.urandom) -> None:
+    def __init__(
+        self, client: ClientId, *, rand_bytes: RandBytes = os.urandom, noise_floor: NoiseFloor | None = None
+    ) -> None:
+        """``noise_floor``: the least DP noise this client adds, from the run config it was provisioned with (None:
+        no DP run, or no config to say; the broadcast's noise is then taken as asked)."""
         self.client = client
         self._rand = rand_bytes
+        self.noise_floor = noise_floor
         self._current: tuple[str, int, ClientParty] | None = None
 
     def forget(self) -> None:
@@ -85,6 +90,8 @@ class SecureRounds:
         if not (math.isfinite(float(new.sum())) and math.isfinite(float(reference.sum()))):
             raise CodecError("the update or the broadcast holds non-finite values: nothing to aggregate securely")
         share = share_of(broadcast.params)  # DP-FedAvg: the client adds its share of the noise, unweighted
+        if self.noise_floor is not None:  # never less noise than the run this client joined states
+            self.noise_floor.check(share, len(config.index))
         if share is not None:
             vector = client_input(new, reference, share, noise_rng(None, task.round))  # (dim + 1,)
             clipped = float(np.linalg.norm(new - reference)) > share.clip

@@ -7,6 +7,12 @@ of adaptive clipping (0 under a fixed clip, which releases no count), and its sh
 a round completes with). The server sends ``C`` and ``s`` in the round's broadcast (:func:`share_params`); a device
 builds its input with :func:`client_input` from them, drawing the noise from its own generator (seeded from
 ``os.urandom``: the server never learns a client's noise, so never the un-noised sum).
+
+A client provisioned for a DP run (its config.json names the noise multiplier ``z``) does not take the broadcast's
+word for the noise: :class:`NoiseFloor` refuses a round that asks for less than an honest coordinator ever asks,
+``z C / sqrt(n)`` per coordinate for a cohort of ``n`` (an honest share is ``z_delta C / sqrt(t)`` with
+``z_delta >= z`` and ``t <= n``), so the sum over the whole cohort carries at least the run's stated noise whatever
+the coordinator says.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from fedge.config import RunConfig
 from fedge.errors import CodecError
-from fedge.privacy.mechanism import clip
+from fedge.privacy.mechanism import clip, count_std
 
 CLIP_PARAM = "dp.clip"
 NOISE_PARAM = "dp.noise_std"
@@ -89,3 +96,45 @@ def client_input(
     stds = np.full(vector.shape, share.noise_std)
     stds[-1] = share.count_noise_std
     return vector + rng.normal(0.0, stds)
+
+
+@dataclass(frozen=True)
+class NoiseFloor:
+    """The least noise a client provisioned for DP-FedAvg adds, from its run config: the noise multiplier ``z`` and,
+    under adaptive clipping, the expected cohort ``m`` whose count noise is ``m / 20``."""
+
+    noise_multiplier: float
+    expected_cohort: float
+    adaptive: bool
+
+    @classmethod
+    def of_config(cls, config: RunConfig) -> NoiseFloor | None:
+        """The floor of ``config``'s DP run; None for a run without DP."""
+        if not config.differential_privacy:
+            return None
+        m = config.client_fraction * config.num_clients
+        return cls(config.dp_noise_multiplier, m, config.dp_fixed_clip is None)
+
+    def check(self, share: ClientShare | None, cohort: int) -> None:
+        """CodecError unless ``share`` (the round's broadcast) asks for at least the noise an honest coordinator
+        asks of a cohort of ``cohort`` clients."""
+        if share is None:
+            raise CodecError(
+                f"this client was provisioned for DP-FedAvg (noise multiplier {self.noise_multiplier:g}) but the "
+                "secure round asks for no noise: refused"
+            )
+        slack = 1 - 1e-9  # the broadcast's floats are exact reprs; this only absorbs the division's rounding
+        need = self.noise_multiplier * share.clip / math.sqrt(max(cohort, 1))
+        if share.noise_std < need * slack:
+            raise CodecError(
+                f"the secure round asks for noise std {share.noise_std:g} per value, less than the "
+                f"{need:g} (z {self.noise_multiplier:g} x clip {share.clip:g} / sqrt({cohort})) this client's DP "
+                "run needs: refused"
+            )
+        if self.adaptive and share.count:
+            need_count = count_std(self.expected_cohort) / math.sqrt(max(cohort, 1))
+            if share.count_noise_std < need_count * slack:
+                raise CodecError(
+                    f"the secure round asks for count noise std {share.count_noise_std:g}, less than the "
+                    f"{need_count:g} this client's DP run needs: refused"
+                )

@@ -4,6 +4,7 @@ report instead of the update, answers only to the round in flight, and refusals 
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import pytest
 import torch
@@ -84,3 +85,47 @@ def test_a_broadcast_that_does_not_fit_the_update_is_refused() -> None:
     bad_seed = dataclasses.replace(broadcast, params={**broadcast.params, "secagg.round_seed": "zz"})
     with pytest.raises(CodecError, match="malformed"):
         SecureRounds("a").reply(tasks["a"], bad_seed, updates["a"])
+
+
+def test_a_device_provisioned_for_dp_refuses_a_round_that_asks_for_less_noise() -> None:
+    """The broadcast says how much noise each client adds; a device whose config.json names the noise multiplier
+    refuses less than an honest coordinator ever asks (z C / sqrt(cohort)), and a secure round without noise at all;
+    the honest coordinator's own broadcast passes."""
+    from fedge.privacy.shares import NoiseFloor, share_of, share_params
+    from fedge.secagg.remote import StageChannel
+
+    dp = RunConfig(
+        algorithm="fedavg", dataset="synthetic", num_clients=3, dp_noise_multiplier=1.0, dp_clip="1.0",
+        secure_aggregation=True,
+    )  # fmt: skip
+    floor = NoiseFloor.of_config(dp)
+    assert floor == NoiseFloor(1.0, 3.0, adaptive=False)
+    assert NoiseFloor.of_config(RunConfig(dataset="synthetic")) is None
+    torch.manual_seed(0)
+    strategy = make_strategy(dp, ServerContext(lambda: nn.Linear(4, 2), 2, RUN))
+    strategy.use_channel(cast(StageChannel, object()))  # type: ignore[attr-defined]  # a deployment's broadcast
+    plan = strategy.configure(1, ["a", "b", "c"])
+    assert plan.broadcast is not None
+    stamp = {SESSION: "s1"}
+    broadcast = decode(encode(dataclasses.replace(plan.broadcast, transport=stamp)))
+    task = dataclasses.replace(plan.tasks["a"], transport=stamp)
+    update = Message(UPDATE, 1, run=RUN, client="a", params=wire.to_params(UpdateReport(num_examples=5, loss=0.5)),
+                     tensors={k: v + 0.01 for k, v in broadcast.tensors.items()})  # fmt: skip
+    honest = share_of(broadcast.params)
+    assert honest is not None and honest.noise_std >= 1 / 3**0.5  # z C / sqrt(t), t <= 3
+    assert SecureRounds("a", noise_floor=floor).reply(task, broadcast, update) is not None
+
+    def asked(noise: float) -> Message:
+        share = dataclasses.replace(honest, noise_std=noise)
+        return dataclasses.replace(broadcast, params={**broadcast.params, **share_params(share)})
+
+    # Cohort of 3, clip 1: the floor is 1 x 1 / sqrt(3) = 0.577 per value.
+    assert SecureRounds("a", noise_floor=floor).reply(task, asked(0.6), update) is not None
+    with pytest.raises(CodecError, match=r"less than the 0\.57735"):
+        SecureRounds("a", noise_floor=floor).reply(task, asked(0.5), update)
+    without = dataclasses.replace(
+        broadcast, params={k: v for k, v in broadcast.params.items() if not k.startswith("dp.")}
+    )
+    with pytest.raises(CodecError, match="asks for no noise"):
+        SecureRounds("a", noise_floor=floor).reply(task, without, update)
+    assert SecureRounds("a").reply(task, asked(0.0), update) is not None  # no config to say: taken as asked

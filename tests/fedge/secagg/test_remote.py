@@ -18,8 +18,9 @@ from fedge.aggregation.flat import FlatLayout
 from fedge.algorithms import make_strategy
 from fedge.algorithms.base import CheckedReply, ServerContext, UpdateReport
 from fedge.config import RunConfig
+from fedge.errors import CodecError
 from fedge.privacy.mechanism import noise_rng
-from fedge.privacy.shares import client_input, share_of
+from fedge.privacy.shares import NoiseFloor, client_input, share_of
 from fedge.privacy.strategy import DifferentialPrivacyStrategy
 from fedge.secagg.config import RoundConfig
 from fedge.secagg.errors import MessageError, ProtocolViolation
@@ -254,6 +255,11 @@ def test_dp_noise_shares_added_on_the_devices_give_the_in_process_model_bit_for_
         broadcast = _wire(plan.broadcast)  # type: ignore[arg-type]
         round_config, share = round_config_of(broadcast), share_of(broadcast.params)
         assert round_config is not None and share is not None and share.count == clip.startswith("adaptive")
+        floor = NoiseFloor.of_config(config)  # what a device provisioned for this run accepts: the honest share passes
+        assert floor is not None
+        floor.check(share, len(round_config.index))
+        with pytest.raises(CodecError, match="less than"):
+            floor.check(dataclasses.replace(share, noise_std=share.noise_std / 2), len(round_config.index))
         layout = FlatLayout({n: (tuple(updates["c0"].tensors[n].shape), torch.float32) for n in layout_of(broadcast)})
         reference = layout.flatten(broadcast.tensors)
         noise = noise_rng(5, 1)  # the in-process stream: each client's draw in id order
