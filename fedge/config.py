@@ -93,7 +93,8 @@ class RunConfig:
         metadata={
             "help": "cohort floor: a round aggregates at least this many replies, whatever --min-replies' share of "
             "the sampled (capped at the clients per round; DP-FedAvg runs, whose noise is sized to the expected "
-            "cohort, are exempt and refuse another value) (default: 2)"
+            "cohort, are exempt and refuse another value, as do FedBuff runs, whose steps take --buffer-size updates) "
+            "(default: 2)"
         },
     )
     eval_every: int = 1
@@ -377,11 +378,14 @@ class RunConfig:
             self.fedbuff_concurrency <= self.num_clients,
             f"--concurrency {self.fedbuff_concurrency} exceeds the {self.num_clients} clients: lower it",
         )
+        min_cohort_default = next(f.default for f in dataclasses.fields(self) if f.name == "min_cohort")
         for given, why in (
             (self.sim_deadline == 0, "--sim-deadline times out a synchronous round; FedBuff has no round to wait "
              "for: bound the age of updates with --max-staleness instead"),
             (self.min_replies == 1.0, "--min-replies is a synchronous round's quorum; a FedBuff step always has "
              "--buffer-size updates: leave it at 1"),
+            (self.min_cohort == min_cohort_default, "--min-cohort is a synchronous round's cohort floor, which FedBuff "
+             "ignores (a step always takes --buffer-size updates): set --buffer-size instead"),
             (not self.secure_aggregation, "--secure-aggregation masks one round's cohort together; a FedBuff buffer "
              "mixes updates of several model versions (not built)"),
             (not self.differential_privacy, "--dp-noise-multiplier's accountant assumes synchronous Poisson-sampled "

@@ -223,6 +223,7 @@ def test_a_sync_round_takes_its_slowest_client(tmp_path: Path):
         (["--aggregation", "fedbuff", "--link", "lte", "--sim-deadline", "9"], "bound the age of updates"),
         (["--aggregation", "fedbuff", "--link", "lte", "--buffer-size", "3"], "never fill"),
         (["--aggregation", "fedbuff", "--link", "lte", "--robust", "median"], "robust rules"),
+        (["--aggregation", "fedbuff", "--link", "lte", "--min-cohort", "1"], "--min-cohort is a synchronous"),
         (["--aggregation", "fedbuff", "--link", "lte", "--algorithm", "scaffold"], "cannot run --algorithm scaffold"),
         (["--aggregation", "fedbuff", "--link", "lte", "--algorithm", "fedadam"], "Adam"),
         (["--aggregation", "fedbuff", "--link", "lte", "--transport", "mqtt"], "FedBuff over MQTT"),
