@@ -9,9 +9,14 @@ where ``Z`` (B, d) is the batch's representation with each dimension standardize
 ``Z = (z - mean_B z) / sqrt(var_B z + eps)``, so that ``K`` is its correlation matrix. Penalizing ``K``'s off-diagonal
 entries keeps the representation from collapsing onto few dimensions under heterogeneous data.
 ``z`` is the penultimate layer's output (``model.representation``), as for MOON: fedge's models have no projection head.
-The variance is the batch's biased one and ``eps = 1e-8`` (the authors' code), so a batch of one sample has ``Z = 0``
-and no penalty (the authors skip such a batch; a branch on the batch size would not trace into an exported program).
+The variance is the batch's biased one and ``eps = 1e-8``, so a batch of one sample has ``Z = 0`` and no penalty
+(the authors skip such a batch; a branch on the batch size would not trace into an exported program).
 Default beta = 0.1.
+
+This is the paper's equation. The authors' released code (``FedDecorrLoss``) computes another scale of it: the
+unbiased variance, ``Z^T Z`` without the 1 / B, the mean over the d (d - 1) off-diagonal entries, then / B; that is
+about B d / (d - 1) times the value here (the diagonal, constant 1, has no gradient). Their beta for a batch of B
+therefore corresponds to about B times it here: set ``--decorr-beta`` accordingly when following their settings.
 
 The penalty is the local term :class:`Decorrelation`: every runtime evaluates it, the batched executor and the
 exported ExecuTorch and ONNX Runtime training programs included. Traffic and aggregation are FedAvg's.
