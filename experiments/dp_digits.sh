@@ -15,31 +15,17 @@ common=(--dataset digits --model tiny_mlp --num-clients 300 --client-fraction 0.
         --shards-per-client 2 --local-epochs 3 --batch-size 10 --lr 0.05 --momentum 0.9 --rounds "$ROUNDS" --seed 0
         --executor sequential --quiet --no-report --out "$OUT")
 mkdir -p "$OUT"
-run() {  # NAME FLAGS...
-  local name=$1
-  shift
-  local existing
-  existing=$(ls -d "$OUT"/*-"$name" 2>/dev/null | tail -1 || true)
-  if [ -n "$existing" ] && [ -f "$existing/summary.json" ]; then
-    echo "done: $existing"
-  elif [ -n "$existing" ]; then
-    echo "resuming: $existing"
-    "$FEDGE" sim --resume "$existing" --quiet --no-report
-  else
-    echo "starting: $name"
-    "$FEDGE" sim --name "$name" "${common[@]}" "$@"
-  fi
-}
+source "$(dirname "$0")/resumable.sh"
 dp=(--dp-delta 1e-5 --dp-noise-seed 0)
 for algorithm in fedavg fedntd; do
-  run "$algorithm-nodp" --algorithm "$algorithm"
+  run_resumable "$algorithm-nodp" "${common[@]}" --algorithm "$algorithm"
   for z in 0.5 1 2; do
-    run "$algorithm-z$z" --algorithm "$algorithm" --dp-noise-multiplier "$z" --dp-clip adaptive "${dp[@]}"
+    run_resumable "$algorithm-z$z" "${common[@]}" --algorithm "$algorithm" --dp-noise-multiplier "$z" --dp-clip adaptive "${dp[@]}"
   done
 done
 for clip in 0.3 1 3; do
-  run "fedavg-z1-clip$clip" --algorithm fedavg --dp-noise-multiplier 1 --dp-clip "$clip" "${dp[@]}"
+  run_resumable "fedavg-z1-clip$clip" "${common[@]}" --algorithm fedavg --dp-noise-multiplier 1 --dp-clip "$clip" "${dp[@]}"
 done
-run "fedavg-z1-secagg" --algorithm fedavg --dp-noise-multiplier 1 --dp-clip adaptive --secure-aggregation "${dp[@]}"
+run_resumable "fedavg-z1-secagg" "${common[@]}" --algorithm fedavg --dp-noise-multiplier 1 --dp-clip adaptive --secure-aggregation "${dp[@]}"
 "$FEDGE" report "$OUT"/*-fedavg-* --out "$OUT/report-fedavg"
 "$FEDGE" report "$OUT"/*-fedntd-* --out "$OUT/report-fedntd"

@@ -13,29 +13,15 @@ FEDGE=${FEDGE:-fedge}
 DATA=${FEDGE_DATA:-../shared/data/mnist}
 COHORTS=${COHORTS:-10}
 mkdir -p "$OUT"
-run() {  # NAME FLAGS...
-  local name=$1
-  shift
-  local existing
-  existing=$(ls -d "$OUT"/*-"$name" 2>/dev/null | tail -1 || true)
-  if [ -n "$existing" ] && [ -f "$existing/summary.json" ]; then
-    echo "done: $existing"
-  elif [ -n "$existing" ]; then
-    echo "resuming: $existing"
-    "$FEDGE" sim --resume "$existing" --quiet --no-report
-  else
-    echo "starting: $name"
-    "$FEDGE" sim --name "$name" "$@" --quiet --no-report --out "$OUT"
-  fi
-}
+source "$(dirname "$0")/resumable.sh"
 for cohort in $COHORTS; do
   fraction=$(python3 -c "print($cohort / 100)")
   common=(--dataset mnist --data-dir "$DATA" --model fedavg_cnn --num-clients 100 --client-fraction "$fraction"
           --partition shards --shards-per-client 2 --local-epochs 3 --batch-size 50 --lr 0.01 --momentum 0.9
-          --rounds "$ROUNDS" --seed 0)
+          --rounds "$ROUNDS" --seed 0 --quiet --no-report --out "$OUT")
   for algorithm in fedavg fedntd; do
-    run "$algorithm-c$cohort-plain" --algorithm "$algorithm" "${common[@]}"
-    run "$algorithm-c$cohort-secagg" --algorithm "$algorithm" --secure-aggregation "${common[@]}"
+    run_resumable "$algorithm-c$cohort-plain" --algorithm "$algorithm" "${common[@]}"
+    run_resumable "$algorithm-c$cohort-secagg" --algorithm "$algorithm" --secure-aggregation "${common[@]}"
   done
 done
 "$FEDGE" report "$OUT"/*-c* --out "$OUT/report"
