@@ -164,8 +164,8 @@ class ProgramMeta:
                 max_batch=int(raw.get("max_batch", 0)),
                 extra={str(k): str(v) for k, v in raw.get("extra", {}).items()},
             )
-        except (KeyError, TypeError, ValueError, ConfigError) as exc:
-            raise ExportError(f"{source} does not carry a valid fedge description: {exc}") from exc
+        except (AttributeError, KeyError, TypeError, ValueError, ConfigError) as exc:  # Attribute: a list for a dict
+            raise ExportError(f"{source} does not carry a valid fedge description: {exc!r}") from exc
 
 
 def describe_weights(model: nn.Module) -> dict[str, tuple[int, ...]]:
