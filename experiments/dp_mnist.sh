@@ -19,24 +19,14 @@ common=(--dataset mnist --data-dir "$DATA" --model fedavg_cnn --num-clients 1000
         --partition shards --shards-per-client 2 --local-epochs 3 --batch-size 50 --lr 0.01 --momentum 0.9
         --rounds "$ROUNDS" --seed 0 --eval-every "${EVAL_EVERY:-2}" --quiet --no-report --out "$OUT")
 mkdir -p "$OUT"
+source "$(dirname "$0")/resumable.sh"
 for algorithm in $ALGORITHMS; do
   for z in $ZS; do
     if [ "$z" = "0" ]; then
-      name="$algorithm-nodp"
-      dp=()
+      run_resumable "$algorithm-nodp" --algorithm "$algorithm" "${common[@]}"
     else
-      name="$algorithm-z$z"
-      dp=(--dp-noise-multiplier "$z" --dp-clip adaptive --dp-delta 1e-5)
-    fi
-    existing=$(ls -d "$OUT"/*-"$name" 2>/dev/null | tail -1 || true)
-    if [ -n "$existing" ] && [ -f "$existing/summary.json" ]; then
-      echo "done: $existing"
-    elif [ -n "$existing" ]; then
-      echo "resuming: $existing"
-      "$FEDGE" sim --resume "$existing" --quiet --no-report
-    else
-      echo "starting: $name"
-      "$FEDGE" sim --algorithm "$algorithm" --name "$name" "${common[@]}" "${dp[@]}"
+      run_resumable "$algorithm-z$z" --algorithm "$algorithm" "${common[@]}" \
+        --dp-noise-multiplier "$z" --dp-clip adaptive --dp-delta 1e-5
     fi
   done
 done
