@@ -155,7 +155,10 @@ def test_a_round_short_of_clients_waits_for_the_floor_and_takes_a_latecomer(
         plan = dataclasses.replace(plan, late_task=lambda c: strategy.configure(1, [c]).tasks[c], cohort=3)
         thread, holder = _round(transport, strategy, plan)
         c002 = fake_clients(mosquitto_url, run, "c002")
-        for fake in (c000, started[0], c002):
+        # The latecomer answers first: once both sampled clients have replied the round is complete, and a hello
+        # that the broker delivers after their replies (its publisher's network thread is slower under load) would
+        # find no round to join.
+        for fake in (c002, c000, started[0]):
             _reply(fake, run, transport.session)
         thread.join(40)
         ex = holder["ex"]
