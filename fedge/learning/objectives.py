@@ -11,7 +11,6 @@ local term (:mod:`fedge.learning.terms`).
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -61,7 +60,7 @@ class Objective(ABC):
     @property
     def tag(self) -> str:
         """A file-name-safe label, e.g. ``ntd-tau1-beta1``."""
-        return "-".join([self.kind] + [f"{f.name}{getattr(self, f.name):g}" for f in dataclasses.fields(self)])
+        return wire.tag(self.kind, self)
 
 
 OBJECTIVES: dict[str, type[Objective]] = {}

@@ -80,7 +80,7 @@ class LocalTerm(ABC):
     @property
     def tag(self) -> str:
         """A file-name-safe label, e.g. ``prox-mu0.1``."""
-        return "-".join([self.kind] + [f"{f.name}{getattr(self, f.name):g}" for f in dataclasses.fields(self)])
+        return wire.tag(self.kind, self)
 
 
 @dataclass(frozen=True)

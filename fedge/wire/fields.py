@@ -47,6 +47,18 @@ def server_only(help: str = "") -> dict[str, Any]:
     return {"wire": False, "help": help}
 
 
+def tag(kind: str, obj: Any) -> str:
+    """A file-name-safe label of dataclass ``obj``'s numeric fields, e.g. ``prox-mu0.1``: each value short (``:g``)
+    where that reads back as the same number, else exact (``repr``), so two different hyperparameters never share a
+    program file name (``:g`` alone would print a mu of 0.1000001 as 0.1)."""
+    parts = [kind]
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        short = f"{value:g}"
+        parts.append(f.name + (short if float(short) == value else repr(value)))
+    return "-".join(parts)
+
+
 def wire_fields(cls: type) -> list[dataclasses.Field[Any]]:
     """The fields of dataclass ``cls`` that travel."""
     return [f for f in dataclasses.fields(cls) if f.metadata.get("wire", True)]

@@ -29,3 +29,13 @@ def test_a_description_survives_its_round_trip_and_a_damaged_one_is_an_export_er
             ProgramMeta.from_json(text, source="p.pte")
     with pytest.raises(ExportError, match=f"this fedge reads {FORMAT_VERSION}"):
         ProgramMeta.from_json(json.dumps({**raw, "fedge_format_version": FORMAT_VERSION - 1}))
+
+
+def test_hyperparameters_that_differ_anywhere_name_different_programs() -> None:
+    # A file name is how a device finds its program: ``:g`` alone printed mu 0.1000001 as 0.1, so such a task found
+    # the 0.1 program and was refused only at its first step.
+    ntd = make_objective("ntd")
+    assert ntd.tag == "ntd-tau1-beta1"  # the short form stays where it is exact (programs exported before keep names)
+    near = [make_term("prox", {"mu": v}) for v in ("0.1", "0.1000001")]
+    tags = {TrainingLoss(ntd, (t,)).tag for t in near}
+    assert tags == {"ntd-tau1-beta1-prox-mu0.1", "ntd-tau1-beta1-prox-mu0.1000001"}
