@@ -1,5 +1,6 @@
-"""FedAdam and FedYogi (Reddi et al., ICLR 2021, "Adaptive Federated Optimization", Algorithm 2): FedAvg's clients,
-and a server that treats the averaged update as a pseudo-gradient for an adaptive optimizer.
+"""FedAdam, FedYogi and FedAdagrad (Reddi et al., ICLR 2021, "Adaptive Federated Optimization", Algorithm 2) and
+FedAvgM (Hsu, Qi and Brown 2019, Sec. 3): FedAvg's clients, and a server that treats the averaged update as a
+pseudo-gradient for an optimizer of its own.
 
 Each round the clients train from the global weights ``x_t`` exactly as in FedAvg. The server averages their models as
 FedAvg does (by data size, or robustly) and takes the difference ``Delta_t = avg(x_i) - x_t``. Then, per value:
@@ -10,44 +11,47 @@ FedAvg does (by data size, or robustly) and takes the difference ``Delta_t = avg
     v_t = v_{t-1} + Delta_t^2                                                     (FedAdagrad)
     x_{t+1} = x_t + eta * m_t / (sqrt(v_t) + tau)
 
-with ``m_{-1} = 0`` and ``v_{-1} = tau^2`` (the paper's ``v_{-1} >= tau^2``) and, as in the paper, no bias correction.
-Defaults are the paper's: beta1 = 0.9, beta2 = 0.99, tau = 1e-3; eta is the run's to tune (the paper searches
-10^-3 .. 10^0.5). Integer buffers (batch-norm counters) take FedAvg's average unchanged. ``m`` and ``v`` are the
-server's state, saved in the journal, so a resumed run continues the same optimizer.
+with ``m_{-1} = 0`` and ``v_{-1} = tau^2`` (the paper's ``v_{-1} >= tau^2``) and, as in the paper, no bias correction
+(why these are not ``torch.optim``'s Adam and Adagrad: :mod:`fedge.aggregation.server_step`). Defaults are the
+paper's: beta1 = 0.9, beta2 = 0.99, tau = 1e-3; eta is the run's to tune (the paper searches 10^-3 .. 10^0.5).
+``momentum`` is FedAvgM, heavy-ball momentum beta1 on the pseudo-gradient ``g_t = -Delta_t`` (``torch.optim.SGD``):
+``v_t = beta1 * v_{t-1} + g_t``, ``x_{t+1} = x_t - eta * v_t`` (Hsu et al. use eta = 1, beta = 0.9).
+Integer buffers (batch-norm counters) take FedAvg's average unchanged. The optimizer's state (``m`` and ``v``, or the
+momentum) is the server's, saved in the journal, so a resumed run continues the same optimizer.
 
 Traffic is FedAvg's: the optimizer lives on the server only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
-
-from fedge.algorithms.base import Algorithm, CheckedReply, ServerContext, StrategyState, tensors_like, weights_traffic
+from fedge.aggregation.server_step import ADAPTIVE, Adaptive, Momentum, ServerOptimizer
+from fedge.algorithms.base import Algorithm, weights_traffic
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings
-from fedge.config import RunConfig
 from fedge.errors import ConfigError
-from fedge.types import ClientId, StateDict
 from fedge.wire.fields import server_only
 
-SERVER_OPTIMIZERS = ("adam", "yogi", "adagrad")
-_FIRST = "server_m."  # m_t in the saved state
-_SECOND = "server_v."  # v_t in the saved state
+SERVER_OPTIMIZERS = (*ADAPTIVE, "momentum")
+_BETA2, _TAU = 0.99, 1e-3  # the paper's defaults
 
 
 @dataclass(frozen=True)
 class FedAdamSettings(FedAvgSettings):
     server_optimizer: str = field(
         default="adam",
-        metadata=server_only("adam (FedAdam), yogi (FedYogi) or adagrad (FedAdagrad); Reddi et al. Alg. 2"),
+        metadata=server_only(
+            "adam (FedAdam), yogi (FedYogi) or adagrad (FedAdagrad), Reddi et al. Alg. 2; or momentum (FedAvgM)"
+        ),
     )
-    server_opt_lr: float = field(default=0.03, metadata=server_only("server step size eta of the adaptive optimizer"))
-    server_beta1: float = field(default=0.9, metadata=server_only("first-moment decay beta1"))
-    server_beta2: float = field(default=0.99, metadata=server_only("second-moment decay beta2 (adam, yogi)"))
-    server_tau: float = field(default=1e-3, metadata=server_only("adaptivity tau: eta * m / (sqrt(v) + tau)"))
+    server_opt_lr: float = field(default=0.03, metadata=server_only("server step size eta of the server optimizer"))
+    server_beta1: float = field(
+        default=0.9, metadata=server_only("first-moment decay beta1 (with momentum: the momentum beta)")
+    )
+    server_beta2: float = field(default=_BETA2, metadata=server_only("second-moment decay beta2 (adam, yogi)"))
+    server_tau: float = field(
+        default=_TAU, metadata=server_only("adaptivity tau: eta * m / (sqrt(v) + tau) (adam, yogi, adagrad)")
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -62,56 +66,36 @@ class FedAdamSettings(FedAvgSettings):
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not self.server_tau > 0:
             raise ConfigError(f"server_tau must be > 0, got {self.server_tau}")
+        if self.server_optimizer == "momentum" and (self.server_beta2, self.server_tau) != (_BETA2, _TAU):
+            raise ConfigError(
+                "server_beta2 and server_tau set an adaptive optimizer's second moment; the momentum server optimizer "
+                "has none: leave them at their defaults, or choose adam, yogi or adagrad"
+            )
 
 
 class FedAdam(FedAvg[FedAdamSettings]):
-    """Server half: FedAvg's average, then one adaptive step along it."""
+    """Server half: FedAvg's average, then one step of the server optimizer along it."""
 
-    def __init__(self, config: RunConfig, context: ServerContext) -> None:
-        super().__init__(config, context)
+    def server_optimizer(self) -> ServerOptimizer:
         s = self.settings
-        floats = {k: v for k, v in self._weights.items() if v.is_floating_point()}
-        self._m: StateDict = {k: torch.zeros_like(v) for k, v in floats.items()}
-        self._v: StateDict = {k: torch.full_like(v, s.server_tau**2) for k, v in floats.items()}
-
-    def state(self) -> StrategyState:
-        tensors, values = super().state()
-        moments = {**{_FIRST + k: v for k, v in self._m.items()}, **{_SECOND + k: v for k, v in self._v.items()}}
-        return {**tensors, **moments}, values
-
-    def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
-        super().load_state(tensors, values)
-        self._m = tensors_like(tensors, _FIRST, self._m)
-        self._v = tensors_like(tensors, _SECOND, self._v)
-
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
-        before = self._weights
-        metrics = super().aggregate(rnd, replies)  # self._weights = FedAvg's average of the clients' models
-        s = self.settings
-        stepped = dict(self._weights)
-        for k, m_prev in self._m.items():
-            delta = self._weights[k] - before[k]  # the pseudo-gradient Delta_t
-            m = s.server_beta1 * m_prev + (1 - s.server_beta1) * delta
-            square = delta * delta
-            v_prev = self._v[k]
-            if s.server_optimizer == "adam":
-                v = s.server_beta2 * v_prev + (1 - s.server_beta2) * square
-            elif s.server_optimizer == "yogi":
-                v = v_prev - (1 - s.server_beta2) * square * torch.sign(v_prev - square)
-            else:  # adagrad
-                v = v_prev + square
-            self._m[k], self._v[k] = m, v
-            stepped[k] = before[k] + s.server_opt_lr * m / (v.sqrt() + s.server_tau)
-        self._weights = stepped
-        return metrics
+        if s.server_optimizer == "momentum":
+            return Momentum(self._weights, lr=s.server_opt_lr, momentum=s.server_beta1)
+        return Adaptive(
+            s.server_optimizer,
+            self._weights,
+            lr=s.server_opt_lr,
+            beta1=s.server_beta1,
+            beta2=s.server_beta2,
+            tau=s.server_tau,
+        )
 
 
-_LABELS = {"adam": "FedAdam", "yogi": "FedYogi", "adagrad": "FedAdagrad"}
+_LABELS = {"adam": "FedAdam", "yogi": "FedYogi", "adagrad": "FedAdagrad", "momentum": "FedAvgM"}
 
 ALGORITHM = Algorithm(
     name="fedadam",
     label="FedAdam",
-    paper="Reddi et al., ICLR 2021, Algorithm 2 (FedAdam, FedYogi, FedAdagrad)",
+    paper="Reddi et al., ICLR 2021, Algorithm 2 (FedAdam, FedYogi, FedAdagrad); Hsu et al. 2019 (FedAvgM)",
     settings=FedAdamSettings,
     server=FedAdam,
     client=FedAvgClient(),

@@ -28,6 +28,7 @@ from fedge.aggregation.robust import (
     state_norm,
     update_norm,
 )
+from fedge.aggregation.server_step import Plain, ServerOptimizer
 from fedge.algorithms.base import (
     Algorithm,
     AlgorithmSettings,
@@ -138,6 +139,7 @@ class FedAvg(Strategy[FedAvgSettingsT]):
         # median update norm, and who was left out then (handed to the round engine once).
         self._uncalibrated: set[int] = set()
         self._refused: dict[int, tuple[Drop, ...]] = {}
+        self._optimizer = self.server_optimizer()
 
     def global_weights(self) -> StateDict:
         return self._weights
@@ -149,10 +151,12 @@ class FedAvg(Strategy[FedAvgSettingsT]):
         self._weights = tensors_like(weights, "", self._weights)
 
     def state(self) -> StrategyState:
-        return {_WEIGHTS + k: v for k, v in self._weights.items()}, {"update_norm_medians": list(self._norms.medians)}
+        tensors = {**{_WEIGHTS + k: v for k, v in self._weights.items()}, **self._optimizer.state()}
+        return tensors, {"update_norm_medians": list(self._norms.medians)}
 
     def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
         self._weights = tensors_like(tensors, _WEIGHTS, self._weights)
+        self._optimizer.load_state(tensors)
         medians = values.get("update_norm_medians", [])
         if not (isinstance(medians, list) and all(isinstance(m, float) and math.isfinite(m) for m in medians)):
             raise ConfigError("the saved state's update_norm_medians must be a list of finite numbers")
@@ -231,9 +235,9 @@ class FedAvg(Strategy[FedAvgSettingsT]):
         states = [{k: r.update.tensors[k] for k in self._weights} for r in ordered]
         s = self.settings
         if s.robust == "mean" and s.clip_factor == 0 and s.noise_factor == 0:
-            self._weights = weighted_average(states, self.averaging_weights(ordered))
+            averaged = weighted_average(states, self.averaging_weights(ordered))
         else:
-            self._weights = robust_average(
+            averaged = robust_average(
                 states,
                 self.averaging_weights(ordered),
                 self._weights,
@@ -243,8 +247,19 @@ class FedAvg(Strategy[FedAvgSettingsT]):
                 noise_factor=s.noise_factor,
                 generator=self.noise_generator(rnd),
             )
+        self._weights = self.server_step(averaged, replies)
         losses = [loss for r in ordered if (loss := r.report.loss) is not None]
         return {"mean_local_loss": sum(losses) / len(losses)} if losses else {}
+
+    def server_optimizer(self) -> ServerOptimizer:
+        """The optimizer of :meth:`server_step`, built once with the strategy: FedAvg's is the average itself."""
+        return Plain()
+
+    def server_step(self, averaged: StateDict, replies: Mapping[ClientId, CheckedReply]) -> StateDict:
+        """The next global weights from the current ones (``self._weights``) and the round's ``averaged`` model: the
+        server optimizer's step. An algorithm with server state of its own (SCAFFOLD's control variates, FedDyn's
+        ``h``) overrides this to update it from the aggregated ``replies`` around that step."""
+        return self._optimizer.step(self._weights, averaged)
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
         load_exchanged_state(self._model, self._weights)

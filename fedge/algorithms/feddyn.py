@@ -81,17 +81,14 @@ class FedDyn(FedAvg[FedDynSettings]):
         super().load_state(tensors, values)
         self._h = tensors_like(tensors, _H, self._h)
 
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
-        before = self._weights
-        metrics = super().aggregate(rnd, replies)  # self._weights = FedAvg's average of theta_k^t
-        alpha = self.settings.dyn_alpha
-        shifted = dict(self._weights)
+    def server_step(self, averaged: StateDict, replies: Mapping[ClientId, CheckedReply]) -> StateDict:
+        before, alpha = self._weights, self.settings.dyn_alpha
+        shifted = super().server_step(averaged, replies)  # FedAvg's average of theta_k^t
         for k, h in self._h.items():
             drift = torch.stack([replies[c].update.tensors[k] - before[k] for c in sorted(replies)]).sum(dim=0)
             self._h[k] = h - alpha / self.config.num_clients * drift
-            shifted[k] = self._weights[k] - self._h[k] / alpha
-        self._weights = shifted
-        return metrics
+            shifted[k] = shifted[k] - self._h[k] / alpha
+        return shifted
 
 
 class FedDynClient(FedAvgClient[FedDynSettings]):

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from fedge.aggregation.server_step import Plain, ServerOptimizer
 from fedge.algorithms.base import (
     Algorithm,
     CheckedReply,
@@ -91,18 +92,17 @@ class Scaffold(FedAvg[ScaffoldSettings]):
         tensors = {**self._weights, **{CONTROL + k: v for k, v in self._control.items()}}
         return RoundPlan(broadcast=self.broadcast(rnd, tensors), tasks={c: self.task(rnd, c) for c in clients})
 
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
-        before = self._weights
-        metrics = super().aggregate(rnd, replies)  # self._weights = avg(y), FedAvg's weighted average
-        lr_g = self.settings.server_lr
-        if lr_g != 1.0:
-            self._weights = {k: before[k] + lr_g * (self._weights[k] - before[k]) for k in before}
+    def server_optimizer(self) -> ServerOptimizer:
+        return Plain(self.settings.server_lr)  # line 16: x + lr_g * (avg(y) - x)
+
+    def server_step(self, averaged: StateDict, replies: Mapping[ClientId, CheckedReply]) -> StateDict:
+        weights = super().server_step(averaged, replies)
         share = len(replies) / self.config.num_clients  # |S| / N
-        for k in self.trainable:
+        for k in self.trainable:  # line 17
             deltas = [replies[c].update.tensors[CONTROL_DELTA + k] for c in sorted(replies)]
             mean_delta = torch.stack(deltas).mean(dim=0)
             self._control[k] = self._control[k] + share * mean_delta
-        return metrics
+        return weights
 
 
 @register_term

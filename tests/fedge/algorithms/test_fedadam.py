@@ -45,6 +45,33 @@ def test_two_rounds_follow_algorithm_2(kind: str) -> None:
         assert torch.allclose(run.global_weight(), x, atol=1e-6), (kind, rnd)
 
 
+def test_momentum_follows_fedavgm_by_hand() -> None:
+    settings = FedAdamSettings(server_optimizer="momentum", server_opt_lr=ETA, server_beta1=B1)
+    run = TwoClients(config("fedadam", settings))
+    x, v = W0, torch.zeros_like(W0)
+    for rnd in (1, 2):
+        run.round(rnd)
+        v = B1 * v + (x - _average(x))  # heavy ball on the pseudo-gradient x - avg
+        x = x - ETA * v
+        assert torch.allclose(run.global_weight(), x, atol=1e-6), rnd
+
+
+@pytest.mark.parametrize("kind", ["adam", "momentum"])
+def test_the_optimizer_state_resumes_to_the_uninterrupted_model_bit_for_bit(kind: str) -> None:
+    cfg = config("fedadam", FedAdamSettings(server_optimizer=kind, server_opt_lr=ETA))
+    straight, interrupted = TwoClients(cfg), TwoClients(cfg)
+    for rnd in (1, 2, 3):
+        straight.round(rnd)
+    for rnd in (1, 2):
+        interrupted.round(rnd)
+    tensors, values = interrupted.strategy.state()
+    assert any(k.startswith("server_") for k in tensors)  # the optimizer's state is in the journal's tensors
+    resumed = TwoClients(cfg)
+    resumed.strategy.load_state(tensors, values)
+    resumed.round(3)
+    assert torch.equal(resumed.global_weight(), straight.global_weight())
+
+
 def test_the_server_step_changes_the_model_and_the_clients_see_fedavg_tasks() -> None:
     adam = TwoClients(config("fedadam", FedAdamSettings(server_opt_lr=ETA)))
     avg = TwoClients(config("fedavg"))
@@ -67,7 +94,8 @@ def test_yogi_and_adam_differ_after_two_rounds() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "says"),
     [
-        ({"server_optimizer": "sgd"}, "server_optimizer must be one of adam, yogi, adagrad"),
+        ({"server_optimizer": "sgd"}, "server_optimizer must be one of adam, yogi, adagrad, momentum"),
+        ({"server_optimizer": "momentum", "server_tau": 0.1}, "the momentum server optimizer has none"),
         ({"server_opt_lr": 0.0}, "server_opt_lr must be > 0"),
         ({"server_beta1": 1.0}, r"server_beta1 must be in \[0, 1\)"),
         ({"server_tau": 0.0}, "server_tau must be > 0"),
