@@ -62,19 +62,31 @@ _OWN = "fedbuff/"  # this wrapper's tensors in the strategy state; the wrapped s
 
 
 def check_algorithm(config: RunConfig) -> None:
-    """ConfigError unless ``config.algorithm``'s server half is FedAvg's plain mean of the returned weights: the only
-    aggregation FedBuff's buffered step (a mean of moves, then a server step) stands in for."""
+    """ConfigError unless ``config.algorithm``'s server half is FedAvg's mean of the returned weights followed by a
+    server optimizer (FedAvg's plain one, or FedAdam's): the only aggregation FedBuff's buffered step (a mean of
+    moves, then the server optimizer's step) stands in for."""
     spec = get_algorithm(config.algorithm)
-    if spec.server is FedAvg:
+    if _steps_from_a_mean(spec.server):
+        if spec.server is not FedAvg and config.server_lr != 1.0:
+            raise ConfigError(
+                f"--aggregation fedbuff --algorithm {config.algorithm}: the server step is its server optimizer's "
+                f"(--server-opt-lr sets its step size); leave --server-lr at 1, not {config.server_lr:g}"
+            )
         return
-    family = ", ".join(name for name, a in ALGORITHMS.items() if a.server is FedAvg)
+    family = ", ".join(name for name, a in ALGORITHMS.items() if _steps_from_a_mean(a.server))
     why = spec.secagg_gap or "its server does more than average the returned weights"
-    if spec.name == "fedadam":
-        why = "its server step is its own optimizer (Adam on the mean update), which FedBuff's server step replaces"
     raise ConfigError(
         f"--aggregation fedbuff cannot run --algorithm {config.algorithm}: {why}. FedBuff steps from a buffer of "
         f"returned weights; it runs {family}"
     )
+
+
+# What a server half may override and still be FedAvg's mean of the returned weights and a server optimizer's step.
+_FEDAVG_ROUND = ("aggregate", "server_step", "configure", "check_reply", "reply_tensors", "state", "load_state")
+
+
+def _steps_from_a_mean(server: type[Strategy[Any]]) -> bool:
+    return issubclass(server, FedAvg) and all(getattr(server, m) is getattr(FedAvg, m) for m in _FEDAVG_ROUND)
 
 
 @dataclass
@@ -218,8 +230,9 @@ class BufferedFedAvg(Strategy[Any]):
 
     Plans, checks and evaluates by delegation to the wrapped strategy; :meth:`aggregate` takes the server step from
     :attr:`buffer` (the replies handed to it are the record's view, one per client; the buffer may hold two updates of
-    one client, trained on different versions). ``server_step``: what turns the mean update into new weights (the
-    server learning rate; a server optimizer can take its place, issue 54)."""
+    one client, trained on different versions). ``server_step``: what turns the mean update into the averaged weights
+    (the server learning rate), from which the wrapped strategy's server optimizer steps (:meth:`FedAvg.apply_average`:
+    the average itself for FedAvg, Adam's step for FedAdam)."""
 
     def __init__(self, inner: FedAvg[Any], weight: StalenessWeight, server_step: ServerStep) -> None:
         super().__init__(
@@ -264,7 +277,8 @@ class BufferedFedAvg(Strategy[Any]):
         updates, version = st.buffer, st.version
         assert version == rnd - 1, f"server step {rnd} taken at version {version}"
         delta = buffered_delta(updates, version, self.weight)
-        self.inner.set_global_weights(self.server_step(self.inner.global_weights(), delta))
+        # The buffer's step gives the average; the wrapped strategy's server optimizer (FedAdam's) takes it from there.
+        self.inner.apply_average(self.server_step(self.inner.global_weights(), delta))
         ages = [version - u.base_version for u in updates]
         losses = [u.loss for u in updates if u.loss is not None]
         st.version, st.buffer, st.trained_on_version = version + 1, [], set()

@@ -16,7 +16,11 @@ by ``sum_i weight(s_i) * n_i`` would do. ``n_i`` is FedAvg's data size weight (F
 constant weights and ``server_lr = 1`` the step is FedAvg's weighted average.
 
 :func:`buffered_delta` and :class:`ServerLearningRate` are separate on purpose: the step that turns the mean update
-into new weights is a :class:`ServerStep`, which a server optimizer (FedAdam's, issue 54) can replace.
+into weights is a :class:`ServerStep`. Its result is what a synchronous round's average is to the strategy's server
+optimizer (:mod:`fedge.aggregation.server_step`), which moves the model from there: FedAvg's takes it as it is,
+FedAdam's takes an Adam step towards it (so ``server_lr`` stays 1 then). FedBuff's step stays its own because it
+starts from a mean *move* against stale versions and sums it in float64, where the synchronous step starts from a
+mean of models.
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ def buffered_delta(updates: Sequence[BufferedUpdate], version: int, weight: Stal
 
 
 class ServerStep(Protocol):
-    """Turns the global weights and the buffer's mean update into the next global weights (a server optimizer)."""
+    """Turns the global weights and the buffer's mean update into the buffer's averaged weights."""
 
     def __call__(self, weights: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> StateDict: ...
 

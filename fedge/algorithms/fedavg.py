@@ -144,11 +144,12 @@ class FedAvg(Strategy[FedAvgSettingsT]):
     def global_weights(self) -> StateDict:
         return self._weights
 
-    def set_global_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Make ``weights`` the global model: a server step taken outside :meth:`aggregate`, FedBuff's buffered step
-        (:mod:`fedge.aggregation.fedbuff`, driven by ``sim/fedbuff.py``); ConfigError when they do not fit the
-        model's tensors."""
-        self._weights = tensors_like(weights, "", self._weights)
+    def apply_average(self, averaged: Mapping[str, torch.Tensor]) -> None:
+        """Move the global model by this strategy's server optimizer to ``averaged``, a mean taken outside
+        :meth:`aggregate`: FedBuff's buffered step (:mod:`fedge.aggregation.fedbuff`, driven by ``sim/fedbuff.py``),
+        for a strategy whose :meth:`server_step` needs no replies. ConfigError when the tensors do not fit the
+        model's."""
+        self._weights = self._optimizer.step(self._weights, tensors_like(averaged, "", self._weights))
 
     def state(self) -> StrategyState:
         tensors = {**{_WEIGHTS + k: v for k, v in self._weights.items()}, **self._optimizer.state()}

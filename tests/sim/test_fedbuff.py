@@ -11,8 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from fedge.accounting.ledger import BROADCAST_CLIENT, read_ledger_csv
+from fedge.aggregation.server_step import Adaptive
+from fedge.algorithms.fedadam import FedAdamSettings
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError
+from fedge.learning.models import exchanged_state
 from fedge_cli.main import main
 from fedge_io.experiment import prepare
 from sim.fedbuff import FedBuffEngine
@@ -151,6 +154,21 @@ def test_one_version_with_the_cohort_as_buffer_is_fedavg(tmp_path: Path):
     assert any(not torch.equal(a[k], initial[k]) for k in a)  # it trained
 
 
+def test_fedadams_server_optimizer_steps_from_the_buffers_average(tmp_path: Path):
+    """One server step: FedBuff's buffered average is what FedAdam's Adam step starts from, as a round's average is."""
+    common: dict[str, Any] = dict(rounds=1, staleness_weight="constant")
+    run_inprocess(_config(**common), tmp_path / "fedavg")
+    settings = FedAdamSettings(server_opt_lr=0.1)
+    run_inprocess(_config(algorithm="fedadam", algo=settings, **common), tmp_path / "fedadam")
+    initial = exchanged_state(prepare(_config()).model_factory())
+    averaged, stepped = _model(tmp_path / "fedavg"), _model(tmp_path / "fedadam")
+    adam = Adaptive("adam", initial, lr=0.1, beta1=settings.server_beta1, beta2=settings.server_beta2,
+                    tau=settings.server_tau)  # fmt: skip
+    expected = adam.step(initial, averaged)
+    assert all(torch.equal(stepped[k], expected[k]) for k in expected)
+    assert any(not torch.allclose(stepped[k], averaged[k], atol=1e-3) for k in expected)
+
+
 def test_the_staleness_cut_drops_old_updates(tmp_path: Path):
     run_inprocess(_config(max_staleness=0, concurrency=8, rounds=3), tmp_path / "cut")
     lines = _lines(tmp_path / "cut")
@@ -225,7 +243,11 @@ def test_a_sync_round_takes_its_slowest_client(tmp_path: Path):
         (["--aggregation", "fedbuff", "--link", "lte", "--robust", "median"], "robust rules"),
         (["--aggregation", "fedbuff", "--link", "lte", "--min-cohort", "1"], "--min-cohort is a synchronous"),
         (["--aggregation", "fedbuff", "--link", "lte", "--algorithm", "scaffold"], "cannot run --algorithm scaffold"),
-        (["--aggregation", "fedbuff", "--link", "lte", "--algorithm", "fedadam"], "Adam"),
+        (
+            ["--aggregation", "fedbuff", "--link", "lte", "--algorithm", "fedadam", "--server-lr", "0.5"],
+            "leave --server-lr at 1",
+        ),
+        (["--aggregation", "fedbuff", "--link", "lte", "--algorithm", "fednova"], "cannot run --algorithm fednova"),
         (["--aggregation", "fedbuff", "--link", "lte", "--transport", "mqtt"], "FedBuff over MQTT"),
         (["--aggregation", "async"], "aggregation must be sync or fedbuff"),
     ],
