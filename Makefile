@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 # The onnxruntime-training client runtime lives in its own venv: the package owns the same onnxruntime/ folder as
 # onnxruntime (in .venv) and needs onnx 1.17.0. No `export` extra here (it would pull onnxruntime); scikit-learn for
-# the artifacts' parity gate (export.parity checks them on its bundled digits). docs/on_device.md
+# the artifacts' parity gate (export.gates checks them on its bundled digits). docs/on_device.md
 ORT_VENV ?= .venv-ort-training
 ort-training: $(ORT_VENV)/.installed
 

@@ -38,9 +38,11 @@ from edge_client.backends.executorch import ExecuTorchBackend
 from edge_client.backends.runners import OnnxRunner, PteRunner, PteTrainer
 from export.cache import ExportingSource
 from export.executorch import export_inference, export_training
+from export.gates.check import check_training
+from export.gates.logits import check_onnx, check_pte
+from export.gates.report import require
 from export.onnx import export_onnx
 from export.ort_training.timing import step_times_in_env
-from export.parity import check_onnx, check_pte, check_training, require
 from fedge.accounting.markdown import markdown_table
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.algorithms.fedntd import NotTrueDistillation

@@ -88,7 +88,8 @@ class ExportingSource:
 
     def program(self, spec: ModelSpec, loss: TrainingLoss, max_batch: int) -> bytes:
         from export.executorch import export_training
-        from export.parity import check_training, require
+        from export.gates.check import check_training
+        from export.gates.report import require
 
         def check(data: bytes, source: str) -> None:
             for report in require(check_training(data, source=source)):
@@ -117,7 +118,8 @@ def onnx_model(
 
     ``model_file`` must match the ``manifest.json`` beside it; ``unverified`` accepts a file with no manifest.
     """
-    from export.parity import check_onnx, require
+    from export.gates.logits import check_onnx
+    from export.gates.report import require
 
     def check(data: bytes, source: str) -> None:
         for report in require(check_onnx(data, source=source)):

@@ -219,7 +219,8 @@ def export_jobs(args: argparse.Namespace) -> tuple[ModelSpec, list[ExportJob]]:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from export.parity import check_bytes, require
+    from export.gates.check import check_bytes
+    from export.gates.report import require
     from fedge.accounting.units import format_bytes
     from fedge.learning.models import exchanged_state, load_exchanged_state
 
@@ -298,7 +299,7 @@ def _make(job: ExportJob, model: nn.Module, spec: ModelSpec, args: argparse.Name
 
 
 def _check(files: list[Path], weights_path: Path | None, trust: Certificate | None = None) -> int:
-    from export.parity import check_file
+    from export.gates.check import check_file
 
     failed = 0
     for path in files:

@@ -7,8 +7,8 @@ each other, a correct float32 program may decide the other way than float64. The
 by that element's contribution: one row of a linear layer, one output channel of a convolution, or (a tie in the
 classifier) one sample's whole gradient through every layer below it.
 
-The stepwise gate (:func:`export.parity.stepwise_parity`) uses this to tell a tie from an imprecise kernel by the
-error's shape rather than its size: :func:`find_ties` lists the decisions of a float64 step nearest their tie,
+The stepwise gate (:func:`export.gates.stepwise.stepwise_parity`) uses this to tell a tie from an imprecise kernel by
+the error's shape rather than its size: :func:`find_ties` lists the decisions of a float64 step nearest their tie,
 :func:`add_flips` runs the same step with chosen decisions flipped (a float64 step in which float32's other choice is
 made exactly), and :func:`attribute` picks the flips whose contributions explain the program's difference from
 float64. What a set of flips cannot explain (an op that loses precision inside, a wrong gradient) remains.

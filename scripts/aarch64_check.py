@@ -96,11 +96,11 @@ def loss(batch: int) -> None:
 
 
 def gate(name: str, steps: int | None) -> None:
-    """export.parity.stepwise_parity with eager float32 channels-last (one thread) as the program, as
+    """export.gates.stepwise.stepwise_parity with eager float32 channels-last (one thread) as the program, as
     tests/export/test_executorch.py::test_the_stepwise_gate_accepts_a_max_pool_tie_that_float32_breaks_the_other_way
     runs it: a correct program, which the gate must accept. Prints the verdict, the ties it flipped per suspect step and
     whether the jitter allowance was needed."""
-    from export import parity
+    from export.gates import inputs, reference, stepwise
     from fedge.algorithms.fedavg import CrossEntropy
     from fedge.learning.models import exchanged_state
     from fedge.learning.training import train as eager_train
@@ -109,8 +109,8 @@ def gate(name: str, steps: int | None) -> None:
     shapes = {"tiny_mlp": (1, 8, 8), "fedavg_cnn": (1, 28, 28)}
     spec = ModelSpec(name, shapes[name], 10)
     start = exchanged_state(spec.build(seed=0))
-    request = parity.drift_request(
-        spec, TrainingLoss(CrossEntropy()), batch_size=parity.DRIFT_BATCH, steps=steps or parity.DRIFT_STEPS
+    request = inputs.drift_request(
+        spec, TrainingLoss(CrossEntropy()), batch_size=inputs.DRIFT_BATCH, steps=steps or inputs.DRIFT_STEPS
     )
 
     calls = [0]
@@ -118,14 +118,14 @@ def gate(name: str, steps: int | None) -> None:
     def channels_last_float32(begin, one):  # type: ignore[no-untyped-def]
         calls[0] += 1
         print(f"  step {calls[0]}: program step at {time.perf_counter() - t0:.0f} s", flush=True)
-        model = parity.reference_model(spec, begin).to(memory_format=torch.channels_last)
-        with parity._threads(1):
+        model = reference.reference_model(spec, begin).to(memory_format=torch.channels_last)
+        with reference.torch_threads(1):
             eager_train(model, dataclasses.replace(one, x=one.x.contiguous(memory_format=torch.channels_last)))
         return exchanged_state(model)
 
     flipped: list[list[str]] = []
     spreads: list[int] = []
-    flip_ties, jitter_spread = parity._flip_ties, parity._jitter_spread
+    flip_ties, jitter_spread = stepwise._flip_ties, stepwise._jitter_spread
 
     def recorded_flips(*args):  # type: ignore[no-untyped-def]
         result = flip_ties(*args)
@@ -136,9 +136,9 @@ def gate(name: str, steps: int | None) -> None:
         spreads.append(kwargs.get("seed", -1))
         return jitter_spread(*args, **kwargs)
 
-    parity._flip_ties, parity._jitter_spread = recorded_flips, recorded_spread
+    stepwise._flip_ties, stepwise._jitter_spread = recorded_flips, recorded_spread
     t0 = begin = time.perf_counter()
-    report = parity.stepwise_parity(channels_last_float32, spec, start, request, source="eager", runtime="torch")
+    report = stepwise.stepwise_parity(channels_last_float32, spec, start, request, source="eager", runtime="torch")
     seconds = time.perf_counter() - begin
     # What the test asserts: passed, under 1e-6, every suspect step explained by ReLU / max-pool flips alone.
     explained = all(flipped) and all(t.startswith(("max-pool window ", "ReLU ")) for s in flipped for t in s)

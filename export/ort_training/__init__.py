@@ -25,7 +25,7 @@ and sharing the parameters) normalizes with the running statistics passed in.
 **The optimizer** is not in the artifacts: ORT's SGD has no momentum, so the client applies ``torch.optim.SGD``'s
 update on the host from the gradients ORT exposes (:class:`edge_client.backends.ort_training.OrtTrainer`).
 
-**Parity** (:mod:`.check`, :mod:`.cache`). :func:`~.check.check_artifacts` runs the gate of :mod:`export.parity`
+**Parity** (:mod:`.check`, :mod:`.cache`). :func:`~.check.check_artifacts` runs the gates of :mod:`export.gates`
 (each step against a float64 step from the same weights, free-running steps with momentum and weight decay on
 real-looking data against eager float64 within eager float32's own spread, then eval logits of the trained weights);
 :class:`~.cache.ArtifactCache` makes, checks and caches artifacts for a client before it says hello.

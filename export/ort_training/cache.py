@@ -43,7 +43,7 @@ class ArtifactCache:
         self.verify = verify
 
     def _check(self, directory: Path, name: str) -> None:
-        from export.parity import require
+        from export.gates.report import require
 
         def check(_: bytes, source: str) -> None:
             for report in require(check_artifacts(directory, source=source)):

@@ -1,4 +1,4 @@
-"""The parity gate of a set of ONNX Runtime training artifacts against eager PyTorch (:mod:`export.parity`)."""
+"""The parity gate of a set of ONNX Runtime training artifacts against eager PyTorch (:mod:`export.gates`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from edge_client.backends.ort_training import RUNTIME, OrtTrainer
-from export.parity import ParityReport
+from export.gates.report import ParityReport
 from fedge.learning.training import TrainRequest
 from fedge.types import StateDict
 
@@ -20,26 +20,23 @@ def check_artifacts(
     batch_size: int | None = None,
     source: str | None = None,
 ) -> list[ParityReport]:
-    """Logit, stepwise and drift parity of a set of artifacts against eager PyTorch (:mod:`export.parity`'s gate).
+    """Logit, stepwise and drift parity of a set of artifacts against eager PyTorch (the gates of :mod:`export.gates`).
 
-    The drift check runs :data:`export.parity.DRIFT_STEPS` free-running steps of ``batch_size`` (default
-    :data:`export.parity.DRIFT_BATCH`) real-looking samples with momentum 0.9 and weight decay 1e-5, and compares the
-    weights and BN statistics with eager float64's, within a tolerance set by eager float32's own distance.
+    The drift check runs :data:`export.gates.inputs.DRIFT_STEPS` free-running steps of ``batch_size`` (default
+    :data:`export.gates.inputs.DRIFT_BATCH`) real-looking samples with momentum 0.9 and weight decay 1e-5, and compares
+    the weights and BN statistics with eager float64's, within a tolerance set by eager float32's own distance.
 
-    A failed drift run is repeated on other samples (:func:`export.parity.drift_with_retries`, as the ExecuTorch gate
-    does): seen on ORT, 2 of 12 model and loss combinations at the standard samples took the other side of a
-    round-off tie from eager float32 (a ReLU input 2e-8 from zero), while ORT's step-by-step gradients there match
-    eager to 4e-8.
+    A failed drift run is repeated on other samples (:func:`export.gates.drift.drift_with_retries`, as the ExecuTorch
+    gate does): seen on ORT, 2 of 12 model and loss combinations at the standard samples took the other side of a
+    round-off tie from eager float32 (a ReLU input 2e-8 from zero), while ORT's step-by-step gradients there match eager
+    to 4e-8.
     Without ``weights`` the seed-0 initialization is the starting point. Does not raise on failure.
     """
-    from export.parity import (
-        DRIFT_BATCH,
-        drift_request,
-        drift_with_retries,
-        logits_parity,
-        reference_model,
-        stepwise_parity,
-    )
+    from export.gates.drift import drift_with_retries
+    from export.gates.inputs import DRIFT_BATCH, drift_request
+    from export.gates.logits import logits_parity
+    from export.gates.reference import reference_model
+    from export.gates.stepwise import stepwise_parity
 
     trainer = OrtTrainer(directory, threads=torch.get_num_threads())
     spec = trainer.meta.model

@@ -35,7 +35,7 @@ def step_times(
     host-side SGD step and the copies of weights and gradients between host and ORT. Runs in ``.venv-ort-training``;
     :func:`step_times_in_env` calls it from another environment.
     """
-    from export.parity import DRIFT_SGD, parity_sample
+    from export.gates.inputs import DRIFT_SGD, parity_sample
     from fedge.algorithms.fedntd import NotTrueDistillation
     from fedge.learning.backend import TorchBackend
     from fedge.learning.training import TrainRequest, predict_logits, train

@@ -21,18 +21,19 @@ import torch
 from safetensors.torch import save_file
 
 from edge_client.backends.ort_training import OrtTrainer
+from export.gates.drift import RETRY_SEEDS
+from export.gates.inputs import drift_request_for_seed
 from export.ort_training import cache as cache_module
 from export.ort_training.artifacts import generate
 from export.ort_training.cache import ArtifactCache
 from export.ort_training.check import check_artifacts
 from export.ort_training.graph import StatBatchNorm
-from export.parity import RETRY_SEEDS, drift_request_for_seed
 from fedge.learning.models import exchanged_state
 from fedge.learning.objectives import make_objective
 from fedge.learning.terms import terms_from_flags
 from fedge.programs.spec import ModelSpec, TrainingLoss
 
-SEEDS = (7, *RETRY_SEEDS)  # export.parity.drift_request's samples, then the parity gate's retries
+SEEDS = (7, *RETRY_SEEDS)  # export.gates.inputs.drift_request's samples, then the parity gate's retries
 
 
 @contextlib.contextmanager

@@ -12,7 +12,10 @@ from edge_client.backends.executorch import ExecuTorchBackend
 from edge_client.backends.runners import PteTrainer
 from export.cache import ExportingSource
 from export.executorch import export_training
-from export.parity import DRIFT_FLOOR, check_pte, check_training, require
+from export.gates.check import check_training
+from export.gates.drift import DRIFT_FLOOR
+from export.gates.logits import check_pte
+from export.gates.report import require
 from fedge.algorithms.fd import FDDistillation
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.algorithms.fedcurv import FisherProximal
@@ -85,18 +88,18 @@ def test_without_the_max_pool_workaround_the_parity_check_refuses_the_program() 
 
 
 def record_tie_flips(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
-    """The ties the stepwise gate flips, per step it tries them on (``export.parity._flip_ties`` recorded)."""
-    from export import parity
+    """The ties the stepwise gate flips, per step it tries them on (``export.gates.stepwise._flip_ties`` recorded)."""
+    from export.gates import stepwise
 
     flipped: list[list[str]] = []
-    flip_ties = parity._flip_ties
+    flip_ties = stepwise._flip_ties
 
     def recorded(*args):  # type: ignore[no-untyped-def]
         result = flip_ties(*args)
         flipped.append([str(t) for t in result[0]])
         return result
 
-    monkeypatch.setattr(parity, "_flip_ties", recorded)
+    monkeypatch.setattr(stepwise, "_flip_ties", recorded)
     return flipped
 
 
@@ -135,24 +138,24 @@ def test_the_stepwise_gate_accepts_a_max_pool_tie_that_float32_breaks_the_other_
     SSE4.1 cap), so the test holds the property, not the count."""
     import dataclasses
 
-    from export import parity
+    from export.gates import inputs, reference, stepwise
     from fedge.learning.models import exchanged_state
     from fedge.learning.training import train as eager_train
     from fedge.programs.spec import ModelSpec
 
     spec = ModelSpec("fedavg_cnn", (1, 28, 28), 10)
     start = exchanged_state(spec.build(seed=0))
-    request = parity.drift_request(spec, TrainingLoss(CrossEntropy()), batch_size=parity.DRIFT_BATCH)
+    request = inputs.drift_request(spec, TrainingLoss(CrossEntropy()), batch_size=inputs.DRIFT_BATCH)
 
     def channels_last_float32(begin, one):  # type: ignore[no-untyped-def]
-        model = parity.reference_model(spec, begin).to(memory_format=torch.channels_last)
-        with parity._threads(1):
+        model = reference.reference_model(spec, begin).to(memory_format=torch.channels_last)
+        with reference.torch_threads(1):
             eager_train(model, dataclasses.replace(one, x=one.x.contiguous(memory_format=torch.channels_last)))
         return exchanged_state(model)
 
     flipped = record_tie_flips(monkeypatch)
-    monkeypatch.setattr(parity, "_jitter_spread", lambda *a, **k: pytest.fail("the flips explain the step"))
-    report = parity.stepwise_parity(channels_last_float32, spec, start, request, source="eager", runtime="torch")
+    monkeypatch.setattr(stepwise, "_jitter_spread", lambda *a, **k: pytest.fail("the flips explain the step"))
+    report = stepwise.stepwise_parity(channels_last_float32, spec, start, request, source="eager", runtime="torch")
     # The property, not one CPU's tie count: which windows float32 decides the other way, and at which steps, depends
     # on the kernels oneDNN picks (AVX2: one step, one window of features.2; AVX-512: two steps, windows of features.2
     # and features.5). Every suspect step is explained by flipped ties alone, and what remains is round-off.

@@ -18,6 +18,8 @@ from edge_client.backends import make_backend
 from edge_client.backends.onnx_file import read_meta, read_weights, replace_weights
 from edge_client.backends.runners import OnnxRunner
 from export.cache import onnx_model
+from export.gates.logits import LOGIT_TOLERANCE, check_onnx
+from export.gates.report import require
 from export.onnx import (
     DEFAULT_OPSET,
     MIN_OPSET,
@@ -26,7 +28,6 @@ from export.onnx import (
     export_onnx,
     onnx_target,
 )
-from export.parity import LOGIT_TOLERANCE, check_onnx, require
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.errors import ConfigError, ExportError
 from fedge.learning.training import SGDSettings, TrainRequest

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from edge_client.backends.ort_training import RUNTIME, ArtifactDirectory, artifact_dir_name
-from export.parity import drift_parity
+from export.gates.drift import drift_parity
 from fedge.errors import ConfigError
 from fedge.learning.models import exchanged_state, load_exchanged_state
 from fedge.learning.objectives import make_objective
@@ -31,7 +31,7 @@ from fedge.programs.spec import ModelSpec, TrainingLoss, program_file_name
 ROOT = Path(__file__).resolve().parents[2]
 ORT_PYTHON = ROOT / ".venv-ort-training" / "bin" / "python"
 WORKER = Path(__file__).with_name("ort_training_worker.py")
-SGD = SGDSettings(lr=0.01, momentum=0.9, weight_decay=1e-5)  # export.parity.DRIFT_SGD, what the worker runs
+SGD = SGDSettings(lr=0.01, momentum=0.9, weight_decay=1e-5)  # export.gates.inputs.DRIFT_SGD, what the worker runs
 
 needs_ort_env = pytest.mark.skipif(
     not ORT_PYTHON.exists(), reason=f"{ORT_PYTHON} is absent: install it with `make ort-training`"
@@ -88,7 +88,7 @@ def ort_results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path
 
 
 def scaled_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """Largest ``|a - b| / max(1, |b|)`` (export.parity's measure) and where."""
+    """Largest ``|a - b| / max(1, |b|)`` (export.gates.report's measure) and where."""
     return max((float(((a[k] - b[k]).abs() / b[k].abs().clamp(min=1.0)).max()), k) for k in b)
 
 
@@ -122,7 +122,7 @@ def test_onnxruntime_training_matches_eager_momentum_sgd(
     case: dict[str, Any], ort_results: tuple[Path, dict[str, dict[str, Any]]]
 ) -> None:
     """Weights and BN statistics after free-running steps against eager float64 computed here, within the parity
-    gate's float tolerance (10x eager float32's own distance, :func:`export.parity.drift_parity`), on the standard
+    gate's float tolerance (10x eager float32's own distance, :func:`export.gates.drift.drift_parity`), on the standard
     samples or else on both retry samples, as the gate accepts: a ReLU or max-pool input within round-off of its kink
     parts two correct float32 runs by chance (see :func:`export.ort_training.check.check_artifacts`)."""
     out, results = ort_results

@@ -14,10 +14,13 @@ from collections.abc import Callable, Mapping
 import pytest
 import torch
 
-from export import parity, ties
+from export import ties
+from export.gates import inputs, reference, stepwise
+from export.gates.report import ParityReport
 from fedge.learning.models import exchanged_state
 from fedge.learning.objectives import make_objective
 from fedge.learning.training import TrainRequest
+from fedge.learning.training import train as fedge_train
 from fedge.programs.spec import ModelSpec, TrainingLoss
 
 pytestmark = pytest.mark.isa  # the gate's verdicts on the CPU's float32 kernels: `make test-isa` reruns them
@@ -30,13 +33,13 @@ def test_a_pre_activation_within_float32s_rounding_of_its_sum_lands_on_both_side
     # resolves about 1.2e-7 of it): float64 sees the unit active, float32 may round it either way.
     begin["layers.0.weight"][0] = torch.tensor([1.0, -1.0] * 32)
     begin["layers.0.bias"][0] = 1e-9 * 64
-    request = parity.training_request(spec, TrainingLoss(make_objective("ce", {})), samples=1)
+    request = inputs.training_request(spec, TrainingLoss(make_objective("ce", {})), samples=1)
     request = dataclasses.replace(request, x=torch.ones(1, 1, 8, 8), batch_size=1)
-    expected = exchanged_state(parity._float64_run(spec, begin, request))
+    expected = exchanged_state(reference.float64_run(spec, begin, request))
     row_update = float((expected["layers.0.weight"][0] - begin["layers.0.weight"][0].double()).abs().max())
     assert row_update > 0  # the unit is active in float64: its row moves
 
-    spread = parity._jitter_spread(spec, begin, request, expected, seed=1)
+    spread = stepwise._jitter_spread(spec, begin, request, expected, seed=1)
     # One of the pushed runs switches the unit off, so its row does not move: the spread is that row's whole update.
     assert float(spread["layers.0.weight"][0].max()) > 0.5 * row_update
     # Elsewhere the spread stays at rounding: the term excuses ties, not imprecise kernels.
@@ -58,14 +61,14 @@ def test_the_tie_runs_break_each_tie_its_own_way() -> None:
     for unit, sign in ((0, 1.0), (1, -1.0)):  # two tied units, float64 sees one active and one not
         begin["layers.0.weight"][unit] = torch.tensor([1.0, -1.0] * 32)
         begin["layers.0.bias"][unit] = sign * 1e-9 * 64
-    request = parity.training_request(spec, TrainingLoss(make_objective("ce", {})), samples=1)
+    request = inputs.training_request(spec, TrainingLoss(make_objective("ce", {})), samples=1)
     request = dataclasses.replace(request, x=torch.ones(1, 1, 8, 8), batch_size=1)
-    expected = exchanged_state(parity._float64_run(spec, begin, request))
+    expected = exchanged_state(reference.float64_run(spec, begin, request))
     full = float((expected["layers.0.weight"][0] - begin["layers.0.weight"][0].double()).abs().max())  # an active row
     gen = torch.Generator().manual_seed(3)
     active = []
     for _ in range(8):
-        run = exchanged_state(parity._float64_run(spec, begin, request, jitter=gen, push="ties"))
+        run = exchanged_state(reference.float64_run(spec, begin, request, jitter=gen, push="ties"))
         update = [float((run["layers.0.weight"][u] - begin["layers.0.weight"][u].double()).abs().max()) for u in (0, 1)]
         active.append(tuple(u > 0.5 * full for u in update))  # an inactive unit's row moves by rounding only
         # The untied rows move as float64's own step does, up to rounding.
@@ -80,10 +83,10 @@ def test_the_report_says_when_a_figure_is_after_the_tie_allowance() -> None:
     """A step figure under the tolerance may be raw, or what is left after the allowance; the report says which."""
     spec = ModelSpec("tiny_mlp", (1, 8, 8), 10)
     start = exchanged_state(spec.build(seed=0))
-    request = parity.drift_request(spec, TrainingLoss(make_objective("ce")), batch_size=parity.DRIFT_BATCH)
+    request = inputs.drift_request(spec, TrainingLoss(make_objective("ce")), batch_size=inputs.DRIFT_BATCH)
 
     def float32_step(begin: Mapping[str, torch.Tensor], one: TrainRequest) -> dict[str, torch.Tensor]:
-        return {k: v.float() for k, v in exchanged_state(parity._float64_run(spec, begin, one)).items()}
+        return {k: v.float() for k, v in exchanged_state(reference.float64_run(spec, begin, one)).items()}
 
     steps: list[int] = []
 
@@ -95,9 +98,9 @@ def test_the_report_says_when_a_figure_is_after_the_tie_allowance() -> None:
             got["layers.0.weight"][0, 0] += 1e-3 * scale  # 200x the tolerance; no tie of tiny_mlp excuses it
         return got
 
-    clean = parity.stepwise_parity(float32_step, spec, start, request, source="t", runtime="torch")
+    clean = stepwise.stepwise_parity(float32_step, spec, start, request, source="t", runtime="torch")
     assert clean.passed and "allowance" not in clean.worst, clean
-    off = parity.stepwise_parity(one_element_off_at_step_2, spec, start, request, source="t", runtime="torch")
+    off = stepwise.stepwise_parity(one_element_off_at_step_2, spec, start, request, source="t", runtime="torch")
     assert not off.passed, off
     assert "layers.0.weight at step 2 of" in off.worst and "before the tie allowance" in off.worst, off
     raw = float(off.worst.split("(raw ")[1].split(" ")[0])
@@ -123,14 +126,14 @@ def test_a_relu_after_batch_norm_is_tied_at_the_normalized_outputs_zero() -> Non
     resolution = torch.finfo(torch.float32).eps * float((h[0].abs() + h.mean().abs()) / std)
     begin["layers.1.weight"][0] = 1.0
     begin["layers.1.bias"][0] = float(-(h[0] - h.mean()) / std + 0.9 * resolution)
-    request = parity.training_request(spec, TrainingLoss(make_objective("ce", {})), samples=4)
+    request = inputs.training_request(spec, TrainingLoss(make_objective("ce", {})), samples=4)
     request = dataclasses.replace(request, x=x, batch_size=4)
-    expected = exchanged_state(parity._float64_run(spec, begin, request))
+    expected = exchanged_state(reference.float64_run(spec, begin, request))
     row = expected["layers.0.weight"][0] - begin["layers.0.weight"][0].double()
     gen = torch.Generator().manual_seed(3)
     rows = []
     for _ in range(8):
-        run = exchanged_state(parity._float64_run(spec, begin, request, jitter=gen, push="ties"))
+        run = exchanged_state(reference.float64_run(spec, begin, request, jitter=gen, push="ties"))
         rows.append(run["layers.0.weight"][0] - begin["layers.0.weight"][0].double())
         # The other units' rows move as float64's own step does, up to rounding: each push is one rounding.
         rest = (run["layers.0.weight"][1:] - expected["layers.0.weight"][1:]).abs().max()
@@ -146,7 +149,7 @@ def _tied_tiny_mlp() -> tuple[ModelSpec, dict[str, torch.Tensor], TrainRequest]:
     begin = exchanged_state(spec.build(seed=0))
     begin["layers.0.weight"][0] = torch.tensor([1.0, -1.0] * 32)
     begin["layers.0.bias"][0] = 1e-9 * 64
-    request = parity.training_request(spec, TrainingLoss(make_objective("ce", {})), samples=1)
+    request = inputs.training_request(spec, TrainingLoss(make_objective("ce", {})), samples=1)
     return spec, begin, dataclasses.replace(request, x=torch.ones(1, 1, 8, 8), batch_size=1)
 
 
@@ -158,16 +161,18 @@ def test_a_program_that_breaks_a_relu_tie_the_other_way_passes_and_the_report_na
     def flipping(unit: int) -> Callable[[Mapping[str, torch.Tensor], TrainRequest], dict[str, torch.Tensor]]:
         def program(start: Mapping[str, torch.Tensor], one: TrainRequest) -> dict[str, torch.Tensor]:
             flip = [ties.Tie("layers.1", unit, 0.0)]  # layers.1 is the ReLU; output element = sample 0's unit
-            return {k: v.float() for k, v in exchanged_state(parity._float64_run(spec, start, one, flips=flip)).items()}
+            return {
+                k: v.float() for k, v in exchanged_state(reference.float64_run(spec, start, one, flips=flip)).items()
+            }
 
         return program
 
-    report = parity.stepwise_parity(flipping(0), spec, begin, request, source="t", runtime="torch")
+    report = stepwise.stepwise_parity(flipping(0), spec, begin, request, source="t", runtime="torch")
     assert report.passed, report
     assert "before 1 tie flip (ReLU layers.1[0] at " in report.worst and "allowance" not in report.worst, report
-    untied = int(parity._float64_model(spec, begin).layers[0](torch.ones(1, 64).double()).abs().argmax())
+    untied = int(reference.float64_model(spec, begin).layers[0](torch.ones(1, 64).double()).abs().argmax())
     assert untied != 0
-    refused = parity.stepwise_parity(flipping(untied), spec, begin, request, source="t", runtime="torch")
+    refused = stepwise.stepwise_parity(flipping(untied), spec, begin, request, source="t", runtime="torch")
     assert not refused.passed and refused.max_scaled_diff > 100 * refused.tolerance, refused
 
 
@@ -191,12 +196,12 @@ def test_an_op_that_loses_precision_inside_is_refused_and_no_tie_explains_it() -
     ReLUs and max-pooling (so there are near ties to try). No flip's contribution is shaped like that."""
     spec = ModelSpec("dsfl_mnist_cnn", (1, 16, 16), 10)
     start = exchanged_state(spec.build(seed=1))
-    request = parity.drift_request(spec, TrainingLoss(make_objective("ce")), batch_size=parity.DRIFT_BATCH)
+    request = inputs.drift_request(spec, TrainingLoss(make_objective("ce")), batch_size=inputs.DRIFT_BATCH)
     gen = torch.Generator().manual_seed(0)
     steps: list[int] = []
 
     def imprecise_at_step_2(begin: Mapping[str, torch.Tensor], one: TrainRequest) -> dict[str, torch.Tensor]:
-        got = {k: v.float() for k, v in exchanged_state(parity._float64_run(spec, begin, one)).items()}
+        got = {k: v.float() for k, v in exchanged_state(reference.float64_run(spec, begin, one)).items()}
         steps.append(len(steps) + 1)
         if steps[-1] == 2:
             scale = max(float((got[k].double() - begin[k].double()).abs().max()) for k in got)
@@ -204,21 +209,21 @@ def test_an_op_that_loses_precision_inside_is_refused_and_no_tie_explains_it() -
             got["features.0.weight"] = w + 2e-5 * scale * torch.randn(w.shape, generator=gen)
         return got
 
-    report = parity.stepwise_parity(imprecise_at_step_2, spec, start, request, source="t", runtime="torch")
+    report = stepwise.stepwise_parity(imprecise_at_step_2, spec, start, request, source="t", runtime="torch")
     assert not report.passed and report.max_scaled_diff > 4 * report.tolerance, report
     assert "features.0.weight at step 2 of" in report.worst and "tie flip" not in report.worst, report
 
 
 def _bias_sum_terms(spec: ModelSpec, begin: Mapping[str, torch.Tensor], one: TrainRequest) -> torch.Tensor:
     """``sum |dz|`` per channel of the first convolution's output gradient in float64's step."""
-    model = parity._float64_model(spec, begin)
+    model = reference.float64_model(spec, begin)
     seen: dict[str, torch.Tensor] = {}
 
     def keep(module: torch.nn.Module, inputs: object, output: torch.Tensor) -> None:
         output.register_hook(lambda g: seen.__setitem__("dz", g.detach()))
 
     handle = dict(model.named_modules())["features.0"].register_forward_hook(keep)
-    parity.fedge_train(model, parity._as_float64(one))
+    fedge_train(model, reference.as_float64(one))
     handle.remove()
     return seen["dz"].abs().sum((0, 2, 3))
 
@@ -231,16 +236,16 @@ def test_a_bias_before_batch_norm_may_carry_its_long_sums_rounding_but_not_a_wro
     spec = ModelSpec("dsfl_mnist_cnn", (1, 28, 28), 10)
     start = exchanged_state(spec.build(seed=1))
     # Two steps: the program is off at the second.
-    request = parity.drift_request(spec, TrainingLoss(make_objective("ce")), batch_size=parity.DRIFT_BATCH, steps=2)
+    request = inputs.drift_request(spec, TrainingLoss(make_objective("ce")), batch_size=inputs.DRIFT_BATCH, steps=2)
     eps = torch.finfo(torch.float32).eps
 
-    def bias_off(offset: Callable[[torch.Tensor, float, float], torch.Tensor]) -> tuple[parity.ParityReport, float]:
+    def bias_off(offset: Callable[[torch.Tensor, float, float], torch.Tensor]) -> tuple[ParityReport, float]:
         """The report on a program whose features.0.bias lands ``offset(terms, lr, scale)`` from float64's at step 2,
         and that offset in units of the step's largest update."""
         steps: list[float] = []
 
         def train(begin: Mapping[str, torch.Tensor], one: TrainRequest) -> dict[str, torch.Tensor]:
-            got = {k: v.float() for k, v in exchanged_state(parity._float64_run(spec, begin, one)).items()}
+            got = {k: v.float() for k, v in exchanged_state(reference.float64_run(spec, begin, one)).items()}
             if len(steps) == 1:
                 terms = _bias_sum_terms(spec, begin, one)
                 scale = max(float((got[k].double() - begin[k].double()).abs().max()) for k in got)
@@ -251,13 +256,13 @@ def test_a_bias_before_batch_norm_may_carry_its_long_sums_rounding_but_not_a_wro
                 steps.append(0.0)
             return got
 
-        report = parity.stepwise_parity(train, spec, start, request, source="t", runtime="torch")
+        report = stepwise.stepwise_parity(train, spec, start, request, source="t", runtime="torch")
         return report, steps[1]
 
     # The sum rounded within its bound: 180 eps32 of its terms (sqrt(n) is 198 at 28x28 and batch 50). Raw, that is
     # over the tolerance, so the allowance is what passes it.
     rounded, size = bias_off(lambda terms, lr, scale: 180 * eps * lr * terms)
-    assert size > parity.STEP_TOLERANCE, size
+    assert size > stepwise.STEP_TOLERANCE, size
     assert rounded.passed, rounded
     # A wrong gradient there (the update off by a hundredth of the step's largest) is refused.
     wrong, size = bias_off(lambda terms, lr, scale: torch.full_like(terms, 1e-2 * scale))
@@ -273,19 +278,19 @@ def test_eager_float32s_own_rounding_passes_under_a_tighter_bound(monkeypatch: p
     allowance (JITTER_FACTOR 0) it is refused."""
     spec = ModelSpec("dsfl_mnist_cnn", (1, 16, 16), 10)
     start = exchanged_state(spec.build(seed=1))
-    request = parity.drift_request(spec, TrainingLoss(make_objective("ce")), batch_size=parity.DRIFT_BATCH, steps=2)
+    request = inputs.drift_request(spec, TrainingLoss(make_objective("ce")), batch_size=inputs.DRIFT_BATCH, steps=2)
 
     def eager_float32(begin: Mapping[str, torch.Tensor], one: TrainRequest) -> dict[str, torch.Tensor]:
-        model = parity.reference_model(spec, begin)
-        with parity._threads(1):
-            parity.fedge_train(model, one)
+        model = reference.reference_model(spec, begin)
+        with reference.torch_threads(1):
+            fedge_train(model, one)
         return exchanged_state(model)
 
-    raw = parity.stepwise_parity(eager_float32, spec, start, request, source="t", runtime="torch")
+    raw = stepwise.stepwise_parity(eager_float32, spec, start, request, source="t", runtime="torch")
     assert raw.passed and "allowance" not in raw.worst and raw.max_scaled_diff > 0, raw
-    monkeypatch.setattr(parity, "STEP_TOLERANCE", raw.max_scaled_diff / 3)
-    tight = parity.stepwise_parity(eager_float32, spec, start, request, source="t", runtime="torch")
+    monkeypatch.setattr(stepwise, "STEP_TOLERANCE", raw.max_scaled_diff / 3)
+    tight = stepwise.stepwise_parity(eager_float32, spec, start, request, source="t", runtime="torch")
     assert tight.passed and "allowance" in tight.worst, tight
-    monkeypatch.setattr(parity, "JITTER_FACTOR", 0.0)
-    without = parity.stepwise_parity(eager_float32, spec, start, request, source="t", runtime="torch")
+    monkeypatch.setattr(stepwise, "JITTER_FACTOR", 0.0)
+    without = stepwise.stepwise_parity(eager_float32, spec, start, request, source="t", runtime="torch")
     assert not without.passed, without
