@@ -13,6 +13,9 @@ and derives the attack from it and from the broadcast it received:
 - ``int8_offset``: +5 on every value of the output layer's bias, coded like every upload of the run (int8).
 - ``label_rotation``: an honestly trained update on labels rotated by one class.
 - ``confident_wrong`` (DS-FL): valid probability rows, each all on the class after the one its model predicts.
+
+:class:`Scaled` is an attacker of a set size instead (a multiple of its honest update's norm), to test the update
+bound itself; :func:`refused` says whom a round refused.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from coordinator.engine import RoundEngine
 from edge_client.client import EdgeClient
+from fedge.accounting.records import RoundRecord
 from fedge.aggregation.robust import state_norm, update_norm
 from fedge.algorithms.base import ClientData, UpdateReport
 from fedge.algorithms.dsfl import DSFLSettings
@@ -97,6 +101,43 @@ class Insider(EdgeClient):
             update.transport,
         )
         return encode_update(task, crafted, plain, self.store)
+
+
+class Scaled(EdgeClient):
+    """Answers every task with ``w_g + d``, where d points along ``attack`` and is ``times`` its honest update's
+    norm: a sign flip, a replacement toward the output layer rotated by one class, or toward the zero model."""
+
+    def __init__(self, honest: EdgeClient, attack: str, times: float) -> None:
+        super().__init__(honest.client_id, honest.data, honest.backend)
+        self.attack, self.times = attack, times
+
+    def handle(self, task: Message, broadcast: Message | None, backend: Backend | None = None) -> Message:
+        assert broadcast is not None
+        plain = decode_broadcast(broadcast)
+        w_g = dict(plain.tensors)
+        update = ALGORITHMS[task.param("algorithm")].client.step(
+            task, plain, self.data, backend or self.backend, self.store
+        )
+        honest = dict(update.tensors)
+        if self.attack == "sign_flip":
+            direction = {n: w_g[n] - honest[n] for n in w_g}
+        elif self.attack == "replacement":
+            direction = {n: v.roll(1, dims=0) - v if n.startswith(OUTPUT_LAYER) else 0 * v for n, v in w_g.items()}
+        else:  # zero model
+            direction = {n: -v for n, v in w_g.items()}
+        scale = self.times * update_norm(honest, w_g) / update_norm({n: w_g[n] + d for n, d in direction.items()}, w_g)
+        tensors = {n: (w_g[n] + scale * d).contiguous() for n, d in direction.items()}
+        crafted = Message(
+            update.kind, update.round, update.run, update.client, update.params, tensors, update.transport
+        )
+        return encode_update(task, crafted, plain, self.store)
+
+
+def refused(record: RoundRecord) -> set[str]:
+    """Clients refused in the round: at arrival (a rejection) or at aggregation (a drop that says refused)."""
+    return {r.client for r in record.rejections if "refused" in r.detail} | {
+        d.client for d in record.drops if d.reason.startswith("refused")
+    }
 
 
 def dsfl_accuracies(
