@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 
 def add_coordinator_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``fedge coordinator`` (the run's config flags are added by fedge_cli.main)."""
+    """The flags of ``fedge coordinator`` (the run's config flags are added by fedge_cli.flags)."""
     add_connection_arguments(p)
     p.add_argument(
         "--run",
