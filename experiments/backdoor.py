@@ -15,13 +15,18 @@ Three experiments, each cell an in-process run through the same round engine, re
 - ``dsfl``: DS-FL on digits (tiny_mlp, IID, 10 clients, 300 open samples a round), 0, 1 or 3 clients uploading
   confidently wrong one-hot rows, 20 rounds, accuracy after every round; the default (median, ERA) under seeds 1 and 2
   as well.
+- ``floor``: the ``dsfl`` setting with no liar, the first 0, 1 or 3 clients absent (they answer every task with an
+  error, so each round aggregates the others): an ideal filter that left out exactly the liars' uploads would give
+  this run, so its gap to the all-honest run is what any aggregation rule must at least concede. Mean and median
+  (both ERA), seeds 0, 1, 2.
 - ``cost``: honest MNIST runs, tiny_mlp, 10 clients, 10 rounds, 1 local epoch at lr 0.05, shards s = 2
   and Dirichlet (LDA) alpha 0.1, under each candidate rule.
 
 Every cell is written to ``--out/cells/<experiment>-<cell>.json`` as it finishes, and a cell already there is not run
 again (resumable). ``--table`` prints the README tables from the cells.
 
-Run: ``nice -n 10 python experiments/backdoor.py backdoor|weak|secagg|dsfl|cost [--out DIR]`` then ``... --table``.
+Run: ``nice -n 10 python experiments/backdoor.py backdoor|weak|secagg|dsfl|floor|cost [--out DIR]`` then
+``... --table``.
 """
 
 from __future__ import annotations
@@ -167,6 +172,16 @@ def cells(experiment: str) -> list[tuple[str, Any]]:
                     return {"accuracy_by_round": [round(x, 4) for x in acc]}
 
                 out.append((f"median-era-s{seed}-a{attackers}", seeded))
+    elif experiment == "floor":  # DS-FL without liars, 0, 1 or 3 clients absent: what an ideal filter gives
+        for robust in ("median", "mean"):
+            for seed in (0, 1, 2):
+                for absent in (0, 1, 3):
+
+                    def left_out(r: str = robust, s: int = seed, k: int = absent) -> dict[str, Any]:
+                        acc = dsfl_accuracies(r, 0, 20, seed=s, aggregation="era", absent=k)
+                        return {"accuracy_by_round": [round(x, 4) for x in acc]}
+
+                    out.append((f"{robust}-s{seed}-absent{absent}", left_out))
     else:
         for rules in (COST_RULES, ("trimmed_mean", "flame+noise")):  # the second group only if time allows
             for partition in ("shards", "dirichlet"):
@@ -269,6 +284,24 @@ def table(out: Path) -> None:
             )
         spread = max(abs(acc[s][0][r] - acc[t][0][r]) for s in acc for t in acc for r in range(2, 20))
         print(f"\nThe honest runs of the three seeds differ by up to {100 * spread:.1f} points from round 3 on.")
+    floor: dict[tuple[str, int, int], list[float]] = {}
+    for r, s, k in ((r, s, k) for r in ("median", "mean") for s in (0, 1, 2) for k in (0, 1, 3)):
+        found = got.get(f"floor-{r}-s{s}-absent{k}")
+        if found is not None:
+            floor[r, s, k] = found["accuracy_by_round"]
+    if len(floor) == 18:
+        print("\nDS-FL, no liar, the first 1 or 3 clients absent (an ideal filter of as many liars): the gap to the")
+        print("same rule and seed's all-honest run (points; worst seed, and the mean of seeds 0, 1, 2)")
+        print("| rule, absent | rounds 3-6, worst seed | rounds 3-6, mean of seeds ", end="")
+        print("| rounds 7-20, mean of seeds | round 20, mean |\n|---|---|---|---|---|")
+        for r in ("median", "mean"):
+            for k in (1, 3):
+                gaps = [[h - x for h, x in zip(floor[r, s, 0], floor[r, s, k], strict=True)] for s in (0, 1, 2)]
+                mean = [sum(g[i] for g in gaps) / len(gaps) for i in range(len(gaps[0]))]  # (round,)
+                print(
+                    f"| {r}, {k} absent | {100 * max(max(g[2:6]) for g in gaps):.1f} | {100 * max(mean[2:6]):.1f} | "
+                    f"{100 * max(mean[6:]):.1f} | {100 * mean[-1]:.1f} |"
+                )
     print("\nHonest-run cost (MNIST, tiny_mlp, 10 clients, 10 rounds; 20 in the last column): final accuracy (best)")
     print("| rule | shards s=2 | LDA alpha 0.1 | LDA alpha 0.1, 20 rounds |")
     print("|---|---|---|---|")
@@ -283,7 +316,7 @@ def table(out: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("experiment", nargs="?", choices=("backdoor", "weak", "secagg", "dsfl", "cost"))
+    p.add_argument("experiment", nargs="?", choices=("backdoor", "weak", "secagg", "dsfl", "floor", "cost"))
     p.add_argument("--out", type=Path, default=Path("experiments/results/backdoor-defaults"))
     p.add_argument("--only", nargs="*", default=None, help="cell names to run (default: all)")
     p.add_argument("--table", action="store_true")

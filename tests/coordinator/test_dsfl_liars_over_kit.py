@@ -11,8 +11,11 @@ is within 2 points of the honest run with one liar and within 5 with three.
 
 What they do not hold, kept as a strict xfail: the issue's "within 2 and 5 points at every round from round 3 on".
 The median delays learning by about a round while the honest rows are still flat (seed 0: with one liar 5.3, 3.8,
-6.4, 8.4, 4.9 points behind in rounds 3-7; with three 9.1, 11.6, 7.3, 4.4, 5.3). A default that meets it makes the
-xfail pass, and strict makes that a failure: then drop the marker.
+6.4, 8.4, 4.9 points behind in rounds 3-7; with three 9.1, 11.6, 7.3, 4.4, 5.3). No rule that leaves the liars out
+meets it either: the same fleet with the liars simply absent lags the all-honest run by up to 4.9 / 14.5 points in
+rounds 3-6 under the median and 7.3 / 11.8 under the mean (worst of seeds 0-2; ``experiments/backdoor.py floor``): a
+run in its steep rise moves that much with which uploads it averages. A default that meets it makes the xfail pass,
+and strict makes that a failure: then drop the marker.
 """
 
 from __future__ import annotations
@@ -139,7 +142,7 @@ def _gaps(accuracy: dict[int, list[float]], liars: int, first: int) -> list[floa
 
 
 def test_over_the_kit_three_liars_give_what_they_give_in_process(accuracy: dict[int, list[float]]) -> None:
-    in_process = dsfl_accuracies(DEPLOYMENT_SOFT_LABEL_RULE, 3, ROUNDS)  # quorum 1 there: nobody is left out here
+    in_process = dsfl_accuracies(DEPLOYMENT_SOFT_LABEL_RULE, 3, ROUNDS)
     assert max(abs(a - b) for a, b in zip(accuracy[3], in_process, strict=True)) <= 1e-9, (accuracy[3], in_process)
 
 
@@ -149,6 +152,6 @@ def test_the_default_holds_one_and_three_liars_from_round_8(accuracy: dict[int, 
     assert max(_gaps(accuracy, 3, HELD_FROM)) <= 0.05 + 1e-9, _gaps(accuracy, 3, 3)
 
 
-@pytest.mark.xfail(strict=True, reason="the median runs about a round behind in rounds 3-7 (issue 52; see above)")
+@pytest.mark.xfail(strict=True, reason="the median runs about a round behind in rounds 3-7 (issue 52; module doc)")
 def test_the_default_holds_one_and_three_liars_from_round_3(accuracy: dict[int, list[float]]) -> None:
     assert max(_gaps(accuracy, 1, 3)) <= 0.02 and max(_gaps(accuracy, 3, 3)) <= 0.05, accuracy

@@ -140,11 +140,20 @@ def refused(record: RoundRecord) -> set[str]:
     }
 
 
+class Absent(EdgeClient):
+    """A client whose every answer is an error: the round aggregates without it (quorum permitting)."""
+
+    def handle(self, task: Message, broadcast: Message | None, backend: Backend | None = None) -> Message:
+        raise ValueError("absent")
+
+
 def dsfl_accuracies(
-    robust: str, attackers: int, rounds: int = 10, seed: int = 0, aggregation: str = "era"
+    robust: str, attackers: int, rounds: int = 10, seed: int = 0, aggregation: str = "era", absent: int = 0
 ) -> list[float]:
     """DS-FL on digits (tiny_mlp, IID, 10 clients, ERA or SA): the accuracy after each round, in process through the
-    coordinator's round engine, the first ``attackers`` clients uploading confidently wrong rows."""
+    coordinator's round engine (quorum 0.5, as a deployment's), the first ``attackers`` clients uploading confidently
+    wrong rows. ``absent``: the first clients (after the attackers) never answer, so every round aggregates the
+    others only: leaving out all of ``absent`` honest uploads is the best a filter of as many liars could do."""
     config = RunConfig(
         algorithm="dsfl",
         dataset="digits",
@@ -153,6 +162,7 @@ def dsfl_accuracies(
         rounds=rounds,
         seed=seed,
         partition="iid",
+        min_replies=0.5,
         train=TrainConfig(local_epochs=2, lr=0.1),
         algo=DSFLSettings(robust=robust, open_per_round=300, aggregation=aggregation),
     )
@@ -161,6 +171,8 @@ def dsfl_accuracies(
     backend = TorchBackend(exp.model, exp.input_shape, exp.num_classes)
     clients: list[EdgeClient] = [EdgeClient(c, exp.client_data(c, open_x), backend) for c in sorted(exp.parts)]
     clients[:attackers] = [Insider(c, "confident_wrong") for c in clients[:attackers]]
+    gone = slice(attackers, attackers + absent)
+    clients[gone] = [Absent(c.client_id, c.data, c.backend) for c in clients[gone]]
     test_x, test_y = exp.test_tensors()
     history = RoundEngine(exp.config, exp.strategy("dsfl"), InProcessTransport(clients), test_x, test_y).run()
     return [float(r.accuracy or 0.0) for r in history.rounds]
