@@ -188,8 +188,9 @@ def test_the_default_holds_three_poisoning_devices_of_ten_over_the_kits_mosquitt
 
 
 def test_an_update_out_of_bound_is_refused_in_round_one_as_in_round_two_over_the_kits_mosquitto(fleet: Fleet) -> None:
-    """Round 1's bound is as tight as round 2's under the defaults (``tests/coordinator/test_round_one_bound.py``
-    shows it in process, and that 5 x passes: the bound, not FLAME's exclusion, refuses 12 x)."""
+    """Round 1's bound is as tight as round 2's under the defaults. A refusal is the bound's (FLAME leaving an update
+    out of its cluster refuses nothing); ``tests/coordinator/test_round_one_bound.py`` shows in process that 5 x
+    passes both rounds and that a replacement and a zero model at 12 x are refused in both as well."""
     exp = prepare(dataclasses.replace(fleet.config, rounds=2))
     attacker = "c000"  # the first client
     clients = [
