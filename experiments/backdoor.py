@@ -10,6 +10,8 @@ Three experiments, each cell an in-process run through the same round engine, re
   corner set to the data set's largest pixel value and the label ``TARGET``. Reported: clean accuracy on the test
   set, attack success (the share of triggered test images outside ``TARGET`` classified as ``TARGET``; the honest run
   gives the baseline), rounds skipped and updates refused or left out.
+- ``long``: the ``backdoor`` setting (IID) to round 40, under FLAME (the default), FLAME with noise, the median and
+  the clip: does a rule that holds to round 20 keep holding?
 - ``secagg``: the ``backdoor`` setting under secure aggregation, where the server sees only the sum and every robust
   rule is refused: what remains is each client's own clip to ``--secagg-clip`` (the default, 5, and 1) before masking.
 - ``dsfl``: DS-FL on digits (tiny_mlp, IID, 10 clients, 300 open samples a round), 0, 1 or 3 clients uploading
@@ -25,7 +27,7 @@ Three experiments, each cell an in-process run through the same round engine, re
 Every cell is written to ``--out/cells/<experiment>-<cell>.json`` as it finishes, and a cell already there is not run
 again (resumable). ``--table`` prints the README tables from the cells.
 
-Run: ``nice -n 10 python experiments/backdoor.py backdoor|weak|secagg|dsfl|floor|cost [--out DIR]`` then
+Run: ``nice -n 10 python experiments/backdoor.py backdoor|weak|long|secagg|dsfl|floor|cost [--out DIR]`` then
 ``... --table``.
 """
 
@@ -146,6 +148,11 @@ def cells(experiment: str) -> list[tuple[str, Any]]:
             for attackers in (0, 1, 3):
                 config = fedavg_config("digits", "shards", rule, rounds=20, epochs=2, lr=0.1)
                 out.append((f"shards-{rule}-a{attackers}", lambda c=config, a=attackers: run_fedavg(prepare(c), a)))
+    elif experiment == "long":  # IID, to round 40
+        for rule in ("flame", "flame+noise", "median", "clip1"):
+            for attackers in (0, 1, 3):
+                config = fedavg_config("digits", "iid", rule, rounds=40, epochs=2, lr=0.1)
+                out.append((f"{rule}-a{attackers}", lambda c=config, a=attackers: run_fedavg(prepare(c), a)))
     elif experiment == "secagg":  # what holds where the server sees only the sum: each client's own clip
         for clip in (SECAGG_CLIP, 1.0):
             for attackers in (0, 1, 3):
@@ -214,6 +221,20 @@ def table(out: Path) -> None:
                 else f"{pct(c['clean_by_round'][-1])} / {pct(c['success_by_round'][-1])} / {c['skipped']} / "
                 f"{c['refused']}"
             )
+        print(f"| {rule} | " + " | ".join(row) + " |")
+    print("\nTo round 40 (experiment long; IID): attack success at rounds 10 / 20 / 25 / 30 / 40; clean accuracy and")
+    print("refusals at round 40")
+    print("| rule | honest | 1 of 10 poisoning | 3 of 10 poisoning |")
+    print("|---|---|---|---|")
+    for rule in ("flame", "flame+noise", "median", "clip1"):
+        row = []
+        for a in (0, 1, 3):
+            c = got.get(f"long-{rule}-a{a}")
+            if c is None:
+                row.append("-")
+                continue
+            at = " / ".join(pct(c["success_by_round"][r - 1]) for r in (10, 20, 25, 30, 40))
+            row.append(f"{at}; {pct(c['clean_by_round'][-1])}, {c['refused']} refused")
         print(f"| {rule} | " + " | ".join(row) + " |")
     print("\nUnder secure aggregation (each client's own clip; IID, as above)")
     print("| client clip | honest | 1 of 10 poisoning | 3 of 10 poisoning |")
@@ -316,7 +337,7 @@ def table(out: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("experiment", nargs="?", choices=("backdoor", "weak", "secagg", "dsfl", "floor", "cost"))
+    p.add_argument("experiment", nargs="?", choices=("backdoor", "weak", "long", "secagg", "dsfl", "floor", "cost"))
     p.add_argument("--out", type=Path, default=Path("experiments/results/backdoor-defaults"))
     p.add_argument("--only", nargs="*", default=None, help="cell names to run (default: all)")
     p.add_argument("--table", action="store_true")

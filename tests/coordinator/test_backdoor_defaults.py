@@ -6,6 +6,7 @@ before, it succeeds on a fifth of the triggered images or more (measured 24% at 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from insiders import BACKDOOR_TARGET, poisoned, trigger
 
@@ -53,3 +54,18 @@ def test_the_deployment_default_holds_one_poisoning_client_of_ten() -> None:
     old = _run_config(build_parser().parse_args(["coordinator", *FLAGS, "--robust", "mean"]), deployment=True)
     assert old.algo.clip_factor == 1.0  # type: ignore[attr-defined]
     assert _run(old, 1)[1] >= 0.2  # the attack is real: the clip alone lets it through
+
+
+@pytest.mark.xfail(strict=True, reason="FLAME lets three colluding poisoners in after round 20 (issue 52; docstring)")
+def test_the_deployment_default_holds_three_poisoning_clients_of_ten_to_round_25() -> None:
+    """Three poisoners of ten, as ``test_backdoor_over_kit.py`` runs them for 10 rounds, for 25: FLAME holds them at
+    the honest level to round 16, then not (``experiments/backdoor.py long``: 6.2% at round 20, 25.2% at 25, 53.3%
+    at 30, 88.1% at 40, against 0.7-1.2% honest; the median 96.0% at 40). Late in training the honest updates grow
+    nearly orthogonal to each other (cosine distance ~1.0, against 0.4 at round 5) while the poisoners' stay aligned
+    (~0.1), so the tightest majority takes the three poisoners in with four honest updates (rounds 18-22), whose
+    directions cancel in the mean where the poisoners' add up. A rule that holds them makes this pass, and strict
+    makes that a failure: then drop the marker."""
+    default = _run_config(build_parser().parse_args(["coordinator", *FLAGS, "--rounds", "25"]), deployment=True)
+    honest_clean, honest_success = _run(default, 0)
+    clean, success = _run(default, 3)
+    assert success <= honest_success + 0.05 and honest_clean - clean <= 0.02, (honest_success, success, clean)

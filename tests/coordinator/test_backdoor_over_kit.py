@@ -12,7 +12,8 @@ processes. One kit and one broker serve both; the honest baseline is one in-proc
 1's update bound as tight as round 2's: a sign flip at 12 x an honest update's norm is refused in both.
 
 10 rounds: with three poisoners FLAME holds to round 16 and then lets the backdoor climb (6.2% at round 20 against
-1.2% honest, +5.0 points; experiments/results/backdoor-defaults, docs/deployment.md)."""
+1.2% honest, then 25.2% at 25, 53.3% at 30, 88.1% at 40; ``experiments/backdoor.py long``, docs/deployment.md). The
+25-round case is a strict xfail in ``test_backdoor_defaults.py``, in process."""
 
 from __future__ import annotations
 
