@@ -38,8 +38,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from fedge.aggregation.average import weighted_average
+from fedge.algorithms.catalog import make_objective
 from fedge.learning.backend import TorchBackend
-from fedge.learning.objectives import make_objective
 from fedge.learning.training import SGDSettings, TrainRequest, predict_logits, train
 from fedge.wire.message import Message, decode, encode
 from fedge_io.experiment import prepare

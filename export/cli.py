@@ -11,8 +11,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from export.onnx import DEFAULT_OPSET, MIN_OPSET, ONNXRUNTIME_RELEASES, onnx_target
+from fedge.algorithms.catalog import objective_kinds
 from fedge.errors import ConfigError, ExportError
-from fedge.learning.objectives import objective_kinds
 from fedge.types import StateDict
 from fedge_io import manifest
 
@@ -191,8 +191,7 @@ class ExportJob:
 
 def export_jobs(args: argparse.Namespace) -> tuple[ModelSpec, list[ExportJob]]:
     """The model and the files of a ``fedge export`` call, validated and named; nothing is exported."""
-    from fedge.learning.objectives import OBJECTIVES, make_objective
-    from fedge.learning.terms import terms_from_flags
+    from fedge.algorithms.catalog import make_objective, objective_classes, terms_from_flags
     from fedge.programs.spec import ModelSpec, TrainingLoss, program_file_name
 
     if not args.model:
@@ -208,7 +207,7 @@ def export_jobs(args: argparse.Namespace) -> tuple[ModelSpec, list[ExportJob]]:
         if fmt == "pte-train":
             for kind in args.objective:
                 given = {"tau": args.tau, "beta": args.beta, "gamma": args.gamma}
-                fields = {f.name for f in dataclasses.fields(OBJECTIVES[kind])}
+                fields = {f.name for f in dataclasses.fields(objective_classes()[kind])}
                 objective = make_objective(kind, {k: repr(float(v)) for k, v in given.items() if k in fields})
                 loss = TrainingLoss(objective, terms_from_flags(args.term, float(args.prox_mu)))
                 jobs.extend(ExportJob(fmt, program_file_name(spec, loss, bound), loss, bound) for bound in bounds)

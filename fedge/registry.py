@@ -71,9 +71,3 @@ def get_algorithm(name: str) -> Algorithm:
     if name not in MODULES:
         raise ConfigError(f"unknown algorithm {name!r}; choose one of {', '.join(MODULES)}")
     return ALGORITHMS[name]
-
-
-def load_all() -> None:
-    """Import every algorithm module (their objectives register themselves on import)."""
-    for name in MODULES:
-        ALGORITHMS[name]

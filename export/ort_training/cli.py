@@ -17,9 +17,8 @@ from edge_client.backends.ort_training import ArtifactDirectory
 from export.ort_training.cache import ArtifactCache
 from export.ort_training.check import check_artifacts
 from export.ort_training.timing import step_times
+from fedge.algorithms.catalog import make_objective, objective_classes, objective_kinds, terms_from_flags
 from fedge.errors import ConfigError, ExportError
-from fedge.learning.objectives import OBJECTIVES, make_objective, objective_kinds
-from fedge.learning.terms import terms_from_flags
 from fedge.programs.spec import ModelSpec, TrainingLoss
 
 
@@ -69,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = False
     for kind in args.objective:
         given = {"tau": args.tau, "beta": args.beta, "gamma": args.gamma}
-        fields = {f.name for f in dataclasses.fields(OBJECTIVES[kind])}
+        fields = {f.name for f in dataclasses.fields(objective_classes()[kind])}
         objective = make_objective(kind, {k: repr(float(v)) for k, v in given.items() if k in fields})
         loss = TrainingLoss(objective, terms_from_flags(args.term, float(args.prox_mu)))
         try:

@@ -31,6 +31,7 @@ from fedge.errors import CodecError, ConfigError
 from fedge.learning.backend import Backend
 from fedge.learning.metrics import per_class_accuracy
 from fedge.learning.objectives import Objective
+from fedge.learning.terms import LocalTerm
 from fedge.learning.training import SGDSettings, TrainRequest, predict_logits
 from fedge.types import ClientId, StateDict
 from fedge.wire import fields as wire
@@ -397,6 +398,10 @@ class Algorithm(Generic[SettingsT]):
     has_global_model: bool = True  # FD has none: clients report their own accuracy
     hooks: frozenset[str] = frozenset()  # what it needs of a model and runtime beyond logits (training.HOOKS)
     describe: Callable[[SettingsT], str] = field(default=lambda settings: "")  # hyperparameters for report legends
+    # The local objectives and terms this module defines, found by kind by fedge.algorithms.catalog (program files,
+    # export commands); one declared twice (by two algorithms) must be the same class.
+    objectives: tuple[type[Objective], ...] = ()
+    terms: tuple[type[LocalTerm], ...] = ()
     # Why secure aggregation (fedge.secagg.strategy) cannot run this algorithm yet, for the start-up error; "" when
     # its server half needs nothing but the weighted mean of the replies' weights, which a secure sum gives.
     secagg_gap: str = "its aggregation is not declared to be a weighted mean of the returned weights"

@@ -53,7 +53,7 @@ from fedge.learning.backend import Backend
 from fedge.learning.losses import soft_cross_entropy
 from fedge.learning.metrics import mean_entropy
 from fedge.learning.models import exchanged_state
-from fedge.learning.objectives import Objective, ObjectiveInput, register_objective
+from fedge.learning.objectives import Objective, ObjectiveInput
 from fedge.learning.training import SGDSettings, TrainRequest, train
 from fedge.types import ClientId
 from fedge.wire import fields as wire
@@ -109,7 +109,6 @@ class DSFLBroadcast:
     open_per_round: int = field(metadata=bounded(1, 10_000_000))
 
 
-@register_objective
 @dataclass(frozen=True)
 class SoftTargets(Objective):
     """Cross-entropy to soft labels (DS-FL eq. 10-11)."""
@@ -291,4 +290,5 @@ ALGORITHM = Algorithm(
     describe=lambda s: (f"T={s.era_temperature:g}, " if s.aggregation == "era" else "") + f"|o_r|={s.open_per_round}",
     secagg_gap="DS-FL averages the clients' soft labels on the open set (SA/ERA); secure aggregation of output (logit) "
     "averages is not built yet",
+    objectives=(SoftTargets,),
 )

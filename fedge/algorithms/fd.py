@@ -48,7 +48,7 @@ from fedge.config import RunConfig
 from fedge.errors import CodecError, ConfigError
 from fedge.learning.backend import Backend
 from fedge.learning.losses import fd_distillation_loss
-from fedge.learning.objectives import Objective, ObjectiveInput, register_objective
+from fedge.learning.objectives import Objective, ObjectiveInput
 from fedge.types import ClientId
 from fedge.wire import fields as wire
 from fedge.wire.fields import bounded
@@ -84,7 +84,6 @@ class FDReport(UpdateReport):
     eval_total: tuple[int, ...] = ()
 
 
-@register_objective
 @dataclass(frozen=True)
 class FDDistillation(Objective):
     """DS-FL eq. 7: CE + gamma * soft-CE to each sample's leave-one-out target; masked rows get CE only."""
@@ -264,4 +263,5 @@ ALGORITHM = Algorithm(
     describe=lambda s: f"γ={s.fd_gamma:g}",
     secagg_gap="FD averages per-class outputs over the clients that hold each class; secure aggregation of output "
     "(logit) averages is not built yet",
+    objectives=(FDDistillation,),
 )

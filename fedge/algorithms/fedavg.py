@@ -54,7 +54,7 @@ from fedge.config import RunConfig
 from fedge.errors import CodecError, ConfigError
 from fedge.learning.backend import Backend
 from fedge.learning.models import exchanged_state, load_exchanged_state
-from fedge.learning.objectives import Objective, register_objective
+from fedge.learning.objectives import Objective
 from fedge.learning.training import TrainRequest, TrainStats
 from fedge.types import ClientId, StateDict
 from fedge.wire.fields import server_only
@@ -109,7 +109,6 @@ class FedAvgSettings(AlgorithmSettings):
             raise ConfigError("clip_factor, max_update_ratio and noise_factor must be >= 0")
 
 
-@register_objective
 @dataclass(frozen=True)
 class CrossEntropy(Objective):
     """Cross-entropy on the local labels (FedAvg; DS-FL eq. 1-2)."""
@@ -335,4 +334,5 @@ ALGORITHM = Algorithm(
     client=FedAvgClient[FedAvgSettings](),
     traffic=weights_traffic,
     secagg_gap="",
+    objectives=(CrossEntropy,),
 )

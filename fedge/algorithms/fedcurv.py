@@ -58,7 +58,7 @@ from fedge.algorithms.base import (
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.config import RunConfig
 from fedge.errors import CodecError, ConfigError
-from fedge.learning.terms import LocalTerm, TermBatch, TermCall, register_term
+from fedge.learning.terms import LocalTerm, TermBatch, TermCall
 from fedge.learning.training import TrainRequest, TrainStats
 from fedge.types import ClientId, StateDict
 from fedge.wire.fields import bounded
@@ -85,7 +85,6 @@ class FedCurvSettings(FedAvgSettings):
             raise ConfigError(f"curv_lambda must be >= 0, got {self.curv_lambda}")
 
 
-@register_term
 @dataclass(frozen=True)
 class FisherProximal(LocalTerm):
     """``mu/2 * sum F * (w - anchor)^2`` per element over the trainable parameters: a Fisher-weighted pull (F = 1 is
@@ -257,4 +256,5 @@ ALGORITHM = Algorithm(
     describe=lambda s: f"λ={s.curv_lambda:g}",
     secagg_gap="FedCurv keeps every client's Fisher terms by client, which secure aggregation would hide; summing them "
     "securely instead is not built yet",
+    terms=(FisherProximal,),
 )

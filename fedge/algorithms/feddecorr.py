@@ -32,7 +32,7 @@ import torch
 from fedge.algorithms.base import Algorithm, weights_traffic
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.errors import ConfigError
-from fedge.learning.terms import LocalTerm, TermBatch, TermCall, register_term
+from fedge.learning.terms import LocalTerm, TermBatch, TermCall
 from fedge.learning.training import REPRESENTATION, TrainRequest
 from fedge.wire.fields import bounded
 
@@ -51,7 +51,6 @@ class FedDecorrSettings(FedAvgSettings):
             raise ConfigError(f"decorr_beta must be >= 0, got {self.decorr_beta}")
 
 
-@register_term
 @dataclass(frozen=True)
 class Decorrelation(LocalTerm):
     """``beta * ||K||_F^2 / d^2`` of the correlation matrix ``K`` of the batch's representation (FedDecorr,
@@ -93,4 +92,5 @@ ALGORITHM = Algorithm(
     hooks=frozenset({REPRESENTATION}),
     describe=lambda s: f"β={s.decorr_beta:g}",
     secagg_gap="",
+    terms=(Decorrelation,),
 )

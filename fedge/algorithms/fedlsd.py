@@ -19,7 +19,7 @@ from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalR
 from fedge.config import AlgorithmSettings
 from fedge.errors import ConfigError
 from fedge.learning.losses import class_weighted_distillation_loss
-from fedge.learning.objectives import Objective, ObjectiveInput, register_objective
+from fedge.learning.objectives import Objective, ObjectiveInput
 from fedge.wire.fields import bounded
 
 
@@ -48,7 +48,6 @@ class FedLSDSettings(ClassWeightedSettings):
             raise ConfigError(f"lsd_weight must be in [0, 1], got {self.lsd_weight}")
 
 
-@register_objective
 @dataclass(frozen=True)
 class ClassWeightedDistillation(Objective):
     """FedCAD eq. 1-2: per-sample ``(1 - a_y) CE + a_y * soft-CE(teacher)``; the weights a_y are an input (C,)."""
@@ -95,4 +94,5 @@ ALGORITHM = Algorithm(
     traffic=weights_traffic,
     describe=lambda s: f"weight={s.lsd_weight:g}",
     secagg_gap="",
+    objectives=(ClassWeightedDistillation,),
 )

@@ -17,7 +17,7 @@ from fedge.algorithms.base import Algorithm, weights_traffic
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.errors import ConfigError
 from fedge.learning.losses import ntd_loss
-from fedge.learning.objectives import Objective, ObjectiveInput, register_objective
+from fedge.learning.objectives import Objective, ObjectiveInput
 from fedge.wire.fields import bounded
 
 
@@ -34,7 +34,6 @@ class FedNTDSettings(FedAvgSettings):
             raise ConfigError(f"ntd_beta must be >= 0 and ntd_tau > 0, got {self.ntd_beta} and {self.ntd_tau}")
 
 
-@register_objective
 @dataclass(frozen=True)
 class NotTrueDistillation(Objective):
     """FedNTD eq. 10-11 against the teacher's logits."""
@@ -66,4 +65,5 @@ ALGORITHM = Algorithm(
     traffic=weights_traffic,
     describe=lambda s: f"β={s.ntd_beta:g}, τ={s.ntd_tau:g}",
     secagg_gap="",
+    objectives=(NotTrueDistillation,),
 )

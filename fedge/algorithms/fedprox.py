@@ -17,7 +17,7 @@ import torch
 from fedge.algorithms.base import Algorithm, weights_traffic
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.errors import ConfigError
-from fedge.learning.terms import LocalTerm, TermBatch, TermCall, register_term
+from fedge.learning.terms import LocalTerm, TermBatch, TermCall
 from fedge.learning.training import TrainRequest
 from fedge.types import StateDict
 from fedge.wire.fields import bounded
@@ -33,7 +33,6 @@ class FedProxSettings(FedAvgSettings):
             raise ConfigError(f"prox_mu must be >= 0, got {self.prox_mu}")
 
 
-@register_term
 @dataclass(frozen=True)
 class Proximal(LocalTerm):
     """``mu/2 * sum ||w - anchor||^2`` over the trainable parameters (FedProx eq. 2)."""
@@ -72,4 +71,5 @@ ALGORITHM = Algorithm(
     traffic=weights_traffic,
     describe=lambda s: f"μ={s.prox_mu:g}",
     secagg_gap="",
+    terms=(Proximal,),
 )

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from fedge.algorithms.base import Algorithm, ClientStore, weights_traffic
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.errors import ConfigError
-from fedge.learning.terms import LocalTerm, TermBatch, TermCall, register_term
+from fedge.learning.terms import LocalTerm, TermBatch, TermCall
 from fedge.learning.training import REPRESENTATION, TrainRequest, TrainStats
 from fedge.types import StateDict
 from fedge.wire.fields import bounded
@@ -54,7 +54,6 @@ class MoonSettings(FedAvgSettings):
             raise ConfigError(f"moon_tau must be > 0, got {self.moon_tau}")
 
 
-@register_term
 @dataclass(frozen=True)
 class ModelContrastive(LocalTerm):
     """``mu * l_con`` (MOON eq. 3 with weight mu) on the representations of the trained, the global and the previous
@@ -111,4 +110,5 @@ ALGORITHM = Algorithm(
     hooks=frozenset({REPRESENTATION}),
     describe=lambda s: f"μ={s.moon_mu:g}, τ={s.moon_tau:g}",
     secagg_gap="",
+    terms=(ModelContrastive,),
 )

@@ -46,7 +46,7 @@ from fedge.algorithms.base import (
 from fedge.algorithms.fedavg import FedAvg, FedAvgClient, FedAvgSettings, LocalRound
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
-from fedge.learning.terms import LocalTerm, TermBatch, TermCall, register_term
+from fedge.learning.terms import LocalTerm, TermBatch, TermCall
 from fedge.learning.training import TrainRequest, TrainStats
 from fedge.types import ClientId, StateDict
 from fedge.wire.fields import server_only
@@ -105,7 +105,6 @@ class Scaffold(FedAvg[ScaffoldSettings]):
         return weights
 
 
-@register_term
 @dataclass(frozen=True)
 class Correction(LocalTerm):
     """``sum <c, w>`` over the trainable parameters: a linear term whose gradient, ``c`` exactly, is added to every
@@ -172,4 +171,5 @@ ALGORITHM = Algorithm(
     describe=lambda s: f"lr_g={s.server_lr:g}",
     secagg_gap="SCAFFOLD averages the returned weights and, separately, the clients' control-variate deltas; secure "
     "aggregation of that second sum is not built yet",
+    terms=(Correction,),
 )

@@ -1,12 +1,12 @@
-"""Local objectives: one registry of losses that eager training and the exported training programs both use.
+"""Local objectives: the losses that eager training and the exported training programs both use.
 
 An objective is a frozen dataclass of hyperparameters (fixed for a round, or baked into an exported program) with a
 ``loss(logits, y, inputs)`` method. ``inputs`` holds what the loss needs besides the labels, by name, as declared in
 :attr:`Objective.inputs`: per-sample tensors such as the teacher's logits (indexed with each mini-batch) and
-per-round constants such as FedCAD's class weights. Each algorithm module defines and registers the objectives it
-trains with (``@register_objective``); :mod:`export` builds programs from the same classes, so the loss a device
-runs is the loss the simulator runs. What an algorithm adds to an objective (a proximal term, a contrastive term) is a
-local term (:mod:`fedge.learning.terms`).
+per-round constants such as FedCAD's class weights. Each algorithm module defines the objectives it trains with and
+declares them in its ``ALGORITHM``; :mod:`fedge.algorithms.catalog` finds them by kind, and :mod:`export` builds
+programs from the same classes, so the loss a device runs is the loss the simulator runs. What an algorithm adds to
+an objective (a proximal term, a contrastive term) is a local term (:mod:`fedge.learning.terms`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from fedge.errors import CodecError, ConfigError
-from fedge.registry import load_all
 from fedge.wire import fields as wire
 
 
@@ -63,34 +62,13 @@ class Objective(ABC):
         return wire.tag(self.kind, self)
 
 
-OBJECTIVES: dict[str, type[Objective]] = {}
-"""Every registered objective by kind; filled as the algorithm modules load (:func:`fedge.registry.load_all`)."""
-
-ObjectiveClass = TypeVar("ObjectiveClass", bound=type[Objective])
+ObjectiveT = TypeVar("ObjectiveT", bound=Objective)
 
 
-def register_objective(cls: ObjectiveClass) -> ObjectiveClass:
-    """Class decorator: make ``cls`` available by its ``kind`` to training and export."""
-    if cls.kind in OBJECTIVES and OBJECTIVES[cls.kind] is not cls:
-        raise ConfigError(f"objective kind {cls.kind!r} is registered twice")
-    OBJECTIVES[cls.kind] = cls
-    return cls
-
-
-def objective_kinds() -> tuple[str, ...]:
-    """Registered objective kinds, sorted."""
-    load_all()  # objectives live in the algorithm modules and register themselves on import
-    return tuple(sorted(OBJECTIVES))
-
-
-def make_objective(kind: str, params: Mapping[str, str] | None = None) -> Objective:
-    """The objective ``kind`` with hyperparameters parsed from strings (defaults for absent ones)."""
-    load_all()  # objectives live in the algorithm modules and register themselves on import
+def objective_from_params(cls: type[ObjectiveT], params: Mapping[str, str]) -> ObjectiveT:
+    """``cls`` with hyperparameters parsed from strings (defaults for absent ones); ConfigError naming what is wrong.
+    By kind: :func:`fedge.algorithms.catalog.make_objective`."""
     try:
-        cls = OBJECTIVES[kind]
-    except KeyError:
-        raise ConfigError(f"unknown objective {kind!r}; choose one of {', '.join(sorted(OBJECTIVES))}") from None
-    try:
-        return wire.from_params(cls, params or {})
+        return wire.from_params(cls, params)
     except CodecError as exc:
-        raise ConfigError(f"objective {kind!r}: {exc}") from None
+        raise ConfigError(f"objective {cls.kind!r}: {exc}") from None

@@ -17,7 +17,8 @@ the exporters (``export/executorch.py``, ``export/ort_training/graph.py``, which
 tensors and reference weights being program inputs) all call it, so a client computes the same expression on every
 runtime. A :class:`fedge.learning.training.TrainRequest` carries :class:`TermCall` s: a term with its round tensors.
 
-Each algorithm module defines and registers the terms it trains with (``@register_term``), as objectives are.
+Each algorithm module defines the terms it trains with and declares them in its ``ALGORITHM``, as objectives are
+(:mod:`fedge.algorithms.catalog` finds them by kind).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from torch import Tensor
 
 from fedge.errors import CodecError, ConfigError
 from fedge.learning.objectives import Objective
-from fedge.registry import load_all
 from fedge.types import StateDict
 from fedge.wire import fields as wire
 
@@ -138,61 +138,20 @@ def needs_representation(terms: Sequence[LocalTerm]) -> bool:
     return any(t.representation for t in terms)
 
 
-TERMS: dict[str, type[LocalTerm]] = {}
-"""Every registered term by kind; filled as the algorithm modules load (:func:`fedge.registry.load_all`)."""
-
-TermClass = TypeVar("TermClass", bound=type[LocalTerm])
+TermT = TypeVar("TermT", bound=LocalTerm)
 
 
-def register_term(cls: TermClass) -> TermClass:
-    """Class decorator: make ``cls`` available by its ``kind`` to training, export and the program files."""
-    if cls.kind in TERMS and TERMS[cls.kind] is not cls:
-        raise ConfigError(f"local term kind {cls.kind!r} is registered twice")
-    TERMS[cls.kind] = cls
-    return cls
-
-
-def term_kinds() -> tuple[str, ...]:
-    """Registered term kinds, sorted."""
-    load_all()  # terms live in the algorithm modules and register themselves on import
-    return tuple(sorted(TERMS))
-
-
-def make_term(kind: str, params: Mapping[str, str] | None = None) -> LocalTerm:
-    """The term ``kind`` with hyperparameters parsed from strings (defaults for absent ones)."""
-    load_all()
+def term_from_params(cls: type[TermT], params: Mapping[str, str]) -> TermT:
+    """``cls`` with hyperparameters parsed from strings (defaults for absent ones); ConfigError naming what is wrong.
+    By kind: :func:`fedge.algorithms.catalog.make_term`."""
     try:
-        cls = TERMS[kind]
-    except KeyError:
-        raise ConfigError(f"unknown local term {kind!r}; choose one of {', '.join(sorted(TERMS))}") from None
-    try:
-        return wire.from_params(cls, params or {})
+        return wire.from_params(cls, params)
     except CodecError as exc:
-        raise ConfigError(f"local term {kind!r}: {exc}") from None
-
-
-def parse_term(text: str) -> LocalTerm:
-    """A term from its command-line spelling ``KIND`` or ``KIND:name=value,...`` (e.g. ``prox:mu=0.1``)."""
-    kind, _, rest = text.partition(":")
-    params: dict[str, str] = {}
-    for part in filter(None, rest.split(",")):
-        name, eq, value = part.partition("=")
-        if not eq:
-            raise ConfigError(f"a local term is KIND or KIND:name=value,..., got {text!r}")
-        params[name.strip()] = value.strip()
-    return make_term(kind.strip(), params)
+        raise ConfigError(f"local term {cls.kind!r}: {exc}") from None
 
 
 def term_flag(term: LocalTerm) -> str:
-    """The spelling :func:`parse_term` reads back (every hyperparameter, by ``repr``, so nothing is rounded)."""
+    """The spelling :func:`fedge.algorithms.catalog.parse_term` reads back (every hyperparameter, by ``repr``, so
+    nothing is rounded)."""
     values = ",".join(f"{f.name}={getattr(term, f.name)!r}" for f in dataclasses.fields(term))
     return f"{term.kind}:{values}" if values else term.kind
-
-
-def terms_from_flags(texts: Sequence[str], prox_mu: float = 0.0) -> tuple[LocalTerm, ...]:
-    """The terms of an export command: each ``--term`` spelling (:func:`parse_term`), and ``--prox-mu`` > 0 as
-    FedProx's term ``prox:mu=...`` (a shorthand kept for the FedProx programs' commands)."""
-    terms = [parse_term(t) for t in texts]
-    if prox_mu > 0:
-        terms.append(make_term("prox", {"mu": repr(float(prox_mu))}))
-    return tuple(terms)

@@ -30,10 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedge.algorithms.catalog import make_objective, make_term
 from fedge.errors import ConfigError, ExportError
 from fedge.learning.models import build_model, example_input
-from fedge.learning.objectives import Objective, make_objective
-from fedge.learning.terms import LocalTerm, TermCall, make_term, term_flag
+from fedge.learning.objectives import Objective
+from fedge.learning.terms import LocalTerm, TermCall, term_flag
 
 FORMAT_VERSION = 3  # 3: the loss's local terms replace FedProx's prox_mu
 WRAPPER_PREFIX = "model."

@@ -28,9 +28,8 @@ from export.ort_training.artifacts import generate
 from export.ort_training.cache import ArtifactCache
 from export.ort_training.check import check_artifacts
 from export.ort_training.graph import StatBatchNorm
+from fedge.algorithms.catalog import make_objective, terms_from_flags
 from fedge.learning.models import exchanged_state
-from fedge.learning.objectives import make_objective
-from fedge.learning.terms import terms_from_flags
 from fedge.programs.spec import ModelSpec, TrainingLoss
 
 SEEDS = (7, *RETRY_SEEDS)  # export.gates.inputs.drift_request's samples, then the parity gate's retries

@@ -15,11 +15,11 @@ from edge_client.backends.executorch import ProgramDirectory, batch_bound
 from edge_client.backends.onnx_file import read_meta, replace_weights
 from edge_client.backends.runners import PteRunner, PteTrainer
 from export.cli import export_jobs
+from fedge.algorithms.catalog import make_objective, objective_classes, objective_kinds
 from fedge.algorithms.fedprox import Proximal
 from fedge.algorithms.moon import ModelContrastive
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
-from fedge.learning.objectives import OBJECTIVES, make_objective, objective_kinds
 from fedge.learning.terms import LocalTerm, term_flag
 from fedge.programs.planning import planned_trainings
 from fedge.programs.spec import ModelSpec, TrainingLoss, program_file_name
@@ -147,7 +147,7 @@ def test_fedge_export_with_its_defaults_writes_the_programs_a_default_client_loo
 def test_the_command_a_client_prints_for_a_missing_program_writes_that_program(kind: str, tmp_path: Path) -> None:
     spec = ModelSpec("fedavg_cnn", (1, 8, 8), 10)  # not the paper's 1x28x28, which `fedge export` defaults to
     hyper = {"tau": "2.5", "beta": "0.3", "gamma": "0.7"}  # none of them the defaults
-    fields = {f.name for f in dataclasses.fields(OBJECTIVES[kind])}
+    fields = {f.name for f in dataclasses.fields(objective_classes()[kind])}
     terms = (Proximal(mu=0.01), ModelContrastive(mu=0.3, tau=0.7))  # every hyperparameter of a term in the command
     loss = TrainingLoss(make_objective(kind, {k: v for k, v in hyper.items() if k in fields}), terms)
     with pytest.raises(ConfigError, match="export it with") as caught:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from fedge.algorithms.catalog import make_objective
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import ConfigError
-from fedge.learning.objectives import make_objective
 from fedge.programs.spec import ModelSpec, TrainingLoss, program_file_name
 from fedge_cli.main import main
 from fedge_io import manifest

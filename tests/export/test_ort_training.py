@@ -21,10 +21,10 @@ from safetensors.torch import load_file
 
 from edge_client.backends.ort_training import RUNTIME, ArtifactDirectory, artifact_dir_name
 from export.gates.drift import drift_parity
+from fedge.algorithms.catalog import make_objective, terms_from_flags
 from fedge.errors import ConfigError
 from fedge.learning.models import exchanged_state, load_exchanged_state
-from fedge.learning.objectives import make_objective
-from fedge.learning.terms import TermCall, terms_from_flags
+from fedge.learning.terms import TermCall
 from fedge.learning.training import SGDSettings, TrainRequest, train
 from fedge.programs.spec import ModelSpec, TrainingLoss, program_file_name
 

@@ -17,8 +17,8 @@ import torch
 from export import ties
 from export.gates import inputs, reference, stepwise
 from export.gates.report import ParityReport
+from fedge.algorithms.catalog import make_objective
 from fedge.learning.models import exchanged_state
-from fedge.learning.objectives import make_objective
 from fedge.learning.training import TrainRequest
 from fedge.learning.training import train as fedge_train
 from fedge.programs.spec import ModelSpec, TrainingLoss

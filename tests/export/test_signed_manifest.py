@@ -25,8 +25,8 @@ from mqtt_support import mosquitto_url  # noqa: F401 - a pytest fixture
 from coordinator.kit.accounts import FleetSpec
 from coordinator.kit.pki import make_ca
 from coordinator.kit.writer import generate_fleet_kit
+from fedge.algorithms.catalog import make_objective
 from fedge.errors import ConfigError
-from fedge.learning.objectives import make_objective
 from fedge.programs.spec import ModelSpec, TrainingLoss, program_file_name
 from fedge_cli.main import main
 from fedge_io import manifest, signing

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
+from fedge.algorithms.catalog import make_objective
 from fedge.learning.models import exchanged_state
-from fedge.learning.objectives import make_objective
 from fedge.programs.spec import ModelSpec, TrainingLoss
 from fedge.types import StateDict
 
@@ -81,10 +81,9 @@ def loss_of(kind: str, prox_mu: float = 0.0) -> TrainingLoss:
     """The objective ``kind`` with the non-default hyperparameters it has, and FedProx's term with ``prox_mu`` > 0."""
     import dataclasses
 
-    from fedge.learning.objectives import OBJECTIVES
-    from fedge.learning.terms import terms_from_flags
+    from fedge.algorithms.catalog import objective_classes, terms_from_flags
 
-    names = {f.name for f in dataclasses.fields(OBJECTIVES[kind])}
+    names = {f.name for f in dataclasses.fields(objective_classes()[kind])}
     objective = make_objective(kind, {k: v for k, v in NON_DEFAULT.items() if k in names})
     return TrainingLoss(objective, terms_from_flags((), prox_mu))
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fedge.algorithms.catalog import make_objective
 from fedge.config import RunConfig, TrainConfig
 from fedge.data.augment import Augmentation, augment_batch, black_level, preset
 from fedge.errors import ConfigError
-from fedge.learning.objectives import make_objective
 from fedge.learning.training import SGDSettings, TrainRequest, batch_order
 
 IMAGE = torch.arange(1.0, 10.0).view(1, 1, 3, 3)  # [[1, 2, 3], [4, 5, 6], [7, 8, 9]]

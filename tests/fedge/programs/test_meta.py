@@ -6,9 +6,8 @@ import json
 
 import pytest
 
+from fedge.algorithms.catalog import make_objective, make_term
 from fedge.errors import ExportError
-from fedge.learning.objectives import make_objective
-from fedge.learning.terms import make_term
 from fedge.programs.spec import FORMAT_VERSION, ModelSpec, ProgramMeta, TrainingLoss
 
 
