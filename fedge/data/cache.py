@@ -21,20 +21,33 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from fedge.errors import DatasetError
-
-if TYPE_CHECKING:
-    from fedge.data.datasets import Dataset
 
 log = logging.getLogger(__name__)
 
 ENV = "FEDGE_CACHE_DIR"
 FORMAT = "fedge-dataset-cache/1"
 _SPLITS = ("train", "test")
+
+
+class Split(Protocol):
+    """What the cache stores of a split (:class:`fedge.data.datasets.Dataset` is one)."""
+
+    @property
+    def x(self) -> np.ndarray: ...
+    @property
+    def y(self) -> np.ndarray: ...
+    @property
+    def num_classes(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+
+
+SplitT = TypeVar("SplitT", bound=Split)
 
 
 def cache_root() -> Path | None:
@@ -52,8 +65,8 @@ def cache_root() -> Path | None:
 
 
 def cached_splits(
-    sources: Sequence[Path], recipe: str, decode: Callable[[], tuple[Dataset, Dataset]], kind: type[Dataset]
-) -> tuple[Dataset, Dataset]:
+    sources: Sequence[Path], recipe: str, decode: Callable[[], tuple[SplitT, SplitT]], kind: Callable[..., SplitT]
+) -> tuple[SplitT, SplitT]:
     """``decode()``'s (train, test) splits, from the cache when ``sources`` and ``recipe`` (what decoding does, with
     its version) are those of a cached entry; otherwise decoded and cached. ``kind``: the dataset class, passed by
     :mod:`fedge.data.datasets` (which imports this module) to rebuild cached splits."""
@@ -81,7 +94,7 @@ def _key(sources: Sequence[Path], recipe: str) -> str:
     return digest.hexdigest()[:32]
 
 
-def _read(entry: Path, kind: type[Dataset]) -> tuple[Dataset, Dataset] | None:
+def _read(entry: Path, kind: Callable[..., SplitT]) -> tuple[SplitT, SplitT] | None:
     try:
         meta = json.loads((entry / "meta.json").read_text())
         if meta.get("format") != FORMAT:
@@ -102,7 +115,7 @@ def _read(entry: Path, kind: type[Dataset]) -> tuple[Dataset, Dataset] | None:
     return splits[0], splits[1]
 
 
-def _write(root: Path, entry: Path, splits: tuple[Dataset, Dataset]) -> None:
+def _write(root: Path, entry: Path, splits: tuple[Split, Split]) -> None:
     """Write the entry beside its place and rename it there whole (another process may be writing the same one)."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
