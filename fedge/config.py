@@ -15,11 +15,14 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedge.data.augment import PRESETS
 from fedge.errors import ConfigError
 from fedge.registry import ALGORITHMS, get_algorithm
+
+if TYPE_CHECKING:
+    from fedge.compression.strategy import Compression
 
 log = logging.getLogger(__name__)
 
@@ -274,9 +277,7 @@ class RunConfig:
         _check(self.eval_samples >= 0, "eval_samples must be >= 0")
         _check(self.train_size >= 0, f"train_size must be >= 0, got {self.train_size}")
         _check(self.open_size >= 0 and self.private_size >= 0, "open_size and private_size must be >= 0")
-        from fedge.compression.strategy import Compression  # on use: it imports torch, which `fedge --help` need not
-
-        Compression.of(self)  # ConfigError for a scheme that does not parse or does not fit the algorithm
+        _ = self.compression  # ConfigError for a scheme that does not parse or does not fit the algorithm
         _check(
             math.isfinite(self.secagg_clip) and self.secagg_clip > 0,
             f"secagg_clip must be a positive number, got {self.secagg_clip}",
@@ -296,6 +297,15 @@ class RunConfig:
         self._check_differential_privacy()
         self._check_simulated_time()
         self._check_buffered()
+
+    @property
+    def compression(self) -> Compression:
+        """The schemes of what travels (``upload_codec``, ``broadcast_codec``), as they fit the algorithm's exchange;
+        ConfigError for one that does not parse or does not fit."""
+        from fedge.compression.strategy import Compression  # on use: it imports torch, which `fedge --help` need not
+
+        weights = get_algorithm(self.algorithm).exchange == "weights"
+        return Compression.parse(self.upload_codec, self.broadcast_codec, weights=weights)
 
     @property
     def simulated_time(self) -> bool:

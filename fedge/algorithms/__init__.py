@@ -6,8 +6,9 @@ server half of a run's algorithm, wrapped in the run's compression and secure ag
 from __future__ import annotations
 
 from fedge.algorithms.base import CheckedReply, ClientData, ClientStore, ServerContext, Strategy
-from fedge.compression.strategy import compressed, decode_broadcast, encode_update
-from fedge.config import RunConfig
+from fedge.algorithms.compressed import compressed
+from fedge.compression.strategy import decode_broadcast, encode_update
+from fedge.config import AlgorithmSettings, RunConfig
 from fedge.errors import CodecError
 from fedge.learning.backend import Backend
 from fedge.privacy.strategy import privatized
@@ -16,9 +17,10 @@ from fedge.secagg.strategy import secured
 from fedge.wire.message import Message
 
 
-def make_strategy(config: RunConfig, context: ServerContext) -> Strategy:
+def make_strategy(config: RunConfig, context: ServerContext) -> Strategy[AlgorithmSettings]:
     """The server half of ``config.algorithm``, as the run's compression and secure aggregation (or DP-FedAvg, which
-    runs secure aggregation itself) wrap it."""
+    runs secure aggregation itself) wrap it. Typed by the settings base: what an algorithm's own settings add is its
+    module's to read (``strategy.settings.prox_mu`` does not pass the type checker here)."""
     inner = compressed(get_algorithm(config.algorithm).server(config, context), config)
     return (
         privatized(inner, config, CheckedReply) if config.differential_privacy else secured(inner, config, CheckedReply)

@@ -175,7 +175,7 @@ class ServerContext:
 class Strategy(ABC, Generic[SettingsT]):
     """The server half of an algorithm. Subclasses hold the global state and change it only in ``aggregate``."""
 
-    report_type: ClassVar[type[UpdateReport]] = UpdateReport
+    report_type: type[UpdateReport] = UpdateReport  # a subclass's own; a wrapper's, the wrapped strategy's
     reply_tolerance: float = 0.0
     """Error per value in [0, 1] that the run's upload compression may add (:mod:`fedge.compression.strategy`): checks
     of probability rows allow it."""

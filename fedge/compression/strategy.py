@@ -1,10 +1,10 @@
 """Compression between the algorithms and the transports: what a round's messages carry when a run compresses.
 
-An algorithm never sees a coded tensor. On the server, :class:`CompressedStrategy` wraps the algorithm's
-:class:`~fedge.algorithms.base.Strategy`: it encodes the round's broadcast, tells every task which scheme its reply
-must use, and decodes each reply (refusing one that declares another scheme, or whose coded tensors do not fit)
-before the algorithm's own checks and aggregation see it. On a client, :func:`decode_broadcast` and
-:func:`encode_update` do the same around the client half (see :func:`fedge.algorithms.run_client_step`).
+An algorithm never sees a coded tensor. On the server, :class:`fedge.algorithms.compressed.CompressedStrategy`
+wraps the algorithm's strategy with the run's :class:`Compression`: it encodes the round's broadcast, tells every task
+which scheme its reply must use, and decodes each reply (refusing one that declares another scheme, or whose coded
+tensors do not fit) before the algorithm's own checks and aggregation see it. On a client, :func:`decode_broadcast`
+and :func:`encode_update` do the same around the client half (see :func:`fedge.algorithms.run_client_step`).
 
 What travels, in a message's params (besides the coded tensors, see :mod:`fedge.compression.codecs`):
 
@@ -23,32 +23,16 @@ resets. Aggregation works on decoded float32 tensors; sampling and seeds never d
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fedge.compression import codecs as cz
 from fedge.compression.codecs import Residual, Scheme, TensorSpec
 from fedge.errors import CodecError, ConfigError
-from fedge.registry import get_algorithm
-from fedge.types import ClientId
 from fedge.wire.message import MAX_PAYLOAD_BYTES, Message
 from fedge.wire.protocol import RAW_BYTES, SESSION
-
-if TYPE_CHECKING:
-    from fedge.algorithms.base import (
-        CheckedReply,
-        ClientStore,
-        Evaluation,
-        RoundPlan,
-        Strategy,
-        StrategyState,
-        UpdateReport,
-    )
-    from fedge.algorithms.base import TensorSpec as SpecTuple
-    from fedge.config import RunConfig
 
 UPLOAD_PREFIX = "codec.up."
 SHAPE_PREFIX = "codec-shape."
@@ -67,16 +51,17 @@ class Compression:
     weights: bool = True  # the algorithm exchanges model weights (uploads are deltas) rather than outputs
 
     @classmethod
-    def of(cls, config: RunConfig) -> Compression:
-        """The run's schemes; ConfigError for one that cannot apply to its algorithm."""
-        weights = get_algorithm(config.algorithm).exchange == "weights"
+    def parse(cls, upload_codec: str, broadcast_codec: str, *, weights: bool) -> Compression:
+        """The schemes ``--upload-codec`` and ``--broadcast-codec`` name, for an algorithm that exchanges model
+        weights (``weights``) or outputs; ConfigError for one that cannot apply (:attr:`fedge.config.RunConfig.
+        compression` is a run's)."""
         # Outputs (soft labels, logits) are compressed row by row unless told otherwise; weights per tensor.
         unit = "tensor" if weights else "row"
-        upload = Scheme.parse(config.upload_codec, granularity=unit)
-        broadcast = Scheme.parse(config.broadcast_codec, granularity=unit)
+        upload = Scheme.parse(upload_codec, granularity=unit)
+        broadcast = Scheme.parse(broadcast_codec, granularity=unit)
         if weights and broadcast.name not in ("float32", "float16"):
             raise ConfigError(
-                f"--broadcast-codec {config.broadcast_codec}: a weight broadcast can be float32 or float16 only "
+                f"--broadcast-codec {broadcast_codec}: a weight broadcast can be float32 or float16 only "
                 "(a client sampled for the first time holds no earlier model to decode a delta against)"
             )
         if weights and upload.name != "float32":
@@ -105,12 +90,10 @@ class Compression:
         return 0.0  # float32; top-k keeps each row's sum and its values' order
 
 
-# --- server side ----------------------------------------------------------------------------------------------------
+# --- both sides -----------------------------------------------------------------------------------------------------
 
 
-def _delta_reference(
-    expect: Mapping[str, TensorSpec], broadcast: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
+def delta_reference(expect: Mapping[str, TensorSpec], broadcast: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What a weight upload is a delta against: the broadcast's tensor of the same name and shape, else zeros."""
     out = {}
     for name, spec in expect.items():
@@ -146,11 +129,14 @@ def _declared_specs(message: Message) -> dict[str, TensorSpec]:
     return expect
 
 
-def _without_codec(params: Mapping[str, str]) -> dict[str, str]:
+def without_codec(params: Mapping[str, str]) -> dict[str, str]:
+    """``params`` without the codec's entries."""
     return {k: v for k, v in params.items() if not k.startswith(("codec.", "codec-"))}
 
 
-def _encode_message(message: Message, scheme: Scheme, encoded: cz.Encoded, shapes: bool) -> Message:
+def encode_message(message: Message, scheme: Scheme, encoded: cz.Encoded, shapes: bool) -> Message:
+    """``message`` carrying ``encoded`` (and, with ``shapes``, the shapes of its float32 tensors) instead of its own
+    tensors."""
     params = dict(message.params)
     params.update(encoded.meta)
     params[RAW_BYTES] = str(encoded.raw_bytes)
@@ -159,84 +145,6 @@ def _encode_message(message: Message, scheme: Scheme, encoded: cz.Encoded, shape
             if t.dtype == torch.float32:
                 params[SHAPE_PREFIX + name] = ",".join(str(d) for d in t.shape)
     return replace(message, params=params, tensors=encoded.tensors)
-
-
-class CompressedStrategy:
-    """A :class:`~fedge.algorithms.base.Strategy` whose messages travel compressed; the algorithm sees float32.
-
-    Everything that is not about messages (evaluation, state, global weights, settings) is the wrapped strategy's.
-    """
-
-    def __init__(self, inner: Strategy, compression: Compression) -> None:
-        self.inner = inner
-        self.compression = compression
-        self._reference: dict[str, torch.Tensor] = {}  # this round's broadcast as the clients decode it
-        if compression.upload.name != "float32":
-            inner.reply_tolerance = compression.probability_error()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)  # config, settings, name, global_weights, state, ...
-
-    def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
-        plan = self.inner.configure(rnd, clients)
-        broadcast = plan.broadcast
-        self._reference = dict(broadcast.tensors) if broadcast is not None else {}
-        c = self.compression
-        if broadcast is not None and c.broadcast.name != "float32":
-            generator = torch.Generator().manual_seed(rnd) if c.broadcast.stochastic else None
-            encoded = cz.encode(broadcast.tensors, c.broadcast, generator=generator)
-            broadcast = _encode_message(broadcast, c.broadcast, encoded, shapes=True)
-            self._reference = dict(decode_broadcast(broadcast).tensors)  # what clients will hold
-        tasks = plan.tasks
-        if c.upload.name != "float32":
-            extra = c.upload.to_meta(UPLOAD_PREFIX) | ({FEEDBACK: "1"} if c.feedback else {})
-            tasks = {cid: replace(t, params={**t.params, **extra}) for cid, t in tasks.items()}
-        return replace(plan, broadcast=broadcast, tasks=tasks)
-
-    def accept(self, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
-        """Decode ``reply`` under the scheme its task asked for (CodecError otherwise), then the algorithm's checks;
-        the decoded update is what :meth:`aggregate` receives."""
-        scheme = self.compression.upload
-        decoded = reply
-        if scheme.name != "float32":
-            expect = {k: TensorSpec(shape, dtype) for k, (shape, dtype) in self.inner.reply_tensors().items()}
-            reference = _delta_reference(expect, self._reference) if scheme.delta else None
-            tensors = cz.decode(reply.tensors, reply.params, expect, scheme=scheme, reference=reference)
-            decoded = replace(reply, params=_without_codec(reply.params), tensors=tensors)
-        return self.inner.accept(rnd, client, decoded)
-
-    def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
-        return self.accept(rnd, client, reply).report
-
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
-        """``replies``: what :meth:`accept` returned (the updates decoded)."""
-        return self.inner.aggregate(rnd, replies)
-
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
-        return self.inner.evaluate(x, y)
-
-    def reply_tensors(self) -> dict[str, SpecTuple]:
-        return self.inner.reply_tensors()
-
-    def wire_reply_tensors(self) -> dict[str, SpecTuple]:
-        """What a valid reply carries on the wire: the coded parts of :meth:`reply_tensors`."""
-        expect = {k: TensorSpec(shape, dtype) for k, (shape, dtype) in self.inner.reply_tensors().items()}
-        coded = cz.coded_specs(expect, self.compression.upload)
-        return {k: (s.shape, s.dtype) for k, s in coded.items()}
-
-    def state(self) -> StrategyState:
-        return self.inner.state()
-
-    def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
-        self.inner.load_state(tensors, values)
-
-
-def compressed(strategy: Strategy, config: RunConfig) -> Strategy:
-    """``strategy`` wrapped for the run's compression, or itself when the run sends float32 both ways."""
-    compression = Compression.of(config)
-    if not compression.active:
-        return strategy
-    return CompressedStrategy(strategy, compression)  # type: ignore[return-value]  # a Strategy by delegation
 
 
 # --- client side ----------------------------------------------------------------------------------------------------
@@ -250,14 +158,16 @@ def decode_broadcast(broadcast: Message) -> Message:
     if declared.delta:
         raise CodecError("a broadcast cannot be a delta: clients hold no common reference")
     tensors = cz.decode(broadcast.tensors, broadcast.params, _declared_specs(broadcast))
-    return replace(broadcast, params=_without_codec(broadcast.params), tensors=tensors)
+    return replace(broadcast, params=without_codec(broadcast.params), tensors=tensors)
 
 
 def _session_tensor(session: str) -> torch.Tensor:
     return torch.tensor(list(session.encode()), dtype=torch.uint8)
 
 
-def encode_update(task: Message, update: Message, broadcast: Message | None, store: ClientStore) -> Message:
+def encode_update(
+    task: Message, update: Message, broadcast: Message | None, store: MutableMapping[str, torch.Tensor]
+) -> Message:
     """``update`` coded under the scheme ``task`` asks for (itself when it asks for none).
 
     Weight deltas are taken against ``broadcast`` (already decoded); with error feedback, what this round does not
@@ -271,7 +181,7 @@ def encode_update(task: Message, update: Message, broadcast: Message | None, sto
     # Stochastic rounding draws from the task's own shuffle seed: the same task gives the same bytes anywhere.
     seed = int(task.params.get("seed", "0")) if task.params.get("seed", "0").isdigit() else 0
     generator = torch.Generator().manual_seed(seed) if scheme.stochastic else None
-    reference = _delta_reference(expect, broadcast.tensors if broadcast else {}) if scheme.delta else None
+    reference = delta_reference(expect, broadcast.tensors if broadcast else {}) if scheme.delta else None
     if task.params.get(FEEDBACK) == "1":
         session = _session_tensor(task.transport.get(SESSION, ""))
         previous = store.get(_SESSION_KEY)
@@ -288,4 +198,4 @@ def encode_update(task: Message, update: Message, broadcast: Message | None, sto
         store[_SESSION_KEY] = session
     else:
         encoded = cz.encode(update.tensors, scheme, reference=reference, generator=generator)
-    return _encode_message(update, scheme, encoded, shapes=False)
+    return encode_message(update, scheme, encoded, shapes=False)

@@ -13,10 +13,12 @@ from coordinator.replies import RoundContext, judge_reply
 from edge_client.client import EdgeClient
 from fedge.accounting.ledger import read_ledger_csv
 from fedge.algorithms import make_strategy
-from fedge.algorithms.base import ServerContext
+from fedge.algorithms.base import ServerContext, Strategy
+from fedge.algorithms.compressed import CompressedStrategy
 from fedge.algorithms.dsfl import DSFLSettings
+from fedge.algorithms.fednova import FedNovaReport
 from fedge.compression import codecs as cz
-from fedge.compression.strategy import FEEDBACK, UPLOAD_PREFIX, CompressedStrategy, Compression
+from fedge.compression.strategy import FEEDBACK, UPLOAD_PREFIX
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import CodecError, ConfigError
 from fedge.learning.backend import TorchBackend
@@ -46,9 +48,9 @@ def _run(tmp_path: Path, name: str, **changes: object):  # type: ignore[no-untyp
 
 
 def test_schemes_are_checked_against_the_algorithm() -> None:
-    c = Compression.of(dataclasses.replace(BASE, upload_codec="int8", broadcast_codec="float16"))
+    c = dataclasses.replace(BASE, upload_codec="int8", broadcast_codec="float16").compression
     assert c.upload.delta and c.upload.granularity == "tensor"  # weights travel as deltas
-    c = Compression.of(dataclasses.replace(BASE, algorithm="dsfl", algo=None, upload_codec="topk:k=2"))
+    c = dataclasses.replace(BASE, algorithm="dsfl", algo=None, upload_codec="topk:k=2").compression
     assert c.upload.granularity == "row" and not c.upload.delta  # soft labels: per row, absolute
     with pytest.raises(ConfigError, match="a weight broadcast can be float32 or float16 only"):
         dataclasses.replace(BASE, broadcast_codec="int8")
@@ -56,6 +58,24 @@ def test_schemes_are_checked_against_the_algorithm() -> None:
         dataclasses.replace(BASE, upload_codec="int4")
     with pytest.raises(ConfigError, match="topk needs exactly one of k > 0 or density"):
         dataclasses.replace(BASE, upload_codec="topk")
+
+
+def test_the_wrapper_is_a_strategy_that_answers_as_the_algorithm_does() -> None:
+    """No delegation by attribute lookup: every Strategy member is the wrapper's, the non-message ones the algorithm's
+    (FedNova's report type, its state, its global weights)."""
+    config = dataclasses.replace(BASE, algorithm="fednova", algo=None, upload_codec="int8")
+    exp = prepare(config)
+    strategy = exp.strategy("run")
+    assert isinstance(strategy, CompressedStrategy) and isinstance(strategy, Strategy)
+    inner = strategy.inner
+    assert strategy.report_type is FedNovaReport is inner.report_type
+    assert strategy.reply_tolerance == inner.reply_tolerance > 0  # int8 rows: the algorithm's checks allow it
+    assert strategy.settings is inner.settings and strategy.stop_before(1) == inner.stop_before(1) == ""
+    assert strategy.global_weights() is inner.global_weights()
+    tensors, values = strategy.state()
+    assert tensors.keys() == inner.state()[0].keys() and values == inner.state()[1]
+    with pytest.raises(AttributeError):
+        strategy.averaging_weights  # noqa: B018  # FedAvg's own method is not a Strategy's: not passed through
 
 
 def test_int8_weight_deltas_and_a_float16_broadcast_cut_bytes_and_keep_the_model(tmp_path: Path) -> None:
@@ -139,7 +159,7 @@ def test_ds_fl_soft_labels_travel_compressed_and_still_face_the_probability_chec
     assert reply.tensor_bytes < 200 * 10 * 4 * 0.6  # fewer bytes than float32 soft labels
     strategy.check_reply(1, "c000", reply)
     # A hostile client's rows that are no probability vectors are still refused after decoding.
-    coded = cz.encode({"soft_labels": torch.full((200, 10), 0.5)}, Compression.of(config).upload)
+    coded = cz.encode({"soft_labels": torch.full((200, 10), 0.5)}, config.compression.upload)
     hostile = dataclasses.replace(reply, tensors=coded.tensors, params={**reply.params, **coded.meta})
     with pytest.raises(CodecError, match="probability vectors"):
         strategy.check_reply(1, "c000", hostile)
