@@ -11,7 +11,8 @@ Three experiments, each cell an in-process run through the same round engine, re
   set, attack success (the share of triggered test images outside ``TARGET`` classified as ``TARGET``; the honest run
   gives the baseline), rounds skipped and updates refused or left out.
 - ``long``: the ``backdoor`` setting (IID) to round 40, under FLAME (the default), FLAME with noise, the median and
-  the clip: does a rule that holds to round 20 keep holding?
+  the clip, and FLAME with ``--max-update-ratio 5``: does a rule that holds to round 20 keep holding? Then a tenth of
+  each poisoner's data under both FLAMEs.
 - ``secagg``: the ``backdoor`` setting under secure aggregation, where the server sees only the sum and every robust
   rule is refused: what remains is each client's own clip to ``--secagg-clip`` (the default, 5, and 1) before masking.
 - ``dsfl``: DS-FL on digits (tiny_mlp, IID, 10 clients, 300 open samples a round), 0, 1 or 3 clients uploading
@@ -67,7 +68,10 @@ RULES: dict[str, FedAvgSettings] = {  # the FedAvg-family candidates, each with 
     "trimmed_mean": FedAvgSettings(robust="trimmed_mean"),
     "flame": FedAvgSettings(robust="flame"),
     "flame+noise": FedAvgSettings(robust="flame", noise_factor=0.001),  # FLAME's lambda for image tasks
+    "flame+ratio5": FedAvgSettings(robust="flame", max_update_ratio=5.0),  # a tighter update bound (experiment long)
 }
+BACKDOOR_RULES = ("mean", "clip1", "clip1+noise", "median", "trimmed_mean", "flame", "flame+noise")
+LONG_RULES = ("flame", "flame+noise", "median", "clip1", "flame+ratio5")
 DSFL_RULES = ("mean/era", "median/era", "mean/sa", "median/sa")
 COST_RULES = ("mean", "clip1", "median", "flame")
 
@@ -141,18 +145,22 @@ def cells(experiment: str) -> list[tuple[str, Any]]:
                     )
     elif experiment == "backdoor":
         for attackers in (0, 1, 3):
-            for rule in RULES:
+            for rule in BACKDOOR_RULES:
                 config = fedavg_config("digits", "iid", rule, rounds=20, epochs=2, lr=0.1)
                 out.append((f"{rule}-a{attackers}", lambda c=config, a=attackers: run_fedavg(prepare(c), a)))
         for rule in ("clip1", "flame", "median", "mean"):  # non-IID: 2-class shards
             for attackers in (0, 1, 3):
                 config = fedavg_config("digits", "shards", rule, rounds=20, epochs=2, lr=0.1)
                 out.append((f"shards-{rule}-a{attackers}", lambda c=config, a=attackers: run_fedavg(prepare(c), a)))
-    elif experiment == "long":  # IID, to round 40
-        for rule in ("flame", "flame+noise", "median", "clip1"):
+    elif experiment == "long":  # IID, to round 40; then the weaker poisoning (a tenth of the data) under FLAME
+        for rule in LONG_RULES:
             for attackers in (0, 1, 3):
                 config = fedavg_config("digits", "iid", rule, rounds=40, epochs=2, lr=0.1)
                 out.append((f"{rule}-a{attackers}", lambda c=config, a=attackers: run_fedavg(prepare(c), a)))
+        for rule in ("flame", "flame+ratio5"):
+            for attackers in (1, 3):
+                config = fedavg_config("digits", "iid", rule, rounds=40, epochs=2, lr=0.1)
+                out.append((f"weak-{rule}-a{attackers}", lambda c=config, a=attackers: run_fedavg(prepare(c), a, 0.1)))
     elif experiment == "secagg":  # what holds where the server sees only the sum: each client's own clip
         for clip in (SECAGG_CLIP, 1.0):
             for attackers in (0, 1, 3):
@@ -198,6 +206,9 @@ def cells(experiment: str) -> list[tuple[str, Any]]:
         for rule in ("mean", "clip1", "flame"):  # does FLAME's cost on LDA 0.1 shrink with rounds?
             config = fedavg_config("mnist", "dirichlet", rule, rounds=20, epochs=1, lr=0.05)
             out.append((f"dirichlet-{rule}-r20", lambda c=config: run_fedavg(prepare(c), 0)))
+        for partition, rule in (("dirichlet", "flame+ratio5"), ("shards", "flame"), ("shards", "flame+ratio5")):
+            config = fedavg_config("mnist", partition, rule, rounds=20, epochs=1, lr=0.05)  # the tighter bound's cost
+            out.append((f"{partition}-{rule}-r20", lambda c=config: run_fedavg(prepare(c), 0)))
     return out
 
 
@@ -211,7 +222,7 @@ def table(out: Path) -> None:
     print("Backdoor (digits, 10 clients, 20 rounds): clean accuracy / attack success / skipped rounds / refusals")
     print("| rule | honest | 1 of 10 poisoning | 3 of 10 poisoning |")
     print("|---|---|---|---|")
-    for rule in RULES:
+    for rule in BACKDOOR_RULES:
         row = []
         for a in (0, 1, 3):
             c = got.get(f"backdoor-{rule}-a{a}")
@@ -226,7 +237,7 @@ def table(out: Path) -> None:
     print("refusals at round 40")
     print("| rule | honest | 1 of 10 poisoning | 3 of 10 poisoning |")
     print("|---|---|---|---|")
-    for rule in ("flame", "flame+noise", "median", "clip1"):
+    for rule in LONG_RULES:
         row = []
         for a in (0, 1, 3):
             c = got.get(f"long-{rule}-a{a}")
@@ -235,6 +246,21 @@ def table(out: Path) -> None:
                 continue
             at = " / ".join(pct(c["success_by_round"][r - 1]) for r in (10, 20, 25, 30, 40))
             row.append(f"{at}; {pct(c['clean_by_round'][-1])}, {c['refused']} refused")
+        print(f"| {rule} | " + " | ".join(row) + " |")
+    print("\nA tenth of each poisoner's data, to round 40 (IID): attack success at rounds 10 / 20 / 25 / 30 / 40;")
+    print("refusals (the honest runs are the table's above)")
+    print("| rule | 1 of 10 poisoning | 3 of 10 poisoning |")
+    print("|---|---|---|")
+    for rule in ("flame", "flame+ratio5"):
+        row = []
+        for a in (1, 3):
+            c = got.get(f"long-weak-{rule}-a{a}")
+            if c is None:
+                row.append("-")
+                continue
+            row.append(
+                " / ".join(pct(c["success_by_round"][r - 1]) for r in (10, 20, 25, 30, 40)) + f"; {c['refused']}"
+            )
         print(f"| {rule} | " + " | ".join(row) + " |")
     print("\nUnder secure aggregation (each client's own clip; IID, as above)")
     print("| client clip | honest | 1 of 10 poisoning | 3 of 10 poisoning |")
@@ -323,12 +349,14 @@ def table(out: Path) -> None:
                     f"| {r}, {k} absent | {100 * max(max(g[2:6]) for g in gaps):.1f} | {100 * max(mean[2:6]):.1f} | "
                     f"{100 * max(mean[6:]):.1f} | {100 * mean[-1]:.1f} |"
                 )
-    print("\nHonest-run cost (MNIST, tiny_mlp, 10 clients, 10 rounds; 20 in the last column): final accuracy (best)")
-    print("| rule | shards s=2 | LDA alpha 0.1 | LDA alpha 0.1, 20 rounds |")
-    print("|---|---|---|---|")
-    for rule in ("mean", "clip1", "median", "trimmed_mean", "flame", "flame+noise"):
+    print(
+        "\nHonest-run cost (MNIST, tiny_mlp, 10 clients, 10 rounds; 20 in the last two columns): final accuracy (best)"
+    )
+    print("| rule | shards s=2 | LDA alpha 0.1 | LDA alpha 0.1, 20 rounds | shards s=2, 20 rounds |")
+    print("|---|---|---|---|---|")
+    for rule in ("mean", "clip1", "median", "trimmed_mean", "flame", "flame+noise", "flame+ratio5"):
         row = []
-        for cell in ("shards-" + rule, "dirichlet-" + rule, f"dirichlet-{rule}-r20"):
+        for cell in ("shards-" + rule, "dirichlet-" + rule, f"dirichlet-{rule}-r20", f"shards-{rule}-r20"):
             c = got.get(f"cost-{cell}")
             acc = c["clean_by_round"] if c else None
             row.append("-" if acc is None else f"{pct(acc[-1])} ({pct(max(acc))})")
