@@ -91,7 +91,7 @@ def experiment(cache: dict[str, Experiment], algorithm: str) -> Experiment:
     return cache[algorithm]
 
 
-@pytest.mark.parametrize("algorithm", ["fedntd", "scaffold", "fd", "dsfl"])
+@pytest.mark.parametrize("algorithm", ["fedntd", "scaffold", "fedadam", "fd", "dsfl"])
 def test_an_interrupted_run_resumes_to_the_same_result_bit_for_bit(
     tmp_path: Path, algorithm: str, experiments: dict[str, Experiment]
 ) -> None:
