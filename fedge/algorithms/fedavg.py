@@ -4,7 +4,10 @@ cross-entropy, average the returned weights by data size.
 This module also holds the weight-exchange flow that FedNTD, FedLSD, FedCAD, FedProx and SCAFFOLD reuse: their
 modules subclass :class:`FedAvgClient` and override one hook (:meth:`FedAvgClient.objective` for a different loss,
 :meth:`FedAvgClient.request` for a different training request, :meth:`FedAvgClient.report` for more reported numbers),
-as Flower's FedProx overrides one method.
+as Flower's FedProx overrides one method. The server half is one flow too: :meth:`FedAvg.aggregate` averages, then
+:meth:`FedAvg.server_step` moves the model by the strategy's server optimizer (:mod:`fedge.aggregation.server_step`):
+FedAdam overrides :meth:`FedAvg.server_optimizer` only, SCAFFOLD and FedDyn :meth:`FedAvg.server_step` to update their
+own server state around it.
 """
 
 from __future__ import annotations
