@@ -45,18 +45,8 @@ pytestmark = pytest.mark.broker
 RUN = "dsfl-liars"
 ROUNDS = 10
 FLAGS = ["--algorithm", "dsfl", "--dataset", "digits", "--model", "tiny_mlp", "--num-clients", "10"]
-FLAGS += [
-    "--rounds",
-    str(ROUNDS),
-    "--partition",
-    "iid",
-    "--local-epochs",
-    "2",
-    "--lr",
-    "0.1",
-    "--open-per-round",
-    "300",
-]
+FLAGS += ["--rounds", str(ROUNDS), "--partition", "iid", "--local-epochs", "2", "--lr", "0.1"]
+FLAGS += ["--open-per-round", "300"]
 LIARS = ("c000", "c001", "c002")
 HELD_FROM = 8  # the first round from which the defaults hold both (measured, seed 0)
 
