@@ -9,7 +9,9 @@ processes each holding its provisioned data file, and the model is the one the s
 (the broker, the kit and the processes change nothing in what the defaults decide). Three poisoners: the clients
 serve from threads of the test (real bundles, the same broker), which start in a fraction of the time of ten
 processes. One kit and one broker serve both; the honest baseline is one in-process run. The same fleet shows round
-1's update bound as tight as round 2's: a sign flip at 12 x an honest update's norm is refused in both.
+1's update bound as tight as round 2's: a sign flip at 12 x an honest update's norm is refused in both; and a run
+stopped after round 1 whose journal has a weight altered and its SHA-256 recomputed is refused on resume (the
+journal's HMAC, under a key outside the run directory).
 
 10 rounds: with three poisoners FLAME holds to round 16 and then lets the backdoor climb (6.2% at round 20 against
 1.2% honest, then 25.2% at 25, 53.3% at 30, 88.1% at 40; ``experiments/backdoor.py long``, docs/deployment.md). The
@@ -18,6 +20,8 @@ processes. One kit and one broker serve both; the honest baseline is one in-proc
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -27,7 +31,7 @@ import pytest
 import torch
 from insiders import BACKDOOR_TARGET, Scaled, poisoned, refused, trigger
 from mqtt_support import require_mosquitto
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from coordinator.engine import RoundEngine
 from coordinator.kit.writer import FleetKit
@@ -35,8 +39,10 @@ from coordinator.run import provision_fleet, run_coordinator
 from edge_client.client import EdgeClient
 from edge_client.data import ClientDataInfo, save_client_data
 from edge_client.mqtt import MqttEdgeClient
+from fedge.accounting.records import RoundRecord
 from fedge.algorithms.base import evaluate_model
 from fedge.config import RunConfig
+from fedge.errors import JournalError
 from fedge.learning.backend import TorchBackend
 from fedge.learning.models import build_model, load_exchanged_state
 from fedge_cli.main import _run_config, build_parser
@@ -203,3 +209,41 @@ def test_an_update_out_of_bound_is_refused_in_round_one_as_in_round_two_over_the
         result = _coordinate(fleet, exp, fleet.root / "round-one", rejoin_grace=1.0)
     assert [refused(r) for r in result.rounds] == [{attacker}, {attacker}]
     assert all(attacker not in r.replied for r in result.rounds)
+
+
+class _Stopped(Exception):
+    """Raised after round 1: the coordinator leaves as after a crash, round 1 in its journal."""
+
+
+def test_a_journal_weight_altered_with_its_checksum_recomputed_is_refused_on_resume(fleet: Fleet) -> None:
+    """What someone who can write the run directory (but not read the journal key, which lives outside it) does to
+    a stopped run: alter one weight of the journal's tensor file, write its new SHA-256 into journal.json, resume.
+    ``tests/fedge_io/test_journal.py`` checks the journal itself; here the coordinator refuses before connecting."""
+    exp = prepare(dataclasses.replace(fleet.config, rounds=2))
+    out = fleet.root / "journaled"
+
+    def stop(_: RoundRecord) -> None:
+        raise _Stopped
+
+    with _served(fleet, [_honest(exp, c) for c in sorted(exp.parts)]), pytest.raises(_Stopped):
+        coordinator = load_bundle(fleet.kit.coordinator_dir, broker=fleet.url)
+        run_coordinator(
+            exp.config,
+            out,
+            broker=coordinator.address,
+            run=RUN,
+            provisioned=coordinator.clients,
+            round_timeout=60,
+            join_timeout=120,
+            experiment=exp,
+            on_round=stop,
+        )
+    record = json.loads((out / "journal.json").read_text())
+    tensors = load_file(out / record["tensors"])
+    name = next(n for n, t in sorted(tensors.items()) if n.startswith("strategy/") and t.is_floating_point())
+    tensors[name].view(-1)[0] += 1.0
+    save_file(tensors, out / record["tensors"], metadata={"format": "fedge-journal/2"})
+    record["tensors_sha256"] = hashlib.sha256((out / record["tensors"]).read_bytes()).hexdigest()
+    (out / "journal.json").write_text(json.dumps(record))
+    with pytest.raises(JournalError, match=r"journal\.json does not carry the signature of the journal key"):
+        run_coordinator(exp.config, out, broker=fleet.url, run=RUN, experiment=exp, resume=True, join_timeout=1)
