@@ -19,11 +19,11 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from coordinator.broker_counters import SYS_FILTERS, SYS_TOPICS, BrokerCounters, SysCounterReader
 from coordinator.mqtt_round import MqttRound
-from coordinator.presence import Admit, Presence
+from coordinator.presence import Admit, Presence, StatusChange
 from coordinator.status_board import StatusBoard
 from coordinator.transport import Exchange, ReplyCheck
 from fedge.algorithms.base import RoundPlan
@@ -54,6 +54,13 @@ MAX_PAYLOAD_SLACK = 64 * 1024
 
 SETTLE_S = 2.0
 """Seconds after connecting by which the retained hellos of the clients already waiting have arrived."""
+
+
+class StatusListener(Protocol):
+    """What hears the clients' status changes while replies are awaited: one round (:class:`MqttRound`), or FedBuff's
+    exchange, which outlives a round (:mod:`coordinator.mqtt_fedbuff`)."""
+
+    def on_status(self, client: ClientId, change: StatusChange) -> None: ...
 
 
 class MqttTransport:
@@ -273,12 +280,17 @@ class MqttTransport:
 
     # --- the inbox ----------------------------------------------------------------------------------------------
 
+    def pump(self, timeout: float, listener: StatusListener) -> Inbound | None:
+        """The next message on an update topic within ``timeout`` s (None: none came), status changes handed to
+        ``listener`` meanwhile: how FedBuff's exchange reads the clients' replies across server steps."""
+        return self._pump(timeout, state=listener)
+
     def next_update(self, timeout: float) -> Inbound | None:
         """The next message on an update topic within ``timeout`` s, handling status and $SYS messages meanwhile:
         how secure aggregation's stages (:mod:`coordinator.secagg_stages`) read the clients' answers."""
         return self._pump(timeout, updates=True)
 
-    def _pump(self, timeout: float, *, state: MqttRound | None = None, updates: bool = False) -> Inbound | None:
+    def _pump(self, timeout: float, *, state: StatusListener | None = None, updates: bool = False) -> Inbound | None:
         """Handle one inbound message: status and $SYS here; an update is returned (or kept for the next round)."""
         self.board.relink()
         self._follow_roster(state)
@@ -310,7 +322,7 @@ class MqttTransport:
         while not self.link.inbox.empty():
             self._pump(0)
 
-    def _on_status(self, client: ClientId, item: Inbound, state: MqttRound | None) -> None:
+    def _on_status(self, client: ClientId, item: Inbound, state: StatusListener | None) -> None:
         change = self.presence.update(client, item.payload)
         if change is None:
             return
@@ -321,7 +333,7 @@ class MqttTransport:
         if state is not None:  # a latecomer's task, a task resent after a reconnect, a grace started
             state.on_status(client, change)
 
-    def _follow_roster(self, state: MqttRound | None) -> None:
+    def _follow_roster(self, state: StatusListener | None) -> None:
         """A client revoked from the kit (``fedge kit revoke``) is refused for the rest of the run and, being cut
         off at the broker, is gone from a round under way at once (as a last will would say, with the reason)."""
         if self.roster is None:

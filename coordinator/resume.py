@@ -74,9 +74,11 @@ class RunJournal:
         self.previous_files: dict[ClientId, str] = {}  # those of the previous journal (the fallback) are kept too
         if not resume:
             self.writer = RunWriter(run_dir, config, partition)
+            self.committed = self.writer.written()
             return
         state = read_journal(run_dir, config)  # JournalError: none, finished, or another config's
-        self.writer = RunWriter(run_dir, config, partition, committed=(state.metrics_bytes, state.ledger_bytes))
+        self.committed = (state.metrics_bytes, state.ledger_bytes)  # where metrics.jsonl and ledger.csv end
+        self.writer = RunWriter(run_dir, config, partition, committed=self.committed)
         self._restore(state)
 
     @property
@@ -115,10 +117,31 @@ class RunJournal:
                 rnd, tensors, {**values, "client_files": files, "client_sha256": digests}, metrics_bytes, ledger_bytes
             )
             write_journal(self.run_dir, self.config, state)
+            self.committed = (metrics_bytes, ledger_bytes)
             self.previous_files, self.client_files, self.client_digests = self.client_files, files, digests
             self._delete_stale_client_files()
 
         return commit
+
+    def checkpoint(self) -> None:
+        """Commit the strategy's state as it is now over the journal of the last completed round (the same round,
+        records and client files): FedBuff over MQTT (:mod:`coordinator.mqtt_fedbuff`) calls it with every accepted
+        update, so a coordinator killed between two server steps resumes with its buffer and loses none of them."""
+        history = self.engine.history
+        strategy_tensors, strategy_values = self.engine.strategy.state()
+        tensors = dict(_prefixed(_STRATEGY, strategy_tensors))
+        if history.per_class_history:
+            tensors[_PER_CLASS] = torch.from_numpy(np.stack(history.per_class_history))  # (evaluations, C)
+        values = {
+            "strategy": strategy_values,
+            "resumed_after": list(history.resumed_after),
+            "client_files": dict(self.client_files),
+            "client_sha256": dict(self.client_digests),
+        }
+        metrics_bytes, ledger_bytes = self.committed
+        write_journal(
+            self.run_dir, self.config, RunState(len(history.rounds), tensors, values, metrics_bytes, ledger_bytes)
+        )
 
     def _write_client_stores(
         self, rnd: int, stores: Mapping[ClientId, ClientStore]

@@ -17,11 +17,13 @@ from typing import Any
 
 from coordinator.broker_counters import compare_with_broker
 from coordinator.engine import RoundEngine
+from coordinator.fedbuff import buffered_strategy, fedbuff_summary
 from coordinator.fleet_view import FleetMemory, about
 from coordinator.kit.accounts import FleetSpec, admit_provisioned
 from coordinator.kit.roster import Roster
 from coordinator.kit.writer import FleetKit, generate_fleet_kit
 from coordinator.mqtt import MAX_PAYLOAD_SLACK, MqttTransport
+from coordinator.mqtt_fedbuff import MqttFedBuffEngine
 from coordinator.resume import RunJournal
 from coordinator.secagg_stages import MqttStages
 from coordinator.stopping import GracefulStop
@@ -184,9 +186,23 @@ def run_coordinator(
         strategy.use_channel(MqttStages(transport, stage_timeout=round_timeout))
     if not config.differential_privacy:  # DP's rounds take any number of replies (its noise is sized for that)
         transport.min_available = config.cohort_floor  # a round waits for the floor before it samples
-    engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
+    engine: RoundEngine
+    if config.buffered:  # FedBuff on the real clock: its rounds are server steps (coordinator/mqtt_fedbuff.py)
+        log.info(
+            "FedBuff: a server step every %d updates, %d clients training at once; its step is a weighted mean of "
+            "the buffered moves (no robust rule or server-side clipping: each reply is still checked as in a round)",
+            config.fedbuff_buffer_size,
+            config.fedbuff_concurrency,
+        )
+        engine = MqttFedBuffEngine(
+            config, buffered_strategy(config, strategy), transport, test_x, test_y, initial_bytes=exp.initial_bytes()
+        )
+    else:
+        engine = RoundEngine(config, strategy, transport, test_x, test_y, initial_bytes=exp.initial_bytes())
     # Restored before connecting: a journal that cannot be resumed fails here, not after the clients joined.
     journal = RunJournal(run_dir, config, exp.partition_summary(), engine, resume=resume)
+    if isinstance(engine, MqttFedBuffEngine):
+        engine.checkpoint = journal.checkpoint  # the buffer is journaled with every accepted update
     if journal.resumed_after:
         log.info("resuming %s after round %d (session %s)", run_dir, journal.resumed_after[-1], transport.session)
     remaining = len(engine.history.rounds) < config.rounds  # no round left: killed before writing its summary
@@ -202,6 +218,13 @@ def run_coordinator(
     board.update(about=about(config, exp.model), started=round(time.time(), 3), **view())
     with coordinator_log(run_dir) as logfile, transport:
         try:
+            limit = transport.link.packet_limit
+            if config.buffered and limit is not None and limit < transport.max_payload:
+                raise ConfigError(
+                    f"--aggregation fedbuff takes each reply in one MQTT packet, and this run's largest reply "
+                    f"({transport.max_payload:,} bytes) exceeds the {limit:,}-byte packet limit: raise the broker's "
+                    "message_size_limit (a fleet kit sizes it to the run), or run synchronously"
+                )
             if remaining:
                 # Without a kit, the clients the config's partition was written for: the wait fails at once when
                 # refusals (or --min-clients itself) leave too few of them, as with a kit.
@@ -261,6 +284,8 @@ def run_coordinator(
     }
     if journal.resumed_after:
         extra["resumed_after"] = journal.resumed_after
+    if isinstance(engine, MqttFedBuffEngine):
+        extra.update(fedbuff_summary(config, engine.buffered, len(engine.tasks)))
     if history.state_lost:
         extra["client_state_lost"] = dict(history.state_lost)
     extra["run_status_messages"] = {"published": board.published, "wire_bytes": status_wire}

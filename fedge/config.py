@@ -217,13 +217,15 @@ class RunConfig:
         },
     )
     # Buffered asynchronous aggregation (FedBuff, Nguyen et al. AISTATS 2022; docs/simulated_time.md): clients train on
-    # the model they last received and the server steps every buffer_size updates. In process only (fedge sim).
+    # the model they last received and the server steps every buffer_size updates. In fedge sim on the simulated
+    # clock, in fedge coordinator (and fedge sim --transport mqtt) on the real one.
     aggregation: str = field(
         default="sync",
         metadata={
             "help": "sync (rounds wait for their sampled clients) or fedbuff (buffered asynchronous: the server steps "
-            "every --buffer-size updates, whatever model version they trained on; needs the simulated clock, "
-            "--client-profiles or --link; FedAvg family; fedge sim only) (with --algorithm dsfl the flag sets "
+            "every --buffer-size updates, whatever model version they trained on; FedAvg family; in process it "
+            "needs the simulated clock, --client-profiles or --link; over MQTT it runs on the real one) (with "
+            "--algorithm dsfl the flag sets "
             "DS-FL's own soft-label aggregation, era or sa, instead)"
         },
     )
@@ -347,7 +349,8 @@ class RunConfig:
     def _check_buffered(self) -> None:
         """ConfigError for a FedBuff option out of range, given without ``--aggregation fedbuff``, or for what FedBuff
         cannot run with (one line naming the conflict). The algorithm family is checked where the run starts
-        (``sim.fedbuff.check_algorithm``): only a plain mean of returned weights can be stepped from a buffer."""
+        (``coordinator.fedbuff.check_algorithm``): only a plain mean of returned weights can be stepped from a buffer;
+        the clock (simulated in ``fedge sim``, real over MQTT) where the run's transport is known."""
         from fedge.aggregation.fedbuff import StalenessWeight
 
         _check(
@@ -373,12 +376,6 @@ class RunConfig:
                 f"--{changed[0].replace('_', '-') if changed else ''} is a FedBuff setting: add --aggregation fedbuff",
             )
             return
-        _check(
-            self.simulated_time,
-            "--aggregation fedbuff runs on the simulated clock of fedge sim (each update arrives when its client's "
-            "compute and transfers are done; FedBuff over MQTT is not built): give --client-profiles or --link "
-            "(with compute=SECONDS for a reproducible run)",
-        )
         _check(
             self.fedbuff_buffer_size <= self.num_clients,
             f"--buffer-size {self.fedbuff_buffer_size} exceeds the {self.num_clients} clients: a client trains at most "

@@ -162,17 +162,15 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
     secure = changes["run"].get("secure_aggregation", config.secure_aggregation)
     # DP-FedAvg refuses robust rules and a server-side clip too: its own clip bounds each update.
     private = changes["run"].get("dp_noise_multiplier", getattr(config, "dp_noise_multiplier", 0.0)) > 0
-    if deployment and not chosen_rule and "robust" in own and not (secure or private):
+    # FedBuff's step is a weighted mean of buffered moves (robust rules, clipping and a round's quorum are refused
+    # with it): a FedBuff deployment keeps the papers' defaults, and says so when it starts (coordinator/run.py).
+    buffered = changes["run"].get("aggregation", config.aggregation) == "fedbuff"
+    if deployment and not chosen_rule and "robust" in own and not (secure or private or buffered):
         rule = DEPLOYMENT_RULE if "clip_factor" in own else DEPLOYMENT_SOFT_LABEL_RULE
         base_algo = dataclasses.replace(base_algo, **{"robust": rule})
-    if deployment and not chosen_clip and "clip_factor" in own and not (secure or private):
+    if deployment and not chosen_clip and "clip_factor" in own and not (secure or private or buffered):
         base_algo = dataclasses.replace(base_algo, **{"clip_factor": DEPLOYMENT_CLIP_FACTOR})
-    if deployment and changes["run"].get("aggregation", config.aggregation) == "fedbuff":
-        raise ConfigError(
-            "--aggregation fedbuff runs in fedge sim, in process, on the simulated clock: FedBuff over MQTT (fedge "
-            "coordinator, --transport mqtt) is not built"
-        )
-    if deployment and not chosen_quorum:
+    if deployment and not chosen_quorum and not buffered:
         config = dataclasses.replace(config, min_replies=DEPLOYMENT_MIN_REPLIES)
     algo = dataclasses.replace(base_algo, **changes["algo"])
     train = dataclasses.replace(config.train, **changes["train"])

@@ -183,6 +183,12 @@ def render(status: RunStatus, now: float) -> str:
     lines.append(f"bytes so far: wire {format_bytes(s.wire_bytes)}, tensor {format_bytes(s.tensor_bytes)} (multicast)")
     if s.epsilon >= 0:
         lines.append(f"privacy spent: epsilon {s.epsilon:.3f}")
+    if s.buffer_size > 0:  # FedBuff: each "round" is a server step
+        stale = f"mean {s.staleness_mean:.2f}, max {s.staleness_max}" if s.staleness_max >= 0 else "-"
+        lines.append(
+            f"fedbuff: version {s.version}, buffer {s.buffer_fill}/{s.buffer_size}, {s.in_flight} training, "
+            f"staleness of the buffered updates {stale} (server steps)"
+        )
     if s.note:
         lines.append(f"note: {printable(s.note)}")
     if s.history:

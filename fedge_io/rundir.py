@@ -170,6 +170,10 @@ class RunWriter:
         if committed is None:
             _append(self._ledger, _csv_rows([[f.name for f in fields(LedgerEntry)]]))
 
+    def written(self) -> tuple[int, int]:
+        """The bytes of (metrics.jsonl, ledger.csv) written so far."""
+        return self._metrics.tell(), self._ledger.tell()
+
     def round(self, record: RoundRecord, entries: Sequence[LedgerEntry] = ()) -> tuple[int, int]:
         """Append a round's metrics line and ledger rows durably; returns the bytes of (metrics.jsonl, ledger.csv)."""
         _append(self._metrics, (json.dumps(record.to_json()) + "\n").encode())

@@ -101,6 +101,12 @@ def run_inprocess(
         factory = ExperimentClients(
             config, device, experiment=exp if experiment is not None or executor == "ray" else None
         )
+    if config.buffered and not config.simulated_time:
+        raise ConfigError(
+            "--aggregation fedbuff in process runs on the simulated clock of fedge sim (each update arrives when its "
+            "client's compute and transfers are done): give --client-profiles or --link (with compute=SECONDS for a "
+            "reproducible run), or run it over MQTT on the real clock (--transport mqtt, fedge coordinator)"
+        )
     strategy = exp.strategy(run_id, evaluation_device=device)  # a GPU run evaluates there too
     test_x, test_y = exp.test_tensors()
     sizes = {c: len(idx) for c, idx in exp.parts.items()}

@@ -91,6 +91,13 @@ class RunStatus:
     about: str = ""  # the run's algorithm, dataset, model and settings that matter, in one line
     started: float = 0.0  # Unix time this coordinator session started (elapsed time; 0: unknown)
     epsilon: float = -1.0  # a DP run's spent epsilon so far; -1: not a DP run
+    # FedBuff (--aggregation fedbuff; buffer_size 0: a synchronous run): ``round`` is the server step being filled
+    version: int = 0  # server steps taken: the global model's version
+    buffer_fill: int = 0  # updates buffered towards the next step
+    buffer_size: int = 0  # K: updates per step
+    in_flight: int = 0  # tasks out (clients training), at most --concurrency
+    staleness_mean: float = -1.0  # of the buffered updates, in server steps; -1: none buffered
+    staleness_max: int = -1
     history: tuple[RoundOutcome, ...] = ()  # the latest MAX_HISTORY completed rounds, oldest first
     clients: tuple[ClientRow, ...] = ()  # every client that said hello (MAX_LISTED at most)
 
@@ -161,6 +168,12 @@ _NUMBERS: dict[str, tuple[type, float, float]] = {
     "tensor_bytes": (int, 0, 2**62),
     "started": (float, 0, 1e11),
     "epsilon": (float, -1, 1e9),
+    "version": (int, 0, _MAX_COUNT),
+    "buffer_fill": (int, 0, _MAX_COUNT),
+    "buffer_size": (int, 0, _MAX_COUNT),
+    "in_flight": (int, 0, _MAX_COUNT),
+    "staleness_mean": (float, -1, _MAX_COUNT),
+    "staleness_max": (int, -1, _MAX_COUNT),
 }
 # Each row of the two tables travels as a JSON list in field order; its bounds, per field.
 _ROW_BOUNDS: dict[str, tuple[float, float]] = {
@@ -250,7 +263,8 @@ def decode_run_status(payload: bytes, run: str | None = None) -> RunStatus:
     p = msg.params
     values: dict[str, Any] = {}
     for name, (kind, lo, hi) in _NUMBERS.items():
-        values[name] = wire.parse_value(name, p.get(name, "0"), kind, wire.bounded(lo, hi))
+        absent = "-1" if name.startswith("staleness") else "0"  # from a coordinator without FedBuff fields
+        values[name] = wire.parse_value(name, p.get(name, absent), kind, wire.bounded(lo, hi))
     counts = wire.parse_value("counts", p.get("counts", "0,0,0,0"), tuple[int, ...], wire.bounded(0, _MAX_COUNT))
     if len(counts) != 4:
         raise CodecError(f"field 'counts' must hold 4 numbers, got {len(counts)}")

@@ -248,7 +248,7 @@ def test_a_sync_round_takes_its_slowest_client(tmp_path: Path):
             "leave --server-lr at 1",
         ),
         (["--aggregation", "fedbuff", "--link", "lte", "--algorithm", "fednova"], "cannot run --algorithm fednova"),
-        (["--aggregation", "fedbuff", "--link", "lte", "--transport", "mqtt"], "FedBuff over MQTT"),
+        (["--aggregation", "fedbuff", "--link", "lte", "--transport", "mqtt"], "over MQTT time is real"),
         (["--aggregation", "async"], "aggregation must be sync or fedbuff"),
     ],
 )

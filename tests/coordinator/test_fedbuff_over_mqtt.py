@@ -1,0 +1,270 @@
+"""FedBuff over a real mosquitto on the real clock (issue 53): ``fedge coordinator --aggregation fedbuff``.
+
+- K = concurrency = the cohort, constant weight, no straggler: every step buffers one update of each client, all
+  trained on the current version, and the run ends with synchronous FedAvg's model (in process, same seed).
+- A client slowed until step 2 is taken: its update, trained on version 0, is buffered at version 2 with the weight
+  ``1 / (1 + sqrt(2))`` as the move from the version it was sent.
+- A coordinator SIGKILLed with two of three updates buffered and resumed with ``--resume`` loses neither: they are
+  counted once and step 2 takes them with the third; the run ends with the same model.
+- ``fedge status --json`` shows the version, the buffer's fill and size, and its staleness.
+
+The clients serve from threads of the test (real MqttEdgeClient over the broker), so they outlive a killed coordinator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mqtt_support import require_mosquitto
+from safetensors.torch import load_file
+
+import coordinator.fedbuff
+from coordinator.run import run_coordinator
+from edge_client.client import EdgeClient
+from edge_client.data import ClientDataInfo
+from edge_client.mqtt import MqttEdgeClient
+from fedge.accounting.ledger import read_ledger_csv
+from fedge.aggregation.fedbuff import BufferedUpdate, StalenessWeight
+from fedge.config import RunConfig, TrainConfig
+from fedge.learning.backend import Backend, TorchBackend
+from fedge.types import StateDict
+from fedge.wire.message import Message
+from fedge.wire.protocol import BrokerAddress
+from fedge_cli.main import main
+from fedge_io.experiment import Experiment, prepare
+from sim.brokers import mosquitto_broker
+from sim.run import run_inprocess
+
+pytestmark = pytest.mark.broker
+
+CONFIG = RunConfig(
+    algorithm="fedavg",
+    dataset="synthetic",
+    model="tiny_mlp",
+    num_clients=3,
+    rounds=3,
+    partition="iid",
+    aggregation="fedbuff",
+    train=TrainConfig(local_epochs=1, batch_size=32),
+)
+TOLERANCE = 1e-5  # FedBuff sums the moves in float64, FedAvg averages the models: the two round differently
+
+
+class Slowed(EdgeClient):
+    """An honest client whose reply to the task of round ``at`` waits until ``release`` is set (once): it stays
+    in flight while the others move the model on."""
+
+    def __init__(self, honest: EdgeClient, at: int) -> None:
+        super().__init__(honest.client_id, honest.data, honest.backend)
+        self.at, self.release = at, threading.Event()
+        self.sent: dict[int, tuple[StateDict, StateDict]] = {}  # round -> (broadcast received, weights sent)
+        self.held = threading.Event()
+
+    def handle(self, task: Message, broadcast: Message | None, backend: Backend | None = None) -> Message:
+        reply = super().handle(task, broadcast, backend)
+        assert broadcast is not None
+        self.sent[task.round] = (dict(broadcast.tensors), dict(reply.tensors))
+        if task.round == self.at and not self.held.is_set():
+            self.held.set()
+            assert self.release.wait(60), "the test never released the slowed client"
+        return reply
+
+
+@dataclasses.dataclass
+class Fleet:
+    url: str
+    exp: Experiment
+    clients: dict[str, EdgeClient]
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    """A mosquitto and three clients served from threads; c002 can be slowed by a test (``slow``)."""
+    require_mosquitto()
+    exp = prepare(CONFIG)
+    clients: dict[str, EdgeClient] = {  # a backend each: they train at once, each on its own model
+        c: EdgeClient(c, exp.client_data(c, None), TorchBackend(exp.model, exp.input_shape, exp.num_classes))
+        for c in sorted(exp.parts)
+    }
+    with mosquitto_broker() as url:
+        yield Fleet(url, exp, clients)
+
+
+@pytest.fixture
+def serve(fleet: Fleet) -> Iterator[Callable[[str, dict[str, EdgeClient]], None]]:
+    """Serve the given clients over the broker under ``run`` until the test ends."""
+    servers: list[tuple[MqttEdgeClient, threading.Thread]] = []
+
+    def start(run: str, clients: dict[str, EdgeClient]) -> None:
+        for cid, client in clients.items():
+            info = ClientDataInfo(cid, fleet.exp.model, fleet.exp.input_shape, fleet.exp.num_classes)
+            server = MqttEdgeClient(client, info, BrokerAddress.parse(fleet.url), run)
+            thread = threading.Thread(target=server.serve, name=f"{run}-{cid}", daemon=True)
+            thread.start()
+            servers.append((server, thread))
+
+    yield start
+    for server, _ in servers:
+        server.stop()
+    for _, thread in servers:
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def fedavg_model(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> StateDict:
+    """Synchronous FedAvg, in process, same seed: what K = concurrency = the cohort must give."""
+    sync = dataclasses.replace(CONFIG, aggregation="sync")
+    run_dir = tmp_path_factory.mktemp("fedavg") / "run"
+    run_inprocess(sync, run_dir, experiment=prepare(sync))
+    return load_file(run_dir / "global_model.safetensors")
+
+
+def _close(a: StateDict, b: StateDict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def _lines(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_k_equal_to_the_cohort_is_fedavg_and_status_shows_the_buffer(
+    fleet: Fleet,
+    serve: Callable[..., None],
+    fedavg_model: StateDict,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    serve("buf-sync", fleet.clients)
+    result = run_coordinator(
+        CONFIG, tmp_path / "run", broker=fleet.url, run="buf-sync", experiment=fleet.exp, round_timeout=60,
+        join_timeout=60,
+    )  # fmt: skip
+    assert _close(load_file(tmp_path / "run" / "global_model.safetensors"), fedavg_model) < TOLERANCE
+    lines = _lines(result.path)
+    assert [line["fedbuff_version"] for line in lines] == [1.0, 2.0, 3.0]
+    assert all(line["buffer_fill"] == 3 and line["staleness_max"] == 0 for line in lines)
+    assert all(line["replied"] == ["c000", "c001", "c002"] for line in lines)
+    ledger = read_ledger_csv(result.path / "ledger.csv")
+    for step in (1, 2, 3):  # one broadcast, three tasks and three updates a step: every transfer counted once
+        own = [(e.direction, e.client, e.kind) for e in ledger if e.round == step]
+        assert sorted(own) == sorted(
+            [("down", "*", "broadcast")] + [("down", c, "task") for c in fleet.clients]
+            + [("up", c, "update") for c in fleet.clients]
+        )  # fmt: skip
+    assert result.summary["fedbuff"]["versions"] == 3 and result.summary["fedbuff"]["dispatched"] == 9
+
+    capsys.readouterr()
+    assert main(["status", "--broker", fleet.url, "--run", "buf-sync", "--once", "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)["status"]
+    assert (status["phase"], status["version"], status["buffer_size"]) == ("finished", 3, 3)
+    assert status["buffer_fill"] == 0 and status["staleness_max"] == -1  # stepped: the buffer is empty
+
+
+def test_a_slowed_client_is_buffered_stale_with_its_weight(
+    fleet: Fleet, serve: Callable[..., None], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slow = Slowed(fleet.clients["c002"], at=1)  # its version-0 update waits until step 2 is taken
+    serve("buf-stale", {**fleet.clients, "c002": slow})
+    steps: list[tuple[int, list[BufferedUpdate], StateDict]] = []
+    delta = coordinator.fedbuff.buffered_delta
+
+    def spy(updates: list[BufferedUpdate], version: int, weight: StalenessWeight) -> StateDict:
+        out = delta(updates, version, weight)
+        steps.append((version, list(updates), out))
+        return out
+
+    monkeypatch.setattr(coordinator.fedbuff, "buffered_delta", spy)
+
+    def on_round(record: Any) -> None:
+        if record.round == 2:
+            slow.release.set()
+
+    config = dataclasses.replace(CONFIG, buffer_size=2, staleness_weight="sqrt")
+    result = run_coordinator(
+        config, tmp_path / "run", broker=fleet.url, run="buf-stale", experiment=prepare(config), round_timeout=60,
+        join_timeout=60, on_round=on_round,
+    )  # fmt: skip
+    assert [v for v, _, _ in steps] == [0, 1, 2]
+    assert all(u.client != "c002" for _, buffered, _ in steps[:2] for u in buffered)  # held back
+    version, buffered, moved = steps[2]
+    (stale,) = [u for u in buffered if u.client == "c002"]
+    assert stale.base_version == 0 and version - stale.base_version == 2
+    # Its move is the weights it sent less the version-0 model it was sent.
+    received, sent = slow.sent[1]
+    assert _close(stale.delta, {k: sent[k] - received[k] for k in received}) == 0
+    # The step: sum_i weight(s_i) n_i delta_i / sum_i n_i, with weight(2) = 1 / (1 + sqrt 2) for the stale one.
+    total = sum(u.weight for u in buffered)
+    share = {u.client: (1 / (1 + math.sqrt(version - u.base_version))) * u.weight / total for u in buffered}
+    assert share["c002"] == pytest.approx(stale.weight / total / (1 + math.sqrt(2)))
+    expected = {k: sum(share[u.client] * u.delta[k].double() for u in buffered) for k in moved}
+    assert max(float((moved[k].double() - expected[k]).abs().max()) for k in moved) < 1e-6
+    lines = _lines(result.path)
+    assert lines[2]["staleness_max"] == 2 and lines[0]["staleness_max"] == 0
+    assert result.summary["fedbuff"]["in_flight_at_end"] >= 0
+
+
+def test_a_killed_coordinator_resumes_mid_buffer_and_loses_no_update(
+    fleet: Fleet, serve: Callable[..., None], fedavg_model: StateDict, tmp_path: Path
+) -> None:
+    run = "buf-kill"
+    slow = Slowed(fleet.clients["c002"], at=2)  # holds step 2 open: c000's and c001's updates wait in the buffer
+    serve(run, {**fleet.clients, "c002": slow})
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps(CONFIG.to_dict()))
+    args = ["coordinator", "--broker", fleet.url, "--run", run, "--config", str(config_file), "--round-timeout", "60"]
+    args += ["--join-timeout", "60", "--no-report", "--broker-counters", "off"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same float sums as this process
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "fedge_cli.main", *args, "--out", str(out)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        journal: dict[str, Any] = {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            found = list(out.glob("*/journal.json"))
+            if found:
+                try:
+                    journal = json.loads(found[0].read_text())
+                except ValueError:  # replaced while read
+                    journal = {}
+                if journal.get("round") == 1 and len(journal["values"]["strategy"]["fedbuff"]["buffer"]) == 2:
+                    proc.send_signal(signal.SIGKILL)
+                    break
+            time.sleep(0.05)
+        assert proc.wait(10) == -signal.SIGKILL, "the coordinator was not killed mid-buffer"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    buffered = journal["values"]["strategy"]["fedbuff"]["buffer"]
+    assert sorted(u["client"] for u in buffered) == ["c000", "c001"] and {u["base_version"] for u in buffered} == {1}
+    slow.release.set()  # its reply goes to the dead session: refused as late by the next one
+    (killed,) = out.iterdir()
+
+    assert main([*args, "--resume", str(killed)]) == 0
+    assert _close(load_file(killed / "global_model.safetensors"), fedavg_model) < TOLERANCE
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["resumed_after"] == [1]
+    lines = _lines(killed)
+    assert [line["round"] for line in lines] == [1, 2, 3]
+    assert lines[1]["replied"] == ["c000", "c001", "c002"] and lines[1]["buffer_fill"] == 3
+    # Every accepted update of step 2 is counted once: the killed session's two from its journal, c002's from the
+    # resumed one (and a reply to the dead session, when it arrives, as a refused one besides).
+    ups = [e for e in read_ledger_csv(killed / "ledger.csv") if e.round == 2 and e.direction == "up"]
+    assert sum(e.client == "c000" for e in ups) == 1 and sum(e.client == "c001" for e in ups) == 1
+    late = [r for r in lines[1]["rejected"] if r["client"] == "c002"]
+    assert sum(e.client == "c002" for e in ups) == 1 + len(late)
+    assert all(r["category"] == "late" for r in late)
