@@ -36,16 +36,36 @@ verify`` in ``tests/coordinator/test_services.py``.
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
+
+from fedge.errors import ConfigError
 
 DEFAULT_DEVICE_ROOT = Path("/opt/fedge")
 # The exit code of `fedge client` that a restart cannot cure: 3, refused by the coordinator (the reason is in the
 # journal). Not 2: fedge exits 2 for a configuration error but also for a broker it cannot reach (a device that boots
 # before its broker, a broker host down for a while), which a restart does cure.
 CLIENT_FINAL_EXITS = (3,)
-SERVICE_USER = "fedge"  # the system user the coordinator and client units run as
+SERVICE_USER = "fedge"  # the system user the coordinator and client units run as, unless provision names another
+# A name useradd takes on every distribution (POSIX portable user names, lower case, at most 32 characters); never root:
+# the point of a service user is that a flaw in what the service loads does not get the machine.
+_USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+
+
+def service_user(name: str) -> str:
+    """``name`` if it can be the units' service user; ConfigError saying why not (root, or not a portable name)."""
+    if name == "root":
+        raise ConfigError("the service user cannot be root: the units run fedge unprivileged (pick e.g. 'fedge')")
+    if not _USER_NAME.fullmatch(name):
+        raise ConfigError(
+            f"service user {name!r} is not a portable user name: lower-case letters, digits, '_' and '-', starting "
+            "with a letter or '_', at most 32 characters"
+        )
+    return name
+
+
 COORDINATOR_STOP_S = 330  # a stop finishes the round under way: the default --round-timeout (300 s) and a margin
 SECURE_ROUND_TIMEOUTS = (
     4  # a secure round's deadlines: the training's, then one per protocol stage (share, upload, unmask)
@@ -116,10 +136,12 @@ def coordinator_unit(
     broker_unit_name: str | None,
     plugins: Sequence[str] = (),
     secure_aggregation: bool = False,
+    user: str = SERVICE_USER,
 ) -> str:
     """``fedge``: the command that runs fedge on the coordinator's machine (e.g. ``[python, "-m",
     "fedge_cli.main"]``); ``plugins``: the run's ``--plugin`` entries (files by this machine's path);
-    ``secure_aggregation``: the run's rounds last up to four round timeouts, which a stop waits for."""
+    ``secure_aggregation``: the run's rounds last up to four round timeouts, which a stop waits for; ``user``: the
+    system user it runs as."""
     after = f" {broker_unit_name}" if broker_unit_name else ""
     command = [*(_path(Path(w)) for w in fedge), "coordinator", "--bundle", _path(bundle), "--config", _path(config)]
     command += [
@@ -139,8 +161,8 @@ Restart=on-failure
 RestartSec=10
 SuccessExitStatus=130 143
 TimeoutStopSec={coordinator_stop_s(secure_aggregation)}
-User={SERVICE_USER}
-Group={SERVICE_USER}
+User={user}
+Group={user}
 NoNewPrivileges=yes
 
 [Install]
@@ -148,9 +170,9 @@ WantedBy=multi-user.target
 """
 
 
-def client_unit(run: str, *, device_root: Path, plugins: Sequence[str] = ()) -> str:
+def client_unit(run: str, *, device_root: Path, plugins: Sequence[str] = (), user: str = SERVICE_USER) -> str:
     """The template ``fedge-<run>-client@.service``; ``%i`` is the client id. ``plugins``: the run's ``--plugin``
-    entries; a file is expected in the device's folder."""
+    entries; a file is expected in the device's folder; ``user``: the system user it runs as."""
     home = f"{_path(device_root / run)}/%i"
     command = [_path(device_root / "venv" / "bin" / "fedge"), "client", "--bundle", f"{home}/bundle"]
     on_device = [_path(Path(p)) if is_plugin_file(p) else p for p in plugins]
@@ -166,8 +188,8 @@ WorkingDirectory={home}
 Restart=always
 RestartSec=5
 RestartPreventExitStatus={" ".join(map(str, CLIENT_FINAL_EXITS))}
-User={SERVICE_USER}
-Group={SERVICE_USER}
+User={user}
+Group={user}
 NoNewPrivileges=yes
 ProtectSystem=full
 
@@ -189,10 +211,13 @@ def write_units(
     device_root: Path = DEFAULT_DEVICE_ROOT,
     plugins: Sequence[str] = (),
     secure_aggregation: bool = False,
+    user: str = SERVICE_USER,
 ) -> dict[str, Path]:
     """Write the three unit files into ``out`` (made if absent); their paths by role. ``plugins``: the run's
     ``--plugin`` entries, as this machine resolves them (files by absolute path); ``secure_aggregation``: whether
-    the run's config asks for it (its rounds take longer to finish on a stop)."""
+    the run's config asks for it (its rounds take longer to finish on a stop); ``user``: the system user the
+    coordinator and client units run as (:func:`service_user` checks it)."""
+    user = service_user(user)
     out.mkdir(parents=True, exist_ok=True)
     broker = f"fedge-{run}-broker.service"
     units = {
@@ -208,15 +233,21 @@ def write_units(
                 broker_unit_name=broker,
                 plugins=plugins,
                 secure_aggregation=secure_aggregation,
+                user=user,
             ),
         ),
-        "client": (f"fedge-{run}-client@.service", client_unit(run, device_root=device_root, plugins=plugins)),
+        "client": (
+            f"fedge-{run}-client@.service",
+            client_unit(run, device_root=device_root, plugins=plugins, user=user),
+        ),
     }
     paths = {}
     for role, (name, text) in units.items():
         (out / name).write_text(text)
         paths[role] = out / name
-    steps = install_commands(run, device_root, plugins, coordinator_bundle=coordinator_bundle, runs=run_dir.parent)
+    steps = install_commands(
+        run, device_root, plugins, coordinator_bundle=coordinator_bundle, runs=run_dir.parent, user=user
+    )
     (out / "README.txt").write_text("\n".join(steps) + "\n")
     return paths
 
@@ -242,15 +273,16 @@ def install_commands(
     *,
     coordinator_bundle: Path | None = None,
     runs: Path | None = None,
+    user: str = SERVICE_USER,
 ) -> list[str]:
     """How to install the units, host by host (also printed by ``fedge provision``). ``coordinator_bundle`` and
-    ``runs`` (the parent of the coordinator's run directory): what its service user must own."""
+    ``runs`` (the parent of the coordinator's run directory): what its service user (``user``) must own."""
     home = device_root / run
     owned = [p for p in (coordinator_bundle, runs) if p is not None]
-    coordinator = [f"  coordinator:  its service user (the unit runs as {SERVICE_USER!r}, never root):"]
+    coordinator = [f"  coordinator:  its service user (the unit runs as {user!r}, never root):"]
     if runs is not None:  # the coordinator makes its run directory there
         coordinator.append(f"                  install -d {shlex.quote(str(runs))}")
-    coordinator += [f"                  {c}" for c in service_user_commands(owned)]
+    coordinator += [f"                  {c}" for c in service_user_commands(owned, user=user)]
     coordinator.append(
         f"                then systemctl enable --now fedge-{run}-coordinator   (restarted, it resumes the run)"
     )
@@ -264,7 +296,7 @@ def install_commands(
         f"{device_root / 'venv' / 'bin' / 'pip'} install 'fedge[client]'),",
         f"                clients/<id>/ copied to {home}/<id>/bundle/ (cp -rp: keep its modes),",
         f"                <id>.safetensors{extra} (and shared.safetensors, if written) to {home}/<id>/, then",
-        f"                its service user (the client unit runs as {SERVICE_USER!r}, never root):",
-        *(f"                  {c}" for c in service_user_commands([home / "<id>"], jetson=True)),
+        f"                its service user (the client unit runs as {user!r}, never root):",
+        *(f"                  {c}" for c in service_user_commands([home / "<id>"], jetson=True, user=user)),
         f"                systemctl enable --now fedge-{run}-client@<id>",
     ]

@@ -22,6 +22,17 @@ HELP = "write each client's data file (and the run's config.json) for a deployme
 """The one-line help of ``fedge provision`` (``fedge --help`` lists it)."""
 
 
+def _service_user(name: str) -> str:
+    """``--service-user``'s check at parse time, so that a bad name is refused before anything is written."""
+    from coordinator.kit.services import service_user
+    from fedge.errors import ConfigError
+
+    try:
+        return service_user(name)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add(sub: argparse._SubParsersAction) -> None:
     """The ``provision`` subcommand and its flags."""
     p = sub.add_parser(
@@ -69,6 +80,14 @@ def add(sub: argparse._SubParsersAction) -> None:
         default=Path("/opt/fedge"),
         metavar="DIR",
         help="where the kit's systemd client unit expects fedge (DIR/venv) and each device's files (DIR/<run>/<id>/)",
+    )
+    p.add_argument(
+        "--service-user",
+        default="fedge",
+        type=_service_user,
+        metavar="NAME",
+        help="the system user the kit's coordinator and client units run as (made by the printed install lines if "
+        "missing; never root)",
     )
     p.add_argument("--no-tls", action="store_true", help="passwords and ACL without TLS (a loopback laptop run only)")
     p.add_argument(
@@ -174,10 +193,16 @@ def _write_services(
         device_root=args.fleet_device_root,
         plugins=plugins,
         secure_aggregation=secure_aggregation,
+        user=args.service_user,
     )
     print(f"or run them all as services: {kit_root / 'systemd'}")
     steps = install_commands(
-        args.run, args.fleet_device_root, plugins, coordinator_bundle=coordinator_bundle, runs=out / "runs"
+        args.run,
+        args.fleet_device_root,
+        plugins,
+        coordinator_bundle=coordinator_bundle,
+        runs=out / "runs",
+        user=args.service_user,
     )
     for line in steps[1:]:
         print(f"  {line}")

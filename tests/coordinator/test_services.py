@@ -27,6 +27,7 @@ from fedge_cli.main import build_parser, main
 from sim.brokers import free_port, stop_process
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+USER = "fedge-lab"  # a service user other than the default, made (and removed) by the test that runs as it
 ROOT = Path(__file__).resolve().parents[2]
 WINE_PLUGIN = ROOT / "examples" / "custom_model" / "wine_plugin.py"
 
@@ -146,6 +147,19 @@ def test_systemd_analyze_verifies_every_unit_without_a_warning(kit: tuple[Path, 
     assert done.returncode != 0 and "is not executable" in done.stderr
 
 
+def test_the_units_run_as_the_fedge_user_unless_provision_names_another_and_never_as_root(
+    kit: tuple[Path, Path], tmp_path: Path
+) -> None:
+    units, _ = kit
+    for unit in ("fedge-lab-coordinator.service", "fedge-lab-client@.service"):
+        assert f"User={SERVICE_USER}\nGroup={SERVICE_USER}\n" in (units / unit).read_text()
+    assert "useradd --system" in (units / "README.txt").read_text()
+    for bad in ("root", "Fedge", "-x", "a" * 33):
+        with pytest.raises(SystemExit):  # refused by the parser, before anything is written
+            main(["provision", "--out", str(tmp_path / bad), "--fleet-broker", "127.0.0.1", "--service-user", bad])
+        assert not (tmp_path / bad).exists()
+
+
 def _readme_block(readme: str, first: str, last: str) -> list[str]:
     """The commands README.txt lists between the line starting with ``first`` and the one containing ``last``."""
     lines = readme.splitlines()
@@ -159,40 +173,40 @@ def _readme_block(readme: str, first: str, last: str) -> list[str]:
 def test_the_coordinator_unit_runs_as_its_unprivileged_user_set_up_as_the_readme_says(
     open_dir: Path,  # noqa: F811 - a fixture
 ) -> None:
-    """The README's service-user commands run verbatim (as root); then the unit's ExecStart, as that user with the
-    environment systemd gives it (its HOME, a plain PATH), reads its 0600 password, reaches the kit's broker over
-    TLS and writes under runs/: it waits for clients, which is as far as a run without devices goes."""
+    """With a service user of its own (``--service-user``), the README's service-user commands run verbatim (as
+    root); then the unit's ExecStart, as that user with the environment systemd gives it (its HOME, a plain PATH),
+    reads its 0600 password, reaches the kit's broker over TLS and writes under runs/: it waits for clients, which
+    is as far as a run without devices goes."""
     port = free_port()
     out = fedge_provision(
         [
             *("--out", str(open_dir / "fleet"), "--run", "lab", "--fleet-broker", "127.0.0.1"),
             *("--fleet-bind", "127.0.0.1", "--fleet-port", str(port)),
-            *("--dataset", "digits", "--model", "tiny_mlp", "--num-clients", "2"),
+            *("--dataset", "digits", "--model", "tiny_mlp", "--num-clients", "2", "--service-user", USER),
         ]
     )
     units = open_dir / "fleet" / "kit" / "systemd"
     coordinator_unit = (units / "fedge-lab-coordinator.service").read_text()
     assert (
-        f"User={SERVICE_USER}\n" in coordinator_unit
-        and f"User={SERVICE_USER}\n" in (units / "fedge-lab-client@.service").read_text()
+        f"User={USER}\n" in coordinator_unit and f"User={USER}\n" in (units / "fedge-lab-client@.service").read_text()
     )
     setup = _readme_block((units / "README.txt").read_text(), "coordinator:", "then systemctl enable")
     assert setup and all(line in out for line in setup)  # fedge provision printed them too
-    existed = subprocess.run(["id", "-u", SERVICE_USER], capture_output=True).returncode == 0
+    existed = subprocess.run(["id", "-u", USER], capture_output=True).returncode == 0
     broker = start_as_printed(printed_commands(out), port)
     try:
         for command in setup:
             subprocess.run(["bash", "-c", command], check=True, timeout=60)
-        home = Path(pwd.getpwnam(SERVICE_USER).pw_dir)
+        home = Path(pwd.getpwnam(USER).pw_dir)
         # This machine's fedge lies in a venv whose interpreter may sit under /root: a fedge that user can run.
         bin_dir = open_dir / "bin"
         bin_dir.mkdir()
-        extra = [f"{k}={v}" for k, v in fedge_command(bin_dir, SERVICE_USER).items()]
-        env = ["env", "-i", f"HOME={home}", f"USER={SERVICE_USER}", f"PATH={USER_PATH}", *extra]  # as systemd sets
+        extra = [f"{k}={v}" for k, v in fedge_command(bin_dir, USER).items()]
+        env = ["env", "-i", f"HOME={home}", f"USER={USER}", f"PATH={USER_PATH}", *extra]  # as systemd sets
         command = [str(bin_dir / "fedge"), *exec_start(units / "fedge-lab-coordinator.service")[1:]]
         command += ["--join-timeout", "3", "--no-report"]
         done = subprocess.run(
-            ["runuser", "-u", SERVICE_USER, "--", *env, *command],
+            ["runuser", "-u", USER, "--", *env, *command],
             cwd="/",
             capture_output=True,
             text=True,
@@ -205,7 +219,7 @@ def test_the_coordinator_unit_runs_as_its_unprivileged_user_set_up_as_the_readme
     finally:
         stop_process(broker)
         if not existed:
-            subprocess.run(["userdel", "--remove", SERVICE_USER], capture_output=True)
+            subprocess.run(["userdel", "--remove", USER], capture_output=True)
 
 
 def test_a_secure_aggregation_kits_coordinator_unit_waits_for_the_whole_secure_round_on_stop(tmp_path: Path) -> None:
