@@ -95,6 +95,7 @@ class MqttFedBuffEngine(BufferedEngine):
         self.checkpoint: Callable[[], None] | None = None  # with every buffered update: RunJournal.checkpoint
         self._out: Exchange | None = None  # the record of the step being filled (status changes add to it)
         self._resumed = False
+        self._idle_ctx: RoundContext | None = None  # judges what clients without a task send
 
     # --- a step ------------------------------------------------------------------------------------------------
 
@@ -340,16 +341,19 @@ class MqttFedBuffEngine(BufferedEngine):
         return check
 
     def _no_task_context(self, rnd: int) -> RoundContext:
-        """Judges a message from a client without a task: refused (late, for another session, not sampled)."""
-        mqtt = self.mqtt
-        return RoundContext(
-            rnd,
-            frozenset(),
-            self._check_at(rnd),
-            known=mqtt.presence.knows,
-            max_payload=mqtt.max_payload,
-            session=mqtt.session,
-        )
+        """Judges a message from a client without a task: refused (late, for another session, not sampled). One per
+        step, so that a flooding client's log lines are capped (its log budget)."""
+        if self._idle_ctx is None or self._idle_ctx.rnd != rnd:
+            mqtt = self.mqtt
+            self._idle_ctx = RoundContext(
+                rnd,
+                frozenset(),
+                self._check_at(rnd),
+                known=mqtt.presence.knows,
+                max_payload=mqtt.max_payload,
+                session=mqtt.session,
+            )
+        return self._idle_ctx
 
     # --- journal and view --------------------------------------------------------------------------------------
 

@@ -217,6 +217,26 @@ def test_a_slowed_client_is_buffered_stale_with_its_weight(
     assert result.summary["fedbuff"]["in_flight_at_end"] >= 0
 
 
+def test_a_silent_client_frees_its_slot_at_the_round_timeout(
+    fleet: Fleet, serve: Callable[..., None], tmp_path: Path
+) -> None:
+    silent = Slowed(fleet.clients["c002"], at=1)  # holds its version-0 reply for the whole run
+    serve("buf-silent", {**fleet.clients, "c002": silent})
+    config = dataclasses.replace(CONFIG, rounds=1, buffer_size=1, concurrency=1)
+    try:
+        result = run_coordinator(
+            config, tmp_path / "run", broker=fleet.url, run="buf-silent", experiment=prepare(config),
+            round_timeout=2, join_timeout=60,
+        )  # fmt: skip
+    finally:
+        silent.release.set()
+    # One slot: seed 0 samples c002 first (dispatch group 1), and c001 (group 2) once c002's task is 2 s old.
+    (line,) = _lines(result.path)
+    assert line["replied"] == ["c001"] and line["dispatched"] == 2
+    assert line["drop_reasons"]["c002"] == "silent past the 2 s round timeout"
+    assert line["drop_after_s"]["c002"] >= 2
+
+
 def test_a_killed_coordinator_resumes_mid_buffer_and_loses_no_update(
     fleet: Fleet, serve: Callable[..., None], fedavg_model: StateDict, tmp_path: Path
 ) -> None:
