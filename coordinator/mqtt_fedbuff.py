@@ -145,7 +145,15 @@ class MqttFedBuffEngine(BufferedEngine):
     def _aggregate(self, played: _Played) -> _Played:
         played = super()._aggregate(played)
         st = self.buffered.buffer  # stepped: the buffer is empty
-        self.mqtt.board.update(version=st.version, buffer_fill=len(st.buffer), staleness_mean=-1.0, staleness_max=-1)
+        self.mqtt.board.update(
+            version=st.version,
+            buffer_fill=len(st.buffer),
+            in_flight=len(self.tasks),
+            sampled=sorted(self.tasks),
+            replied=sorted(played.exchange.replies),  # the step's
+            staleness_mean=-1.0,
+            staleness_max=-1,
+        )
         return played
 
     def _step(self) -> int:

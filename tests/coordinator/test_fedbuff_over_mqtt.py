@@ -2,8 +2,10 @@
 
 - K = concurrency = the cohort, constant weight, no straggler: every step buffers one update of each client, all
   trained on the current version, and the run ends with synchronous FedAvg's model (in process, same seed).
-- A client slowed until step 2 is taken: its update, trained on version 0, is buffered at version 2 with the weight
-  ``1 / (1 + sqrt(2))`` as the move from the version it was sent.
+- A client slowed until step 2 is taken: its update, trained on version 0, is buffered at version 2 (or later) with
+  the weight ``1 / (1 + sqrt(s))`` as the move from the version it was sent; with ``--max-staleness 1`` it is
+  dropped instead.
+- A client silent past ``--round-timeout`` frees its slot for another (a drop of the step).
 - A coordinator SIGKILLed with two of three updates buffered and resumed with ``--resume`` loses neither: they are
   counted once and step 2 takes them with the third; the run ends with the same model.
 - ``fedge status --json`` shows the version, the buffer's fill and size, and its staleness.
@@ -146,7 +148,6 @@ def test_k_equal_to_the_cohort_is_fedavg_and_status_shows_the_buffer(
     serve: Callable[..., None],
     fedavg_model: StateDict,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
 ) -> None:
     serve("buf-sync", fleet.clients)
     result = run_coordinator(
@@ -167,11 +168,13 @@ def test_k_equal_to_the_cohort_is_fedavg_and_status_shows_the_buffer(
         )  # fmt: skip
     assert result.summary["fedbuff"]["versions"] == 3 and result.summary["fedbuff"]["dispatched"] == 9
 
-    capsys.readouterr()
-    assert main(["status", "--broker", fleet.url, "--run", "buf-sync", "--once", "--json"]) == 0
-    status = json.loads(capsys.readouterr().out)["status"]
+    # The CLI as an operator runs it (its parser imports no torch: cheap as a process).
+    cli = [sys.executable, "-m", "fedge_cli.main", "status", "--broker", fleet.url, "--run", "buf-sync", "--once"]
+    shown = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=60, check=True).stdout
+    status = json.loads(shown)["status"]
     assert (status["phase"], status["version"], status["buffer_size"]) == ("finished", 3, 3)
     assert status["buffer_fill"] == 0 and status["staleness_max"] == -1  # stepped: the buffer is empty
+    assert status["in_flight"] == 0 and status["replied"] == ["c000", "c001", "c002"]  # the last step's
 
 
 def test_a_slowed_client_is_buffered_stale_with_its_weight(
@@ -193,28 +196,49 @@ def test_a_slowed_client_is_buffered_stale_with_its_weight(
         if record.round == 2:
             slow.release.set()
 
-    config = dataclasses.replace(CONFIG, buffer_size=2, staleness_weight="sqrt")
+    # Four steps: c002's reply, released once step 2 is taken, arrives while step 3 fills (or, should the other two
+    # both beat it there, step 4's): at least 2 steps old.
+    config = dataclasses.replace(CONFIG, rounds=4, buffer_size=2, staleness_weight="sqrt")
     result = run_coordinator(
         config, tmp_path / "run", broker=fleet.url, run="buf-stale", experiment=prepare(config), round_timeout=60,
         join_timeout=60, on_round=on_round,
     )  # fmt: skip
-    assert [v for v, _, _ in steps] == [0, 1, 2]
+    assert [v for v, _, _ in steps] == [0, 1, 2, 3]
     assert all(u.client != "c002" for _, buffered, _ in steps[:2] for u in buffered)  # held back
-    version, buffered, moved = steps[2]
+    late = [step for step in steps if any(u.client == "c002" and u.base_version == 0 for u in step[1])]
+    ((version, buffered, moved),) = late  # (it may train again, on a later version, once back)
     (stale,) = [u for u in buffered if u.client == "c002"]
-    assert stale.base_version == 0 and version - stale.base_version == 2
+    age = version - stale.base_version
+    assert stale.base_version == 0 and age >= 2
     # Its move is the weights it sent less the version-0 model it was sent.
     received, sent = slow.sent[1]
     assert _close(stale.delta, {k: sent[k] - received[k] for k in received}) == 0
-    # The step: sum_i weight(s_i) n_i delta_i / sum_i n_i, with weight(2) = 1 / (1 + sqrt 2) for the stale one.
+    # The step: sum_i weight(s_i) n_i delta_i / sum_i n_i, with weight(s) = 1 / (1 + sqrt s) (sqrt).
     total = sum(u.weight for u in buffered)
     share = {u.client: (1 / (1 + math.sqrt(version - u.base_version))) * u.weight / total for u in buffered}
-    assert share["c002"] == pytest.approx(stale.weight / total / (1 + math.sqrt(2)))
+    assert share["c002"] == pytest.approx(stale.weight / total / (1 + math.sqrt(age))) and share["c002"] < 0.5
     expected = {k: sum(share[u.client] * u.delta[k].double() for u in buffered) for k in moved}
     assert max(float((moved[k].double() - expected[k]).abs().max()) for k in moved) < 1e-6
     lines = _lines(result.path)
-    assert lines[2]["staleness_max"] == 2 and lines[0]["staleness_max"] == 0
-    assert result.summary["fedbuff"]["in_flight_at_end"] >= 0
+    assert lines[version]["staleness_max"] == age and lines[0]["staleness_max"] == 0
+
+
+def test_max_staleness_drops_the_slowed_clients_update(
+    fleet: Fleet, serve: Callable[..., None], tmp_path: Path
+) -> None:
+    slow = Slowed(fleet.clients["c002"], at=1)  # as above: its version-0 update arrives at version 2
+    serve("buf-cut", {**fleet.clients, "c002": slow})
+    config = dataclasses.replace(CONFIG, rounds=4, buffer_size=2, staleness_weight="sqrt", max_staleness=1)
+    result = run_coordinator(
+        config, tmp_path / "run", broker=fleet.url, run="buf-cut", experiment=prepare(config), round_timeout=60,
+        join_timeout=60, on_round=lambda r: slow.release.set() if r.round == 2 else None,
+    )  # fmt: skip
+    lines = _lines(result.path)
+    assert all("c002" not in line["replied"] for line in lines[:2])  # held back (later it may train again)
+    (dropped,) = [line for line in lines if "c002" in line.get("drop_reasons", {})]
+    assert dropped["drop_reasons"]["c002"] == "stale: trained on version 0, 2 steps old > --max-staleness 1"
+    assert dropped["dropped_stale"] == 1 and result.summary["fedbuff"]["dropped_stale"] == 1
+    assert all(line["staleness_max"] <= 1 for line in lines)
 
 
 def test_a_silent_client_frees_its_slot_at_the_round_timeout(

@@ -15,7 +15,7 @@ from mqtt_support import mosquitto_url  # noqa: F401 - a fixture
 from signal_support import default_sigint
 
 from fedge.wire.protocol import BrokerAddress, Topics
-from fedge.wire.run_status import MAX_LISTED, after, encode_run_status, gone_status, run_status
+from fedge.wire.run_status import MAX_LISTED, after, decode_run_status, encode_run_status, gone_status, run_status
 from fedge_io.monitor import render
 from fedge_io.mqtt import MqttLink
 
@@ -44,6 +44,16 @@ def test_the_view_shows_the_round_the_clients_and_who_is_still_awaited() -> None
     assert "bytes so far: wire 2.5 MB" in shown and "updated 2.0 s ago" in shown
     late = render(status, NOW + 100)
     assert "deadline passed 60 s ago (is the coordinator still running?)" in late
+
+
+def test_a_fedbuff_run_shows_its_version_buffer_and_staleness() -> None:
+    fedbuff = run_status("lab", "s", "training", round=3, version=2, buffer_fill=1, buffer_size=3, in_flight=2,
+                         staleness_mean=1.5, staleness_max=2)  # fmt: skip
+    assert "fedbuff: version 2, buffer 1/3, 2 training, staleness of the buffered updates mean 1.50, max 2" in render(
+        fedbuff, NOW
+    )
+    assert decode_run_status(encode_run_status(fedbuff)) == fedbuff
+    assert "fedbuff" not in render(run_status("lab", "s", "training", round=3), NOW)  # a synchronous run
 
 
 def test_a_coordinator_that_died_shows_as_gone_with_its_last_news() -> None:
