@@ -18,16 +18,15 @@ import os
 import numpy as np
 import torch
 
-from fedge.aggregation.flat import FlatLayout
 from fedge.errors import CodecError
 from fedge.privacy.mechanism import noise_rng
 from fedge.privacy.shares import NoiseFloor, client_input, share_of
 from fedge.secagg.errors import SecAggError
 from fedge.secagg.messages import ShareDelivery
+from fedge.secagg.parts import PartLayout, parse_parts
 from fedge.secagg.remote import (
     STAGE_OF_KIND,
     ClientParty,
-    clipped_delta,
     from_message,
     layout_of,
     round_config_of,
@@ -76,29 +75,46 @@ class SecureRounds:
         if self.client not in config.index:
             raise CodecError(f"the secure-aggregation round's cohort does not include {self.client}")
         try:
-            names = layout_of(broadcast)
+            parts = parse_parts(layout_of(broadcast), broadcast.params)  # the model's move, and SCAFFOLD's or FedDyn's
         except SecAggError as exc:
             raise CodecError(str(exc)) from None
-        missing = [n for n in names if n not in update.tensors or n not in broadcast.tensors]
+        names = [n for p in parts for n in p.tensors]
+        relative = [n for p in parts if p.relative for n in p.tensors]
+        missing = [n for n in names if n not in update.tensors] + [n for n in relative if n not in broadcast.tensors]
         if missing:
             raise CodecError(f"the secure-aggregation layout names tensors this model does not exchange: {missing[:3]}")
-        layout = FlatLayout({n: (tuple(update.tensors[n].shape), update.tensors[n].dtype) for n in names})
-        odd = [n for n in names if broadcast.tensors[n].shape != update.tensors[n].shape]
+        odd = [n for n in relative if broadcast.tensors[n].shape != update.tensors[n].shape]
         if odd or any(update.tensors[n].dtype != torch.float32 for n in names):
             raise CodecError(f"secure aggregation sums float32 tensors of the broadcast's shapes; {odd[:3]} differ")
-        new, reference = layout.flatten(update.tensors), layout.flatten(broadcast.tensors)
+        try:
+            layout = PartLayout(parts, {n: (tuple(update.tensors[n].shape), update.tensors[n].dtype) for n in names})
+        except SecAggError as exc:
+            raise CodecError(str(exc)) from None
+        new, reference = layout.model.flatten(update.tensors), layout.model.flatten(broadcast.tensors)
         if not (math.isfinite(float(new.sum())) and math.isfinite(float(reference.sum()))):
             raise CodecError("the update or the broadcast holds non-finite values: nothing to aggregate securely")
         share = share_of(broadcast.params)  # DP-FedAvg: the client adds its share of the noise, unweighted
         if self.noise_floor is not None:  # never less noise than the run this client joined states
             self.noise_floor.check(share, len(config.index))
         if share is not None:
+            if len(parts) > 1:
+                raise CodecError("DP-FedAvg noises the model's move only; this round announces more parts")
             vector = client_input(new, reference, share, noise_rng(None, task.round))  # (dim + 1,)
             clipped = float(np.linalg.norm(new - reference)) > share.clip
-        else:
-            vector, clipped = clipped_delta(new, reference, config.plan.bound)  # (dim,)
+        else:  # each part clipped to the bound on its own; the weighted parts get the share with the delivery
+            vector, parts_clipped = layout.vector(update.tensors, broadcast.tensors, config.plan.bound)  # (dim,)
+            if not math.isfinite(float(vector.sum())):
+                raise CodecError("the update holds non-finite values: nothing to aggregate securely")
+            clipped = parts_clipped > 0
         try:
-            party = ClientParty(config, self.client, vector, weighted=share is None, rand_bytes=self._rand)
+            party = ClientParty(
+                config,
+                self.client,
+                vector,
+                weighted=share is None,
+                rand_bytes=self._rand,
+                shared=None if share is not None else layout.weighted,
+            )
         except SecAggError as exc:
             raise CodecError(str(exc)) from None
         if clipped:

@@ -115,16 +115,17 @@ class RunConfig:
     secure_aggregation: bool = field(
         default=False,
         metadata={
-            "help": "SecAgg+: the server learns only the sum of the round's updates (FedAvg family; in process only; "
-            "turns the server's update-norm check, max_update_ratio, off: each client clips its own update instead) "
-            "(default: off)"
+            "help": "SecAgg+: the server learns only the sum of the round's updates (FedAvg family, SCAFFOLD, FedNova, "
+            "FedDyn; turns the server's update-norm check, max_update_ratio, off: each client clips its own update "
+            "instead) (default: off)"
         },
     )
     secagg_clip: float = field(
         default=SECAGG_CLIP,
         metadata={
             "help": "with --secure-aggregation: each client clips its update (new weights - broadcast weights) to this "
-            "L2 norm before masking; it is also the fixed-point ring's bound per value"
+            "L2 norm before masking, and each further part of its input (SCAFFOLD's control delta, FedDyn's second "
+            "copy) to it on its own; it is also the fixed-point ring's bound per value"
         },
     )
     secagg_degree: int = field(
@@ -422,7 +423,8 @@ class RunConfig:
             supported = ", ".join(name for name, a in ALGORITHMS.items() if not a.secagg_gap)
             raise ConfigError(
                 f"--secure-aggregation cannot run --algorithm {self.algorithm} yet: {spec.secagg_gap}. It runs the "
-                f"algorithms whose server averages the returned weights: {supported}"
+                f"algorithms whose server needs only sums of the returned weights (and SCAFFOLD's control deltas): "
+                f"{supported}"
             )
         algo = self.algo
         robust = getattr(algo, "robust", "mean")
@@ -525,11 +527,11 @@ class RunConfig:
                 "inputs, not weights; DP for them would clip and noise those outputs, which is not built "
                 "(docs/privacy.md)"
             )
-        if spec.secagg_gap:
-            supported = ", ".join(name for name, a in ALGORITHMS.items() if not a.secagg_gap)
+        if spec.dp_refusal:
+            supported = ", ".join(name for name, a in ALGORITHMS.items() if not a.dp_refusal)
             raise ConfigError(
                 f"--dp-noise-multiplier cannot run --algorithm {self.algorithm}: DP-FedAvg noises a mean of the "
-                f"returned weights, and {spec.secagg_gap}. It runs: {supported}"
+                f"returned weights, and {spec.dp_refusal}. It runs: {supported}"
             )
         algo = self.algo
         robust = getattr(algo, "robust", "mean")

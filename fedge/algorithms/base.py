@@ -403,8 +403,17 @@ class Algorithm(Generic[SettingsT]):
     objectives: tuple[type[Objective], ...] = ()
     terms: tuple[type[LocalTerm], ...] = ()
     # Why secure aggregation (fedge.secagg.strategy) cannot run this algorithm yet, for the start-up error; "" when
-    # its server half needs nothing but the weighted mean of the replies' weights, which a secure sum gives.
+    # its server half needs nothing but sums of the replies' tensors that fedge.secagg.parts declares (by default
+    # the weighted mean of the returned weights).
     secagg_gap: str = "its aggregation is not declared to be a weighted mean of the returned weights"
+    # Why DP-FedAvg (fedge.privacy), which clips and noises the weighted mean of the returned weights alone, cannot
+    # run it; None: the same as secagg_gap (an algorithm secure aggregation runs with its default part).
+    dp_gap: str | None = None
+
+    @property
+    def dp_refusal(self) -> str:
+        """Why DP-FedAvg cannot run this algorithm; "" when it can."""
+        return self.secagg_gap if self.dp_gap is None else self.dp_gap
 
 
 def weights_traffic(inputs: CostInputs) -> RoundTraffic:

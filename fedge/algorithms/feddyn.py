@@ -18,6 +18,10 @@ authors' implementation weights it; ``--weighting uniform`` gives the paper's pl
 Only trainable parameters carry ``g_k`` and ``h``; batch-norm buffers are averaged as in FedAvg. alpha = 0.1 is the
 FedNTD authors' setting for their Table 1.
 
+Under secure aggregation (:mod:`fedge.secagg.parts`) a client's masked input is its clipped move twice: weighted by
+its averaging share (the survivors' mean, ``avg``) and unweighted (their sum, for ``h``), so it uploads twice
+FedAvg's values, each part clipped to the bound on its own; ``h`` sums the survivors' moves.
+
 Traffic is FedAvg's: ``g_k`` never leaves the client. A client that loses its store restarts from ``g_k = 0``.
 """
 
@@ -46,11 +50,13 @@ from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.learning.terms import TermCall
 from fedge.learning.training import TrainRequest, TrainStats
+from fedge.secagg.parts import SecurePart
 from fedge.types import ClientId, StateDict
 from fedge.wire.fields import bounded
 
 _H = "feddyn.h."  # the server's h in its saved state
 _OWN_GRAD = "feddyn.g_k."  # the client's g_k in its store
+DRIFT_SUM = "feddyn.drift_sum."  # under secure aggregation: the survivors' summed move, in the stand-in reply
 
 
 @dataclass(frozen=True)
@@ -82,13 +88,27 @@ class FedDyn(FedAvg[FedDynSettings]):
         self._h = tensors_like(tensors, _H, self._h)
 
     def server_step(self, averaged: StateDict, replies: Mapping[ClientId, CheckedReply]) -> StateDict:
+        """``h`` from the sum of the clients' moves, then the shifted average. A reply that stands for several
+        clients (secure aggregation's) carries their summed move under :data:`DRIFT_SUM`."""
         before, alpha = self._weights, self.settings.dyn_alpha
         shifted = super().server_step(averaged, replies)  # FedAvg's average of theta_k^t
         for k, h in self._h.items():
-            drift = torch.stack([replies[c].update.tensors[k] - before[k] for c in sorted(replies)]).sum(dim=0)
+            moves = [_move(replies[c].update.tensors, before, k) for c in sorted(replies)]
+            drift = torch.stack(moves).sum(dim=0)
             self._h[k] = h - alpha / self.config.num_clients * drift
             shifted[k] = shifted[k] - self._h[k] / alpha
         return shifted
+
+    def secure_parts(self) -> tuple[SecurePart, ...]:
+        """Under secure aggregation (:mod:`fedge.secagg.parts`): the model's weighted move for the average, and the
+        trainable parameters' move once more, unweighted, for ``h``'s sum; each clipped to the bound on its own."""
+        return (SecurePart(tuple(self._weights)), SecurePart(tuple(self._h), weighted=False, into=DRIFT_SUM))
+
+
+def _move(tensors: Mapping[str, torch.Tensor], before: StateDict, k: str) -> torch.Tensor:
+    """``theta_k^t - theta^{t-1}`` of parameter ``k``, or the summed moves a stand-in reply carries."""
+    summed = tensors.get(DRIFT_SUM + k)
+    return summed if summed is not None else tensors[k] - before[k]
 
 
 class FedDynClient(FedAvgClient[FedDynSettings]):
@@ -127,6 +147,6 @@ ALGORITHM = Algorithm(
     client=FedDynClient(),
     traffic=weights_traffic,
     describe=lambda s: f"α={s.dyn_alpha:g}",
-    secagg_gap="FedDyn also needs the unweighted sum of the clients' deltas for its drift term h, a second sum that "
-    "secure aggregation does not compute yet",
+    secagg_gap="",
+    dp_gap="FedDyn also sums the clients' moves unweighted for its drift term h, which DP-FedAvg does not noise",
 )

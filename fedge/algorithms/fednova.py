@@ -13,6 +13,12 @@ weights (data sizes, or uniform). With equal ``a_i`` this is FedAvg exactly. It 
 rescaled models ``z_i = x - (tau_eff / a_i) (x - y_i)``, so the robust rules and clipping of
 :mod:`fedge.aggregation.robust` apply to the normalized updates as they do to FedAvg's.
 
+Under secure aggregation (:mod:`fedge.secagg.parts`) each client scales its own clipped move ``y_i - x`` by its
+share ``(p_i / a_i) / Z`` (``Z = sum_i p_i / a_i`` over the round's replies; the server sends it with the share
+delivery) before masking. The server learns ``S = sum_{U3} (p_i / a_i)(y_i - x) / Z`` over the survivors U3 and
+steps ``x <- x + S Z tau_eff / P`` (``tau_eff``, ``P = sum p_i`` over U3): the step above over U3, from the sum alone
+(:meth:`FedNova.secure_shares`, :meth:`FedNova.secure_scale`).
+
 The step count is the client's report (:class:`FedNovaReport`); a peer's claim is bounded by what its declared data
 size allows (``epochs * ceil(n_i / B)`` steps), so it cannot buy itself a larger share by under-reporting beyond that.
 """
@@ -21,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fedge.algorithms.base import Algorithm, CheckedReply, UpdateReport, weights_traffic
@@ -56,8 +62,10 @@ class FedNova(FedAvg[FedNovaSettings]):
 
     report_type = FedNovaReport
 
-    def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
-        report = super().check_reply(rnd, client, reply)
+    def report_of(self, reply: Message) -> UpdateReport:
+        """Also bounds the step count by the declared data size (a remote party's report under secure aggregation,
+        whose update the server never sees, is parsed here too)."""
+        report = super().report_of(reply)
         assert isinstance(report, FedNovaReport)
         t = self.config.train
         most = t.local_epochs * math.ceil(report.num_examples / t.batch_size)
@@ -79,6 +87,26 @@ class FedNova(FedAvg[FedNovaSettings]):
         metrics = super().aggregate(rnd, rescaled)
         return {**metrics, "fednova_tau_eff": tau_eff}
 
+    def secure_shares(self, replies: Sequence[CheckedReply]) -> list[float]:
+        """Under secure aggregation, each client's share before normalization: ``p_i / a_i``. The client scales its
+        own clipped move ``y_i - x`` by it, so the secure sum is ``sum_i p_i (y_i - x) / a_i = -sum_i p_i d_i`` up to
+        one constant (:meth:`secure_scale` restores it); its step count is in its report, in the clear."""
+        momentum = self.config.train.momentum
+        weights = self.averaging_weights(replies)
+        return [p / accumulation_norm(self._steps(r), momentum) for p, r in zip(weights, replies, strict=True)]
+
+    def secure_scale(self, survivors: Sequence[CheckedReply]) -> tuple[float, dict[str, float]]:
+        """The factor on the survivors' secure mean ``sum (p_i/a_i) (y_i - x) / sum (p_i/a_i)`` that makes it
+        FedNova's step ``tau_eff sum (p_i/P) (y_i - x) / a_i``: ``tau_eff sum (p_i/a_i) / P`` (P = sum p_i, all
+        over the survivors); and tau_eff as the plaintext round reports it."""
+        momentum = self.config.train.momentum
+        weights = self.averaging_weights(survivors)
+        norms = [accumulation_norm(self._steps(r), momentum) for r in survivors]
+        total = sum(weights)
+        tau_eff = sum(p / total * a for p, a in zip(weights, norms, strict=True))
+        inverse = sum(p / a for p, a in zip(weights, norms, strict=True))
+        return tau_eff * inverse / total, {"fednova_tau_eff": tau_eff}
+
     @staticmethod
     def _steps(reply: CheckedReply) -> int:
         report = reply.report
@@ -87,6 +115,8 @@ class FedNova(FedAvg[FedNovaSettings]):
 
     def _rescaled(self, reply: CheckedReply, scale: float) -> CheckedReply:
         """``reply`` with its floating-point weights moved to ``x - scale * (x - y)``."""
+        if scale == 1.0:  # equal step counts (or one reply, secure aggregation's): FedAvg, bit for bit
+            return reply
         x = self._weights
         update = reply.update
         tensors = {
@@ -112,6 +142,7 @@ ALGORITHM = Algorithm(
     server=FedNova,
     client=FedNovaClient(),
     traffic=weights_traffic,
-    secagg_gap="FedNova rescales each client's update by that client's own step count before averaging; under secure "
-    "aggregation each client would have to scale its own delta first, which is not built yet",
+    secagg_gap="",
+    dp_gap="FedNova rescales each client's move by its own step count, which DP-FedAvg's per-client bound does not "
+    "cover",
 )

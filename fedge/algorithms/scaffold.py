@@ -17,6 +17,11 @@ Without this, c_i overshoots by 1/(1 - m) (10x at m = 0.9) and the corrected ste
 The reported local loss includes the linear term's value ``<c - c_i, y>`` (its gradient is what the algorithm needs;
 its value depends on where the weights are measured from), as FedDyn's includes ``-<g_k, theta>``.
 
+Under secure aggregation (:mod:`fedge.secagg.parts`) a client masks two parts in one protocol run, each clipped to
+the bound on its own: its weighted move ``(a_i / A) clip(y_i - x)`` and its control delta ``clip(delta_c_i)``,
+unweighted. The server gets the survivors' weighted mean model (line 16) and ``sum delta_c`` (line 17 is
+``c + (1/N) sum_S delta_c``), and nothing of one client.
+
 Traffic: both directions carry the model plus one control variate, twice FedAvg's parameters. A client that restarts
 loses ``c_i`` and starts again from zeros, as a newly sampled client would.
 """
@@ -48,6 +53,7 @@ from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.learning.terms import LocalTerm, TermBatch, TermCall
 from fedge.learning.training import TrainRequest, TrainStats
+from fedge.secagg.parts import SecurePart
 from fedge.types import ClientId, StateDict
 from fedge.wire.fields import server_only
 from fedge.wire.message import Message
@@ -96,13 +102,19 @@ class Scaffold(FedAvg[ScaffoldSettings]):
         return Plain(self.settings.server_lr)  # line 16: x + lr_g * (avg(y) - x)
 
     def server_step(self, averaged: StateDict, replies: Mapping[ClientId, CheckedReply]) -> StateDict:
+        """Line 16 by the server optimizer; line 17 as ``c + (1/N) sum_S delta_c`` (= ``|S|/N mean``): a sum, so
+        one reply that carries the sum of several clients' deltas (secure aggregation's) counts as they would."""
         weights = super().server_step(averaged, replies)
-        share = len(replies) / self.config.num_clients  # |S| / N
         for k in self.trainable:  # line 17
             deltas = [replies[c].update.tensors[CONTROL_DELTA + k] for c in sorted(replies)]
-            mean_delta = torch.stack(deltas).mean(dim=0)
-            self._control[k] = self._control[k] + share * mean_delta
+            self._control[k] = self._control[k] + torch.stack(deltas).sum(dim=0) / self.config.num_clients
         return weights
+
+    def secure_parts(self) -> tuple[SecurePart, ...]:
+        """Under secure aggregation (:mod:`fedge.secagg.parts`): the model's weighted move, then the control-variate
+        deltas as sent, summed unweighted (line 17 needs their sum); each part clipped to the bound on its own."""
+        control = tuple(CONTROL_DELTA + k for k in self.trainable)
+        return (SecurePart(tuple(self._weights)), SecurePart(control, relative=False, weighted=False))
 
 
 @dataclass(frozen=True)
@@ -169,7 +181,7 @@ ALGORITHM = Algorithm(
     client=ScaffoldClient(),
     traffic=scaffold_traffic,
     describe=lambda s: f"lr_g={s.server_lr:g}",
-    secagg_gap="SCAFFOLD averages the returned weights and, separately, the clients' control-variate deltas; secure "
-    "aggregation of that second sum is not built yet",
+    secagg_gap="",
+    dp_gap="SCAFFOLD also sums the clients' control-variate deltas, which DP-FedAvg does not clip or noise",
     terms=(Correction,),
 )

@@ -176,10 +176,11 @@ class ClientParty:
     keys, and the answer to each stage's message.
 
     ``vector`` (the round's length) is what the client encodes: its update clipped to the round's bound
-    (:func:`clipped_delta`), which ``weighted`` rounds scale by the client's averaging share a_k / A from the share
-    delivery (FedAvg's weighted mean), or DP-FedAvg's noised input (:func:`fedge.privacy.shares.client_input`,
-    summed as it is). ``rng`` draws the stochastic rounding (default: seeded from the OS); ``rand_bytes`` keys and
-    seeds.
+    (:func:`clipped_delta`; each part on its own, :mod:`fedge.secagg.parts`), which ``weighted`` rounds scale by the
+    client's averaging share a_k / A from the share delivery (FedAvg's weighted mean; only the coordinates ``shared``
+    marks, when given: the others are summed as they are), or DP-FedAvg's noised input
+    (:func:`fedge.privacy.shares.client_input`, summed as it is). ``rng`` draws the stochastic rounding (default:
+    seeded from the OS); ``rand_bytes`` keys and seeds.
     """
 
     def __init__(
@@ -191,14 +192,18 @@ class ClientParty:
         weighted: bool,
         rand_bytes: RandBytes = os.urandom,
         rng: np.random.Generator | None = None,
+        shared: npt.NDArray[np.bool_] | None = None,
     ) -> None:
         if vector.shape != (config.dim,):
             raise ProtocolViolation(
                 f"the round sums vectors of {config.dim} values, this client's has {vector.shape[0]}"
             )
+        if shared is not None and shared.shape != vector.shape:
+            raise ProtocolViolation("the weighted coordinates' mask must be as long as the vector")
         self.config = config
         self.vector = vector  # (dim,)
         self.weighted = weighted
+        self.shared = shared  # (dim,) the coordinates the share multiplies (fedge.secagg.parts); None: all
         self.protocol = SecAggClient(config, client, rand_bytes=rand_bytes)
         self._rng = rng
 
@@ -217,7 +222,12 @@ class ClientParty:
                 raise ProtocolViolation(
                     "a weighted round's share delivery carries the client's averaging share, an unweighted one none"
                 )
-            x = self.vector * weight if weight is not None else self.vector
+            if weight is None:
+                x = self.vector
+            elif self.shared is None:
+                x = self.vector * weight
+            else:  # a part summed unweighted (SCAFFOLD's control deltas, FedDyn's drift) is added once
+                x = self.vector * np.where(self.shared, weight, 1.0)
             return self.protocol.masked_input(message, x, rng=self._rng)
         if isinstance(message, UnmaskRequest):
             return self.protocol.unmask(message)

@@ -2,7 +2,9 @@
 one client's update (Bonawitz et al. 2017; Bell et al. 2020: the SecAgg+ protocol of :mod:`fedge.secagg`).
 
 :class:`SecureAggregationStrategy` wraps an algorithm's :class:`~fedge.algorithms.base.Strategy` whose aggregation
-is the weighted mean of the returned weights (``Algorithm.secagg_gap == ""``). Per round, with ``w`` the broadcast
+needs sums of the returned tensors only (``Algorithm.secagg_gap == ""``): by default the weighted mean of the returned
+weights, as below; an algorithm that needs more (SCAFFOLD's control deltas, FedNova's per-client scaling, FedDyn's
+plain sum) declares the parts of each client's vector, :mod:`fedge.secagg.parts`. Per round, with ``w`` the broadcast
 weights, ``a_k`` client k's averaging weight (its data size, or 1 under uniform weighting) and ``A`` the sum of the
 ``a_k`` of the clients that take part:
 
@@ -45,14 +47,14 @@ import torch
 
 from fedge.accounting.ledger import Direction, LedgerEntry
 from fedge.accounting.records import AggregationRecord, Drop
-from fedge.aggregation.flat import FlatLayout
 from fedge.errors import CodecError, ConfigError
 from fedge.secagg.config import RoundConfig
 from fedge.secagg.driver import RoundResult, run_configured, serve_round
 from fedge.secagg.errors import RoundAbandoned, SecAggError
 from fedge.secagg.messages import AdvertiseKeys, MaskedInput, SecAggMessage
+from fedge.secagg.parts import PartLayout, SecurePart, default_parts, parts_param
 from fedge.secagg.protocol import SecAggServer, Stage
-from fedge.secagg.remote import LAYOUT_PARAM, SEED_PARAM, WEIGHT_PARAM, StageChannel, clipped_delta, from_message
+from fedge.secagg.remote import LAYOUT_PARAM, SEED_PARAM, WEIGHT_PARAM, StageChannel, from_message
 from fedge.secagg.shamir import RandBytes
 from fedge.wire.fields import printable
 from fedge.wire.message import UPDATE
@@ -120,16 +122,17 @@ class _Round:
 
     round: int
     config: RoundConfig
-    reference: npt.NDArray[np.float64]  # (dim,) the broadcast weights, flattened in reply-tensor order
+    reference: dict[str, torch.Tensor]  # the broadcast weights
 
 
 @dataclass(frozen=True)
 class SecureRound:
     """The last aggregated round as the simulator saw it (for tests and benchmarks): each client's vector
-    ``(a_k / A) clip_C(w_k - w)``, the protocol's result, and the global weights before and after."""
+    (its parts, each clipped to C, times its share ``s_k`` where weighted), the protocol's result, and the global
+    weights before (flat, the model's part) and after."""
 
     vectors: Mapping[ClientId, npt.NDArray[np.float64]]
-    shares: Mapping[ClientId, float]  # a_k / A
+    shares: Mapping[ClientId, float]  # s_k: a_k / A, or the algorithm's (secure_shares)
     result: RoundResult
     before: npt.NDArray[np.float64]  # (dim,)
     after: dict[str, torch.Tensor]
@@ -158,17 +161,26 @@ class SecureAggregationStrategy:
         self._session = rand_bytes(8).hex()  # keys are bound to it: a new coordinator never reuses one
         specs = inner.reply_tensors()
         weights = inner.global_weights()
-        averaging = getattr(inner, "averaging_weights", None)  # FedAvg's: data sizes, or 1 each (uniform)
-        if weights is None or not callable(averaging):
+        # The FedAvg family's (fedge.algorithms.fedavg.FedAvg): each client's share s_k (data sizes, or 1 each, or
+        # FedNova's), the parts of its vector, and a factor on the weighted mean's step (FedNova's).
+        shares = getattr(inner, "secure_shares", None) or getattr(inner, "averaging_weights", None)
+        if weights is None or not callable(shares):
             raise ConfigError(f"secure aggregation needs a global model and averaging weights; {inner.name} has none")
-        self._averaging: Callable[[Sequence[CheckedReply]], list[float]] = averaging
-        odd = [k for k, (shape, dtype) in specs.items() if dtype != torch.float32 or k not in weights]
+        self._shares: Callable[[Sequence[CheckedReply]], list[float]] = shares
+        declared = getattr(inner, "secure_parts", None)
+        parts: tuple[SecurePart, ...] = declared() if callable(declared) else default_parts(list(specs))
+        self._scale: Callable[[Sequence[CheckedReply]], tuple[float, dict[str, float]]] | None = getattr(
+            inner, "secure_scale", None
+        )
+        covered = {n for p in parts for n in p.tensors}
+        odd = [k for k, (shape, dtype) in specs.items() if dtype != torch.float32 or k not in covered]
+        odd += [n for p in parts if p.relative for n in p.tensors if n not in weights]
         if odd:
             raise ConfigError(
-                f"secure aggregation sums float32 weights; this model also exchanges {odd[:3]} (not float32 or not "
-                "in the global model), which is not supported yet"
+                f"secure aggregation sums float32 tensors; this model also exchanges {odd[:3]} (not float32, not "
+                "declared in a part, or a relative part's tensor not in the global model), which is not supported yet"
             )
-        self._layout = FlatLayout(specs)  # one flat vector per client
+        self._layout = PartLayout(parts, specs)  # one flat vector per client, the parts concatenated
         self._dim = self._layout.dim
         self._round: _Round | None = None
         self._record = AggregationRecord()
@@ -213,7 +225,7 @@ class SecureAggregationStrategy:
         weights = self.inner.global_weights()
         assert weights is not None  # checked in __init__
         config = self._round_config(rnd, clients)
-        self._round = _Round(rnd, config, self._layout.flatten(weights))
+        self._round = _Round(rnd, config, dict(weights))
         if plan.broadcast is None:
             return plan
         tensors, meta = config.to_fields()
@@ -221,7 +233,8 @@ class SecureAggregationStrategy:
             **plan.broadcast.params,
             **meta,
             SEED_PARAM: config.round_seed.hex(),
-            LAYOUT_PARAM: ",".join(self._layout.specs),
+            LAYOUT_PARAM: ",".join(self._layout.parts[0].tensors),
+            **parts_param(self._layout.parts),
         }
         assert set(tensors) == {"secagg.round_seed"}
         return dataclasses.replace(plan, broadcast=dataclasses.replace(plan.broadcast, params=params))
@@ -246,24 +259,23 @@ class SecureAggregationStrategy:
             raise RuntimeError(f"round {rnd} was not configured by this strategy")
         cfg, config = self.secure_config, state.config
         ordered = sorted(replies)
-        averaging = self._averaging([replies[c] for c in ordered])
+        averaging = self._shares([replies[c] for c in ordered])
         total = float(sum(averaging))
-        shares = {c: float(a) / total for c, a in zip(ordered, averaging, strict=True)}  # a_k / A
+        shares = {c: float(a) / total for c, a in zip(ordered, averaging, strict=True)}  # s_k, e.g. a_k / A
         if self._remote is not None:
             return self._aggregate_remote(rnd, replies, shares, state, self._remote)
         vectors: dict[ClientId, npt.NDArray[np.float64]] = {}
         clipped = 0
         for c in ordered:
-            new = self._layout.flatten(replies[c].update.tensors)  # (dim,) w_k
-            delta, was_clipped = clipped_delta(new, state.reference, cfg.secagg_clip)
-            vectors[c] = delta * shares[c]  # (dim,) each coordinate in [-C, C]
+            parts, was_clipped = self._layout.vector(replies[c].update.tensors, state.reference, cfg.secagg_clip)
+            vectors[c] = parts * self._layout.coefficients(shares[c])  # (dim,) each coordinate in [-C, C]
             clipped += was_clipped
         simulated = simulated_dropouts(config.clients, cfg.simulate_dropouts, cfg.seed, rnd)
         drop_at: dict[ClientId, Stage] = {c: s for c, s in simulated.items() if c in replies}
         for c in config.clients:  # sampled, but without a valid reply: it never shows up in the protocol
             if c not in replies:
                 vectors[c], drop_at[c] = np.zeros(self._dim), "advertise"
-        ledger = _ProtocolLedger(rnd)
+        ledger = _ProtocolLedger(rnd, 4 * self._layout.covered)
         metrics = self._round_metrics(config, clipped)
         try:
             result = run_configured(
@@ -279,12 +291,11 @@ class SecureAggregationStrategy:
             self._record = AggregationRecord(tuple(ledger.entries), _drops(gone, drop_at, config), str(exc))
             return metrics
         survivors = result.survivors
-        weight = sum(shares[c] for c in survivors)  # sum_{U3} a_k / A
-        after = self._layout.unflatten(state.reference + result.decoded_sum / weight)
-        metrics.update(self.inner.aggregate(rnd, {SUM_CLIENT: _mean_reply(replies, survivors, after)}))
+        after, scaled = self._stand_in(state, result.decoded_sum, replies, shares, survivors)
+        metrics.update(self.inner.aggregate(rnd, {SUM_CLIENT: _mean_reply(replies, survivors, after)}) | scaled)
         gone = [c for c in result.dropped if c in replies]
         self._record = AggregationRecord(tuple(ledger.entries), _drops(gone, drop_at, config), "")
-        self.last = SecureRound(vectors, shares, result, state.reference, after)
+        self.last = SecureRound(vectors, shares, result, self._layout.model.flatten(state.reference), after)
         return metrics | {
             "secagg_survivors": float(len(survivors)),
             "secagg_vanished_unmasking": float(sum(1 for c in survivors if drop_at.get(c) == "unmask")),
@@ -328,9 +339,8 @@ class SecureAggregationStrategy:
             return metrics
         entries, why = channel.take_record(rnd)
         survivors = result.survivors
-        weight = sum(shares[c] for c in survivors)  # sum_{U3} a_k / A
-        after = self._layout.unflatten(state.reference + result.decoded_sum / weight)
-        metrics.update(self.inner.aggregate(rnd, {SUM_CLIENT: _mean_reply(replies, survivors, after)}))
+        after, scaled = self._stand_in(state, result.decoded_sum, replies, shares, survivors)
+        metrics.update(self.inner.aggregate(rnd, {SUM_CLIENT: _mean_reply(replies, survivors, after)}) | scaled)
         gone = [c for c in result.dropped if c in replies]
         self._record = AggregationRecord(tuple(entries), remote_drops(gone, why, config), "")
         return metrics | {
@@ -340,6 +350,23 @@ class SecureAggregationStrategy:
             "secagg_server_s": sum(timings.values()),
             "secagg_unmask_server_s": timings.get("unmask.server", 0.0),
         }
+
+    def _stand_in(
+        self,
+        state: _Round,
+        decoded: npt.NDArray[np.float64],
+        replies: Mapping[ClientId, CheckedReply],
+        shares: Mapping[ClientId, float],
+        survivors: Sequence[ClientId],
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The tensors of the reply that stands for the survivors: each weighted part's mean (``decoded`` over
+        ``sum_{U3} s_k``, times the algorithm's factor), each plain part's sum; and the factor's metrics (they
+        replace the inner strategy's, which sees one reply)."""
+        weight = sum(shares[c] for c in survivors)  # sum_{U3} s_k
+        scale, extra = 1.0, dict[str, float]()
+        if self._scale is not None:
+            scale, extra = self._scale([replies[c] for c in survivors])
+        return self._layout.stand_in(state.reference, decoded, weight, scale=scale), extra
 
     def _round_metrics(self, config: RoundConfig, clipped: int | None) -> dict[str, float]:
         """The round's public protocol parameters (and, in process, how many updates the clip shortened)."""
@@ -378,11 +405,13 @@ class SecureAggregationStrategy:
 
 class _ProtocolLedger:
     """The ledger entries of one round's protocol messages, as :func:`fedge.secagg.run_round` sends them (its
-    ``on_message``). A masked upload gets none: the client's update message, of the same size (4 bytes a value,
-    uint32 or float32), already stands for it."""
+    ``on_message``). The client's update message, 4 bytes a value (uint32 or float32), stands for the masked upload's
+    first ``reply_bytes``; what a masked upload holds beyond them (a part that sums a tensor a second time, FedDyn's
+    drift) gets an entry of its own, kind ``secagg.masked-input``, of those extra bytes."""
 
-    def __init__(self, rnd: int) -> None:
+    def __init__(self, rnd: int, reply_bytes: int | None = None) -> None:
         self.round = rnd
+        self.reply_bytes = reply_bytes  # the float32 reply tensors the parts cover; None: the whole upload
         self.entries: list[LedgerEntry] = []
         self.upload_tensor_bytes = 0  # of one masked upload
 
@@ -390,6 +419,9 @@ class _ProtocolLedger:
         tensor_bytes = sum(int(a.nbytes) for a in message.to_fields()[0].values())
         if isinstance(message, MaskedInput):
             self.upload_tensor_bytes = tensor_bytes
+            extra = 0 if self.reply_bytes is None else tensor_bytes - self.reply_bytes
+            if extra > 0:
+                self.entries.append(LedgerEntry(self.round, direction, message.client, message.KIND, 1, extra, extra))
             return
         self.entries.append(LedgerEntry(self.round, direction, message.client, message.KIND, 1, tensor_bytes, size))
 

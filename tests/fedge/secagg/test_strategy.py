@@ -16,10 +16,10 @@ from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.secagg import decode, encode, ring_sum
 from fedge.secagg.messages import MaskedInput
+from fedge.secagg.remote import clipped_delta
 from fedge.secagg.strategy import (
     SUM_CLIENT,
     SecureAggregationStrategy,
-    clipped_delta,
     rounding_rng,
     simulated_dropouts,
 )
@@ -219,9 +219,8 @@ def test_the_inner_strategy_sees_one_reply_the_mean() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (dict(algorithm="scaffold"), "cannot run --algorithm scaffold yet"),
+        (dict(algorithm="fedcurv"), "cannot run --algorithm fedcurv yet"),
         (dict(algorithm="dsfl"), "cannot run --algorithm dsfl yet"),
-        (dict(algorithm="fednova"), "cannot run --algorithm fednova yet"),
         (dict(algo=FedAvgSettings(robust="median")), "--robust median needs every client's update in the clear"),
         (dict(algo=FedAvgSettings(clip_factor=2.0)), "--clip-factor 2 clips each update"),
         (dict(algo=FedAvgSettings(max_update_ratio=5.0)), "--max-update-ratio 5 refuses an update by its norm"),
