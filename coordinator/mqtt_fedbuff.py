@@ -248,14 +248,23 @@ class MqttFedBuffEngine(BufferedEngine):
     def _expire(self, out: Exchange) -> None:
         """Drop the tasks silent past the round timeout, or whose client stayed offline past the rejoin grace."""
         now = time.monotonic()
+        link = self.mqtt.link
+        # As in a round, the grace runs only while our own link is up, from its latest (re)connection: last wills
+        # that arrive around a broker outage say only that the clients are reconnecting too.
+        back = link.connected_at if link.connected else now
         for task in list(self.tasks.values()):
-            if task.offline_since is not None and now - task.offline_since >= self.mqtt.rejoin_grace:
-                self._drop(task, f"went offline {task.offline_since - task.sent_at:.1f} s into its task", out)
+            since = task.offline_since
+            if since is not None and now - max(since, back) >= self.mqtt.rejoin_grace:
+                # Its task is void: once back online it may train on this version after all.
+                self._drop(task, f"went offline {since - task.sent_at:.1f} s into its task", out, again=True)
             elif now >= task.deadline:
                 self._drop(task, f"silent past the {self.mqtt.round_timeout:g} s round timeout", out)
 
-    def _drop(self, task: Task, why: str, out: Exchange) -> None:
+    def _drop(self, task: Task, why: str, out: Exchange, *, again: bool = False) -> None:
+        """Free ``task``'s slot; ``again``: its client may be dispatched at the current version once more."""
         del self.tasks[task.client]
+        if again and task.version == self.buffered.buffer.version:
+            self.buffered.buffer.trained_on_version.discard(task.client)
         out.drops.append(Drop(task.client, why, round(time.monotonic() - task.sent_at, 3)))
         log.warning("version %d: client %s dropped: %s", task.version, task.client, why)
         self._forget_bases()

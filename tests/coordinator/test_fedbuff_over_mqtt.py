@@ -44,9 +44,10 @@ from fedge.config import RunConfig, TrainConfig
 from fedge.learning.backend import Backend, TorchBackend
 from fedge.types import StateDict
 from fedge.wire.message import Message
-from fedge.wire.protocol import BrokerAddress
+from fedge.wire.protocol import BrokerAddress, ClientStatus, Topics, encode_status
 from fedge_cli.main import main
 from fedge_io.experiment import Experiment, prepare
+from fedge_io.mqtt import MqttLink
 from sim.brokers import mosquitto_broker
 from sim.run import run_inprocess
 
@@ -259,6 +260,37 @@ def test_a_silent_client_frees_its_slot_at_the_round_timeout(
     assert line["replied"] == ["c001"] and line["dispatched"] == 2
     assert line["drop_reasons"]["c002"] == "silent past the 2 s round timeout"
     assert line["drop_after_s"]["c002"] >= 2
+
+
+def test_a_client_gone_offline_frees_its_slot_after_the_rejoin_grace(
+    fleet: Fleet, serve: Callable[..., None], tmp_path: Path
+) -> None:
+    run = "buf-gone"
+    held = Slowed(fleet.clients["c002"], at=1)
+    serve(run, {**fleet.clients, "c002": held})
+    config = dataclasses.replace(CONFIG, rounds=1, buffer_size=1, concurrency=1)
+
+    def last_will() -> None:  # what the broker publishes for a device that lost power while training
+        held.held.wait(60)
+        will = encode_status(ClientStatus(client="c002", state="offline", reason="power lost"), run)
+        link = MqttLink(BrokerAddress.parse(fleet.url), "will-of-c002").start(10)
+        link.publish(Topics(run).status("c002"), will, qos=1, retain=True)
+        link.close(wait=0.5)
+
+    thread = threading.Thread(target=last_will, daemon=True)
+    thread.start()
+    try:
+        result = run_coordinator(
+            config, tmp_path / "run", broker=fleet.url, run=run, experiment=prepare(config), round_timeout=60,
+            join_timeout=60, rejoin_grace=0.5,
+        )  # fmt: skip
+    finally:
+        held.release.set()
+        thread.join(10)
+    # Seed 0 samples c002 first; once it has been offline for the grace, its slot goes to c001 (c002 is not online).
+    (line,) = _lines(result.path)
+    assert line["replied"] == ["c001"] and line["dispatched"] == 2
+    assert line["drop_reasons"]["c002"].startswith("went offline")
 
 
 def test_a_killed_coordinator_resumes_mid_buffer_and_loses_no_update(
