@@ -5,7 +5,8 @@
 - A client slowed until step 2 is taken: its update, trained on version 0, is buffered at version 2 (or later) with
   the weight ``1 / (1 + sqrt(s))`` as the move from the version it was sent; with ``--max-staleness 1`` it is
   dropped instead.
-- A client silent past ``--round-timeout`` frees its slot for another (a drop of the step).
+- A client silent past ``--round-timeout``, gone offline past ``--rejoin-grace``, or whose reply is refused frees its
+  slot for another (a drop of the step).
 - A coordinator SIGKILLed with two of three updates buffered and resumed with ``--resume`` loses neither: they are
   counted once and step 2 takes them with the third; the run ends with the same model.
 - ``fedge status --json`` shows the version, the buffer's fill and size, and its staleness.
@@ -30,6 +31,7 @@ from typing import Any
 
 import pytest
 import torch
+from insiders import Scaled
 from mqtt_support import require_mosquitto
 from safetensors.torch import load_file
 
@@ -291,6 +293,20 @@ def test_a_client_gone_offline_frees_its_slot_after_the_rejoin_grace(
     (line,) = _lines(result.path)
     assert line["replied"] == ["c001"] and line["dispatched"] == 2
     assert line["drop_reasons"]["c002"].startswith("went offline")
+
+
+def test_a_refused_reply_frees_the_slot(fleet: Fleet, serve: Callable[..., None], tmp_path: Path) -> None:
+    run = "buf-refused"
+    serve(run, {**fleet.clients, "c002": Scaled(fleet.clients["c002"], "sign_flip", 1000.0)})  # beyond the bound
+    config = dataclasses.replace(CONFIG, rounds=1, buffer_size=1, concurrency=1)
+    result = run_coordinator(
+        config, tmp_path / "run", broker=fleet.url, run=run, experiment=prepare(config), round_timeout=60,
+        join_timeout=60,
+    )  # fmt: skip
+    (line,) = _lines(result.path)  # seed 0 samples c002 first: refused, its slot goes to c001 at once
+    assert line["replied"] == ["c001"] and line["dispatched"] == 2
+    assert [(r["client"], r["category"]) for r in line["rejected"]] == [("c002", "invalid")]
+    assert line["drop_reasons"]["c002"].startswith("its reply was refused: invalid: the update moves the model by")
 
 
 def test_a_killed_coordinator_resumes_mid_buffer_and_loses_no_update(
