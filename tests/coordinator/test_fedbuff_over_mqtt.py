@@ -146,6 +146,18 @@ def _lines(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_a_fedbuff_deployment_keeps_the_mean_without_a_quorum() -> None:
+    """The deployment's synchronous defaults (a robust rule, server-side clipping, half the sampled as quorum) would
+    be refused with FedBuff: `fedge coordinator --aggregation fedbuff` keeps the papers' (and no simulated clock)."""
+    from fedge_cli.main import _run_config, build_parser
+
+    config = _run_config(build_parser().parse_args(["coordinator", "--aggregation", "fedbuff"]), deployment=True)
+    assert config.buffered and not config.simulated_time
+    assert (config.algo.robust, config.algo.clip_factor, config.min_replies) == ("mean", 0.0, 1.0)  # type: ignore[attr-defined]
+    synchronous = _run_config(build_parser().parse_args(["coordinator"]), deployment=True)
+    assert synchronous.algo.robust != "mean" and synchronous.min_replies < 1  # type: ignore[attr-defined]
+
+
 def test_k_equal_to_the_cohort_is_fedavg_and_status_shows_the_buffer(
     fleet: Fleet,
     serve: Callable[..., None],
