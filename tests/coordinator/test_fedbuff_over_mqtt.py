@@ -36,6 +36,9 @@ from mqtt_support import require_mosquitto
 from safetensors.torch import load_file
 
 import coordinator.fedbuff
+from coordinator.engine import RoundEngine
+from coordinator.fedbuff import BufferedFedAvg, buffered_strategy
+from coordinator.resume import RunJournal
 from coordinator.run import run_coordinator
 from edge_client.client import EdgeClient
 from edge_client.data import ClientDataInfo
@@ -51,6 +54,7 @@ from fedge_cli.main import main
 from fedge_io.experiment import Experiment, prepare
 from fedge_io.mqtt import MqttLink
 from sim.brokers import mosquitto_broker
+from sim.inprocess import InProcessTransport
 from sim.run import run_inprocess
 
 pytestmark = pytest.mark.broker
@@ -156,6 +160,31 @@ def test_a_fedbuff_deployment_keeps_the_mean_without_a_quorum() -> None:
     assert (config.algo.robust, config.algo.clip_factor, config.min_replies) == ("mean", 0.0, 1.0)  # type: ignore[attr-defined]
     synchronous = _run_config(build_parser().parse_args(["coordinator"]), deployment=True)
     assert synchronous.algo.robust != "mean" and synchronous.min_replies < 1  # type: ignore[attr-defined]
+
+
+def test_a_buffer_journaled_before_the_first_step_is_resumed(tmp_path: Path) -> None:
+    """Killed before step 1: the journal of "round 0" holds the buffer and the step's record so far."""
+    exp = prepare(CONFIG)
+
+    def engine() -> RoundEngine:
+        strategy = buffered_strategy(CONFIG, exp.strategy("j"))
+        return RoundEngine(CONFIG, strategy, InProcessTransport([]), *exp.test_tensors())
+
+    first = engine()
+    assert isinstance(first.strategy, BufferedFedAvg)
+    journal = RunJournal(tmp_path, CONFIG, exp.partition_summary(), first)
+    move = {k: torch.full_like(v, 0.25) for k, v in first.strategy.global_weights().items()}
+    first.strategy.buffer.buffer.append(BufferedUpdate("c001", 0, 667.0, move, 0.5))
+    first.strategy.buffer.partial = {"entries": [], "drops": [], "rejections": [], "timings": [], "arrived": ["c001"]}
+    journal.checkpoint()
+
+    second = engine()
+    RunJournal(tmp_path, CONFIG, exp.partition_summary(), second, resume=True)
+    assert isinstance(second.strategy, BufferedFedAvg) and second.history.resumed_after == [0]
+    (update,) = second.strategy.buffer.buffer
+    assert (update.client, update.base_version, update.weight, update.loss) == ("c001", 0, 667.0, 0.5)
+    assert all(torch.equal(update.delta[k], move[k]) for k in move)
+    assert second.strategy.buffer.partial["arrived"] == ["c001"]
 
 
 def test_k_equal_to_the_cohort_is_fedavg_and_status_shows_the_buffer(
