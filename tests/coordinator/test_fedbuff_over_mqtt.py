@@ -8,7 +8,8 @@
 - A client silent past ``--round-timeout``, gone offline past ``--rejoin-grace``, or whose reply is refused frees its
   slot for another (a drop of the step).
 - A coordinator SIGKILLed with two of three updates buffered and resumed with ``--resume`` loses neither: they are
-  counted once and step 2 takes them with the third; the run ends with the same model.
+  counted once and step 2 takes them with the third; the run ends with the same model (over a fleet kit's broker:
+  TLS, a password per device, the least-privilege ACL).
 - ``fedge status --json`` shows the version, the buffer's fill and size, and its staleness.
 
 The clients serve from threads of the test (real MqttEdgeClient over the broker), so they outlive a killed coordinator.
@@ -25,7 +26,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ import coordinator.fedbuff
 from coordinator.engine import RoundEngine
 from coordinator.fedbuff import BufferedFedAvg, buffered_strategy
 from coordinator.resume import RunJournal
-from coordinator.run import run_coordinator
+from coordinator.run import provision_fleet, run_coordinator
 from edge_client.client import EdgeClient
 from edge_client.data import ClientDataInfo
 from edge_client.mqtt import MqttEdgeClient
@@ -51,9 +53,10 @@ from fedge.types import StateDict
 from fedge.wire.message import Message
 from fedge.wire.protocol import BrokerAddress, ClientStatus, Topics, encode_status
 from fedge_cli.main import main
+from fedge_io.credentials import load_bundle
 from fedge_io.experiment import Experiment, prepare
 from fedge_io.mqtt import MqttLink
-from sim.brokers import mosquitto_broker
+from sim.brokers import fleet_mosquitto, free_port, mosquitto_broker
 from sim.inprocess import InProcessTransport
 from sim.run import run_inprocess
 
@@ -350,16 +353,37 @@ def test_a_refused_reply_frees_the_slot(fleet: Fleet, serve: Callable[..., None]
     assert line["drop_reasons"]["c002"].startswith("its reply was refused: invalid: the update moves the model by")
 
 
+@contextmanager
+def kit_fleet(exp: Experiment, clients: Mapping[str, EdgeClient], root: Path, run: str) -> Iterator[tuple[str, Path]]:
+    """A fleet kit for ``run`` (TLS, one password per device, the least-privilege ACL), its mosquitto, and the clients
+    served from threads with their own device bundles; yields the broker's URL and the coordinator's bundle."""
+    kit = provision_fleet(exp, root / "kit", run=run, broker_hosts=["127.0.0.1"], port=free_port())
+    with fleet_mosquitto(kit.broker_dir) as url, ExitStack() as stack:
+        for cid, client in clients.items():
+            address = load_bundle(kit.root / "clients" / cid, broker=url).address
+            info = ClientDataInfo(cid, exp.model, exp.input_shape, exp.num_classes)
+            server = MqttEdgeClient(client, info, address, run)
+            thread = threading.Thread(target=server.serve, name=f"{run}-{cid}", daemon=True)
+            thread.start()
+            stack.callback(thread.join, 10)
+            stack.callback(server.stop)
+        yield url, kit.coordinator_dir
+
+
 def test_a_killed_coordinator_resumes_mid_buffer_and_loses_no_update(
-    fleet: Fleet, serve: Callable[..., None], fedavg_model: StateDict, tmp_path: Path
+    fleet: Fleet, fedavg_model: StateDict, tmp_path: Path
 ) -> None:
-    run = "buf-kill"
+    """Over a fleet kit's broker, as deployed: `fedge coordinator --bundle` in its own process, SIGKILLed."""
     slow = Slowed(fleet.clients["c002"], at=2)  # holds step 2 open: c000's and c001's updates wait in the buffer
-    serve(run, {**fleet.clients, "c002": slow})
+    with kit_fleet(fleet.exp, {**fleet.clients, "c002": slow}, tmp_path, "buf-kill") as (url, bundle):
+        _kill_and_resume(url, bundle, slow, fedavg_model, tmp_path)
+
+
+def _kill_and_resume(url: str, bundle: Path, slow: Slowed, fedavg_model: StateDict, tmp_path: Path) -> None:
     config_file = tmp_path / "config.json"
     config_file.write_text(json.dumps(CONFIG.to_dict()))
-    args = ["coordinator", "--broker", fleet.url, "--run", run, "--config", str(config_file), "--round-timeout", "60"]
-    args += ["--join-timeout", "60", "--no-report", "--broker-counters", "off"]
+    args = ["coordinator", "--bundle", str(bundle), "--broker", url, "--config", str(config_file)]
+    args += ["--round-timeout", "60", "--join-timeout", "60", "--no-report", "--broker-counters", "off"]
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same float sums as this process
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "fedge_cli.main", *args, "--out", str(out)], env=env,
