@@ -25,6 +25,7 @@ from fedge.secagg.errors import SecAggError
 from fedge.secagg.messages import ShareDelivery
 from fedge.secagg.parts import PartLayout, parse_parts
 from fedge.secagg.remote import (
+    SEED_PARAM,
     STAGE_OF_KIND,
     ClientParty,
     from_message,
@@ -63,48 +64,48 @@ class SecureRounds:
         """For a round under secure aggregation: the reply that stands for ``update`` (its report and this client's
         fresh public keys), with the party kept for the stages to come; None for a round without it. CodecError
         when the round's parameters do not fit this client's update."""
+        # The parameters ride in the broadcast, or in the task of a round without one (DS-FL's first).
+        source = broadcast if broadcast is not None and SEED_PARAM in broadcast.params else task
         try:
-            config = None if broadcast is None else round_config_of(broadcast)
+            config = round_config_of(source)
         except SecAggError as exc:
             raise CodecError(f"the round's secure-aggregation parameters are malformed: {exc}") from None
         if config is None:
             return None
-        assert broadcast is not None
+        reference = broadcast.tensors if broadcast is not None else {}
         if config.round != task.round or config.run != task.run:
             raise CodecError(f"the secure-aggregation parameters are of round {config.round}, the task of {task.round}")
         if self.client not in config.index:
             raise CodecError(f"the secure-aggregation round's cohort does not include {self.client}")
         try:
-            parts = parse_parts(layout_of(broadcast), broadcast.params)  # the model's move, and SCAFFOLD's or FedDyn's
+            parts = parse_parts(layout_of(source), source.params)  # the model's move, and SCAFFOLD's or FedDyn's
         except SecAggError as exc:
             raise CodecError(str(exc)) from None
         names = [n for p in parts for n in p.tensors]
         relative = [n for p in parts if p.relative for n in p.tensors]
-        missing = [n for n in names if n not in update.tensors] + [n for n in relative if n not in broadcast.tensors]
+        missing = [n for n in names if n not in update.tensors] + [n for n in relative if n not in reference]
         if missing:
             raise CodecError(f"the secure-aggregation layout names tensors this model does not exchange: {missing[:3]}")
-        odd = [n for n in relative if broadcast.tensors[n].shape != update.tensors[n].shape]
+        odd = [n for n in relative if reference[n].shape != update.tensors[n].shape]
         if odd or any(update.tensors[n].dtype != torch.float32 for n in names):
             raise CodecError(f"secure aggregation sums float32 tensors of the broadcast's shapes; {odd[:3]} differ")
         try:
             layout = PartLayout(parts, {n: (tuple(update.tensors[n].shape), update.tensors[n].dtype) for n in names})
         except SecAggError as exc:
             raise CodecError(str(exc)) from None
-        new, reference = layout.model.flatten(update.tensors), layout.model.flatten(broadcast.tensors)
-        if not (math.isfinite(float(new.sum())) and math.isfinite(float(reference.sum()))):
+        new, moved_from = layout.flatten(update.tensors), layout.reference(reference)  # (dim,) each
+        if not (math.isfinite(float(new.sum())) and math.isfinite(float(moved_from.sum()))):
             raise CodecError("the update or the broadcast holds non-finite values: nothing to aggregate securely")
-        share = share_of(broadcast.params)  # DP-FedAvg: the client adds its share of the noise, unweighted
+        share = share_of(source.params)  # DP-FedAvg: the client adds its share of the noise, unweighted
         if self.noise_floor is not None:  # never less noise than the run this client joined states
             self.noise_floor.check(share, len(config.index))
         if share is not None:
-            if len(parts) > 1:
-                raise CodecError("DP-FedAvg noises the model's move only; this round announces more parts")
-            vector = client_input(new, reference, share, noise_rng(None, task.round))  # (dim + 1,)
-            clipped = float(np.linalg.norm(new - reference)) > share.clip
+            if not layout.default:
+                raise CodecError("DP-FedAvg noises the model's move only; this round announces other parts")
+            vector = client_input(new, moved_from, share, noise_rng(None, task.round))  # (dim + 1,)
+            clipped = float(np.linalg.norm(new - moved_from)) > share.clip
         else:  # each part clipped to the bound on its own; the weighted parts get the share with the delivery
-            vector, parts_clipped = layout.vector(update.tensors, broadcast.tensors, config.plan.bound)  # (dim,)
-            if not math.isfinite(float(vector.sum())):
-                raise CodecError("the update holds non-finite values: nothing to aggregate securely")
+            vector, parts_clipped = layout.vector(update.tensors, reference, config.plan.bound)  # (dim,)
             clipped = parts_clipped > 0
         try:
             party = ClientParty(

@@ -6,6 +6,13 @@ softmax outputs on o_r (eq. 9) and upload them; the server aggregates them into 
 eq. 16) or ERA (softmax of the mean at temperature T, eq. 13-15), distills its global model on them (eq. 11) and
 broadcasts them; clients distill on them too (eq. 10).
 
+Under secure aggregation (:mod:`fedge.secagg.parts`) each client masks its soft labels on o_r (as sent, times its
+equal share 1/K, each value in [0, 1] within the ring's bound); the server learns their sum over the survivors U3 and
+divides by ``|U3| / K``: SA's mean over U3 (eq. 16), which ERA sharpens (eq. 13) and the server distills on, as in
+the clear. Its check that each upload is a probability row needs the upload: it runs in the simulator (where the
+replies are at hand), not at a coordinator, which sees only the sum; there the encoding's clip of each value to the
+ring's bound is what bounds one client's pull.
+
 The index set travels as a seed both sides expand (zero tensor bytes), so the traffic per round is exactly the
 paper's: K uploads of |o_r| x C plus one broadcast of |o_r| x C. Rounds are pipelined into one exchange each: the
 task of round r carries round r-1's global soft labels, and the client distills on them before its update of round r,
@@ -55,6 +62,7 @@ from fedge.learning.metrics import mean_entropy
 from fedge.learning.models import exchanged_state
 from fedge.learning.objectives import Objective, ObjectiveInput
 from fedge.learning.training import SGDSettings, TrainRequest, train
+from fedge.secagg.parts import SecurePart
 from fedge.types import ClientId
 from fedge.wire import fields as wire
 from fedge.wire.fields import bounded, server_only
@@ -223,6 +231,15 @@ class DistillationSemiSupervised(Strategy[DSFLSettings]):
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
         return evaluate_model(self._model, x, y, self.num_classes, device=self.evaluation_device)
 
+    def secure_parts(self) -> tuple[SecurePart, ...]:
+        """Under secure aggregation (:mod:`fedge.secagg.parts`): the soft labels as sent, each weighted by the
+        client's equal share (eq. 16 is an unweighted mean), clipped per value (they are probabilities, in [0, 1])."""
+        return (SecurePart(("soft_labels",), relative=False, weighted=True, value_bound=1.0),)
+
+    def secure_shares(self, replies: Sequence[CheckedReply]) -> list[float]:
+        """Equal shares: the survivors' secure sum over their count is SA's mean (eq. 16), which ERA sharpens."""
+        return [1.0] * len(replies)
+
 
 class DSFLClient(ClientHalf[DSFLSettings]):
     """Client half: distill on the previous round's global soft labels, update on private data, predict on o_r."""
@@ -288,7 +305,7 @@ ALGORITHM = Algorithm(
     exchange="outputs",
     needs_open_set=True,
     describe=lambda s: (f"T={s.era_temperature:g}, " if s.aggregation == "era" else "") + f"|o_r|={s.open_per_round}",
-    secagg_gap="DS-FL averages the clients' soft labels on the open set (SA/ERA); secure aggregation of output (logit) "
-    "averages is not built yet",
+    secagg_gap="",
+    dp_gap="DS-FL uploads soft labels, not weights",
     objectives=(SoftTargets,),
 )

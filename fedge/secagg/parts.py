@@ -1,28 +1,32 @@
 """What one client's masked input is made of: one or more *parts*, each a run of the reply's tensors, concatenated
 into the one vector the protocol masks and sums (one protocol run, one ring, one clip bound).
 
-An algorithm of the FedAvg family names its parts (``secure_parts()`` on its server half; by default the first
-alone). With ``w`` the broadcast weights, ``y_k`` a reply's tensors, ``C`` the clip bound and ``s_k`` the client's
-share (``secure_shares()``; by default ``a_k / A``, its averaging weight over the round's total):
+An algorithm names its parts (``secure_parts()`` on its server half; by default one: the model's weighted move).
+With ``w`` the broadcast weights, ``y_k`` a reply's tensors, ``C`` the clip bound and ``s_k`` the client's share
+(``secure_shares()``; by default ``a_k / A``, its averaging weight over the round's total), a part is
 
-- the first part is always the model's move, weighted: ``s_k clip_C(y_k - w)``. The server divides the survivors'
-  sum by ``sum_{U3} s_k`` and adds it to ``w``: their weighted mean model (FedAvg, FedProx, FedNTD, FedAdam...).
-- a further part is *relative* (``y_k - w`` of the named tensors: a model's move) or not (the tensors as sent: a
-  delta already, e.g. SCAFFOLD's control-variate delta), and *weighted* (``s_k`` times it: the server gets the
-  survivors' weighted mean) or not (once: the server gets the survivors' plain sum, e.g. FedDyn's drift sum).
+- *relative* (``y_k - w`` of the named tensors: a model's move) or not (the tensors as sent: a delta already, e.g.
+  SCAFFOLD's control-variate delta, or outputs, DS-FL's soft labels);
+- *weighted* (``s_k`` times it: the server divides the survivors' sum by ``sum_{U3} s_k`` and gets their weighted
+  mean, plus ``w`` where relative: FedAvg, FedProx, FedNTD, FedAdam...) or not (once: the server gets the survivors'
+  plain sum, e.g. FedDyn's drift sum);
+- clipped to L2 norm ``C`` on its own (a move or a delta: the clip is the norm bound that replaces the server's
+  plaintext checks), or, for values with a known range (``value_bound``: DS-FL's probabilities, in [0, 1]), only
+  per value to ``[-C, C]`` by the encoder, with ``C`` at least that range.
 
-Each part is clipped to L2 norm ``C`` on its own, so every coordinate of ``s_k`` (<= 1) or 1 times a part lies in
-``[-C, C]``: the ring's bound, which the ring plan sizes for the cohort's sum. The server hands the inner strategy
-one reply standing for the survivors (:meth:`PartLayout.stand_in`): each part's mean (weighted) or sum (plain)
-under the part's ``into`` prefix, the reply's own tensor names by default.
+Every coordinate of ``s_k`` (<= 1) or 1 times a part so lies in ``[-C, C]``: the ring's bound, which the ring plan
+sizes for the cohort's sum. The server hands the inner strategy one reply standing for the survivors
+(:meth:`PartLayout.stand_in`): each part's mean (weighted) or sum (plain) under the part's ``into`` prefix, the
+reply's own tensor names by default.
 
-Over MQTT the first part's names ride in the broadcast's ``secagg.layout``, the others in :data:`PARTS_PARAM`
-(:func:`parts_param`, :func:`parse_parts`), so a device builds the same vector; it learns ``s_k`` with the share
-delivery.
+Over MQTT the first part's names ride in the broadcast's ``secagg.layout`` and, unless the parts are the default
+one, every part in :data:`PARTS_PARAM` (:func:`parts_param`, :func:`parse_parts`), so a device builds the same
+vector; it learns ``s_k`` with the share delivery.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,23 +40,27 @@ from fedge.secagg.errors import MessageError, SecAggConfigError
 from fedge.secagg.messages import PREFIX
 
 PARTS_PARAM = PREFIX + "parts"
-"""Broadcast param: the parts after the first, ``;``-separated, each ``<r|a><w|u>:name,name,...`` (relative or as
-sent; weighted or unweighted). Absent: the first part alone."""
+"""Broadcast param: every part, ``;``-separated, each ``<r|a><w|u><n|v>:name,name,...`` (relative or as sent;
+weighted or unweighted; clipped in L2 norm or per value). Absent: one relative, weighted, norm-clipped part of the
+layout's tensors."""
 
 _MAX_PARTS = 8
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
-_PART = re.compile(r"([ra])([wu]):(.+)")
+_PART = re.compile(r"([ra])([wu])([nv]):(.+)")
 
 
 @dataclass(frozen=True)
 class SecurePart:
     """A run of the reply's tensors in the masked vector: ``relative`` (minus the broadcast's tensor of the same
     name) or as sent; ``weighted`` (times the client's share: the server gets the survivors' mean) or not (the plain
-    sum); ``into``: the prefix the stand-in reply's tensors of this part get ("" keeps the reply's names)."""
+    sum); ``value_bound``: None to clip the part to L2 norm C, or the largest |value| an honest client sends (the
+    part is then clipped per value only, and C must cover it); ``into``: the prefix the stand-in reply's tensors of
+    this part get ("" keeps the reply's names)."""
 
     tensors: tuple[str, ...]
     relative: bool = True
     weighted: bool = True
+    value_bound: float | None = None
     into: str = ""
 
     def __post_init__(self) -> None:
@@ -61,37 +69,44 @@ class SecurePart:
         bad = [n for n in self.tensors if not _NAME.fullmatch(n)]
         if bad:
             raise SecAggConfigError(f"tensor names of a secure-aggregation part are [A-Za-z0-9_.-]: {bad[:3]}")
+        if self.value_bound is not None and not (math.isfinite(self.value_bound) and self.value_bound > 0):
+            raise SecAggConfigError(f"a part's value bound is a positive number, got {self.value_bound}")
 
     @property
     def code(self) -> str:
-        """The part in :data:`PARTS_PARAM`'s notation."""
-        return f"{'r' if self.relative else 'a'}{'w' if self.weighted else 'u'}:{','.join(self.tensors)}"
+        """The part in :data:`PARTS_PARAM`'s notation (the value bound is the server's check, not the device's)."""
+        flags = ("r" if self.relative else "a") + ("w" if self.weighted else "u")
+        return flags + ("n" if self.value_bound is None else "v") + ":" + ",".join(self.tensors)
 
 
 def parts_param(parts: Sequence[SecurePart]) -> dict[str, str]:
-    """The broadcast params that tell a device the parts after the first (none when there is one part)."""
-    rest = parts[1:]
-    return {PARTS_PARAM: ";".join(p.code for p in rest)} if rest else {}
+    """The broadcast params that tell a device the parts (none for the default one)."""
+    if tuple(parts) == default_parts(parts[0].tensors):
+        return {}
+    return {PARTS_PARAM: ";".join(p.code for p in parts)}
 
 
 def parse_parts(first: Sequence[str], params: Mapping[str, str]) -> tuple[SecurePart, ...]:
-    """The parts a broadcast announces: ``first`` (its layout: the model's weighted move) and those of
-    :data:`PARTS_PARAM`; MessageError for anything malformed."""
+    """The parts a broadcast announces: those of :data:`PARTS_PARAM`, whose first must name ``first`` (the layout's
+    tensors), or the default part of ``first``; MessageError for anything malformed."""
     raw = params.get(PARTS_PARAM)
     try:
-        parts = [SecurePart(tuple(first))]
         if raw is None:
-            return tuple(parts)
+            return default_parts(first)
         if not isinstance(raw, str) or len(raw) > 1 << 20 or raw.count(";") >= _MAX_PARTS:
             raise MessageError(f"param {PARTS_PARAM} is longer than {_MAX_PARTS} parts or 1 MiB")
+        parts = []
         for code in raw.split(";"):
             m = _PART.fullmatch(code)
             if m is None:
-                raise MessageError(f"param {PARTS_PARAM}: a part is '<r|a><w|u>:name,...', got {code[:60]!r}")
-            names = tuple(m.group(3).split(","))
-            parts.append(SecurePart(names, relative=m.group(1) == "r", weighted=m.group(2) == "w"))
+                raise MessageError(f"param {PARTS_PARAM}: a part is '<r|a><w|u><n|v>:name,...', got {code[:60]!r}")
+            names = tuple(m.group(4).split(","))
+            bound = None if m.group(3) == "n" else 1.0  # a device clips nothing per value: the encoder does
+            parts.append(SecurePart(names, relative=m.group(1) == "r", weighted=m.group(2) == "w", value_bound=bound))
     except SecAggConfigError as exc:
         raise MessageError(f"param {PARTS_PARAM}: {exc}") from None
+    if parts[0].tensors != tuple(first):
+        raise MessageError(f"param {PARTS_PARAM}'s first part names other tensors than the layout")
     return tuple(parts)
 
 
@@ -101,8 +116,8 @@ class PartLayout:
     ``specs``: each tensor's shape and dtype (the reply's)."""
 
     def __init__(self, parts: Sequence[SecurePart], specs: Mapping[str, Spec]) -> None:
-        if not parts or not (parts[0].relative and parts[0].weighted and not parts[0].into):
-            raise SecAggConfigError("the first secure-aggregation part is the model's weighted move")
+        if not parts:
+            raise SecAggConfigError("secure aggregation needs one part or more")
         missing = sorted({n for p in parts for n in p.tensors} - set(specs))
         if missing:
             raise SecAggConfigError(f"secure-aggregation parts name tensors the reply lacks: {missing[:3]}")
@@ -117,21 +132,35 @@ class PartLayout:
         )
 
     @property
-    def model(self) -> FlatLayout:
-        """The first part's layout: the model's tensors."""
-        return self.layouts[0]
+    def default(self) -> bool:
+        """Whether the parts are the default one (the model's weighted move): the only layout DP-FedAvg noises."""
+        return self.parts == default_parts(self.parts[0].tensors)
+
+    def flatten(self, tensors: Mapping[str, torch.Tensor]) -> npt.NDArray[np.float64]:
+        """(dim,): the parts' tensors as they are, concatenated."""
+        return np.concatenate([layout.flatten(tensors) for layout in self.layouts])
+
+    def reference(self, reference: Mapping[str, torch.Tensor]) -> npt.NDArray[np.float64]:
+        """(dim,): ``reference`` on the relative parts' coordinates, 0 on the others: what the vector is a move
+        from."""
+        flat = [
+            layout.flatten(reference) if p.relative else np.zeros(layout.dim)
+            for p, layout in zip(self.parts, self.layouts, strict=True)
+        ]
+        return np.concatenate(flat)
 
     def vector(
         self, update: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], bound: float
     ) -> tuple[npt.NDArray[np.float64], int]:
         """The client's unweighted vector (dim,): each part (minus ``reference`` where relative) clipped to L2 norm
-        ``bound`` on its own; and how many parts the clip shortened."""
+        ``bound`` on its own (a part with a value bound is left to the encoder's per-value clip); and how many parts
+        the clip shortened."""
         out, clipped = [], 0
         for p, layout in zip(self.parts, self.layouts, strict=True):
             x = layout.flatten(update)  # (d_p,)
             if p.relative:
                 x = x - layout.flatten(reference)
-            norm = float(np.linalg.norm(x))
+            norm = float(np.linalg.norm(x)) if p.value_bound is None else 0.0
             if norm > bound:
                 x, clipped = x * (bound / norm), clipped + 1
             out.append(x)

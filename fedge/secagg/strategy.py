@@ -128,8 +128,9 @@ class _Round:
 @dataclass(frozen=True)
 class SecureRound:
     """The last aggregated round as the simulator saw it (for tests and benchmarks): each client's vector
-    (its parts, each clipped to C, times its share ``s_k`` where weighted), the protocol's result, and the global
-    weights before (flat, the model's part) and after."""
+    (its parts, each clipped to C, times its share ``s_k`` where weighted), the protocol's result, what the vectors
+    are moves from (flat: the global weights on relative parts' coordinates, 0 elsewhere) and the stand-in's
+    tensors after."""
 
     vectors: Mapping[ClientId, npt.NDArray[np.float64]]
     shares: Mapping[ClientId, float]  # s_k: a_k / A, or the algorithm's (secure_shares)
@@ -180,6 +181,12 @@ class SecureAggregationStrategy:
                 f"secure aggregation sums float32 tensors; this model also exchanges {odd[:3]} (not float32, not "
                 "declared in a part, or a relative part's tensor not in the global model), which is not supported yet"
             )
+        wide = [p.value_bound for p in parts if p.value_bound is not None and p.value_bound > config.secagg_clip]
+        if wide:
+            raise ConfigError(
+                f"--secagg-clip {config.secagg_clip:g} is the ring's bound per value; {inner.name} uploads values up "
+                f"to {max(wide):g}: set --secagg-clip {max(wide):g} or more"
+            )
         self._layout = PartLayout(parts, specs)  # one flat vector per client, the parts concatenated
         self._dim = self._layout.dim
         self._round: _Round | None = None
@@ -226,18 +233,19 @@ class SecureAggregationStrategy:
         assert weights is not None  # checked in __init__
         config = self._round_config(rnd, clients)
         self._round = _Round(rnd, config, dict(weights))
-        if plan.broadcast is None:
-            return plan
         tensors, meta = config.to_fields()
         params = {
-            **plan.broadcast.params,
             **meta,
             SEED_PARAM: config.round_seed.hex(),
             LAYOUT_PARAM: ",".join(self._layout.parts[0].tensors),
             **parts_param(self._layout.parts),
         }
         assert set(tensors) == {"secagg.round_seed"}
-        return dataclasses.replace(plan, broadcast=dataclasses.replace(plan.broadcast, params=params))
+        if plan.broadcast is None:  # nothing to broadcast (DS-FL's first round): each task carries the parameters
+            tasks = {c: dataclasses.replace(t, params={**t.params, **params}) for c, t in plan.tasks.items()}
+            return dataclasses.replace(plan, tasks=tasks)
+        broadcast = dataclasses.replace(plan.broadcast, params={**plan.broadcast.params, **params})
+        return dataclasses.replace(plan, broadcast=broadcast)
 
     def accept(self, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
         """The inner strategy's checks of the envelope, tensors and report (its update-norm check is off). With
@@ -295,7 +303,7 @@ class SecureAggregationStrategy:
         metrics.update(self.inner.aggregate(rnd, {SUM_CLIENT: _mean_reply(replies, survivors, after)}) | scaled)
         gone = [c for c in result.dropped if c in replies]
         self._record = AggregationRecord(tuple(ledger.entries), _drops(gone, drop_at, config), "")
-        self.last = SecureRound(vectors, shares, result, self._layout.model.flatten(state.reference), after)
+        self.last = SecureRound(vectors, shares, result, self._layout.reference(state.reference), after)
         return metrics | {
             "secagg_survivors": float(len(survivors)),
             "secagg_vanished_unmasking": float(sum(1 for c in survivors if drop_at.get(c) == "unmask")),

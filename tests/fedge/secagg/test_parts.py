@@ -20,8 +20,10 @@ from edge_client.secure import SecureRounds
 from fedge.accounting.ledger import LedgerEntry
 from fedge.algorithms import make_strategy
 from fedge.algorithms.base import CheckedReply, ServerContext, Strategy
+from fedge.algorithms.dsfl import DSFLSettings
 from fedge.algorithms.fednova import FedNova, FedNovaReport
 from fedge.config import RunConfig
+from fedge.errors import ConfigError
 from fedge.secagg.config import RoundConfig
 from fedge.secagg.errors import MessageError, SecAggConfigError
 from fedge.secagg.messages import MaskedInput, SecAggMessage
@@ -43,6 +45,10 @@ def _model() -> nn.Module:
     return nn.Linear(5, 3)
 
 
+OPEN_X = torch.randn(40, 5, generator=torch.Generator().manual_seed(1))  # DS-FL's open set
+DSFL = DSFLSettings(open_per_round=8, distill_epochs=1)
+
+
 def _configs(algorithm: str, **overrides: object) -> tuple[RunConfig, RunConfig]:
     """The secure run's config and the plaintext one's (the same but for secure aggregation; the server's
     update-norm check off in both, as secure aggregation turns it off)."""
@@ -56,7 +62,8 @@ def _configs(algorithm: str, **overrides: object) -> tuple[RunConfig, RunConfig]
 
 def _updates(strategy: Strategy | SecureAggregationStrategy, rnd: int, scale: float = 1.0) -> dict[str, Message]:
     """Each client's reply: the global weights moved by a random step, any other tensor (SCAFFOLD's control delta)
-    random, ``scale`` times larger; data size 60 + 40 i, loss i, and (FedNova) 1 + i mod 6 local steps."""
+    random, ``scale`` times larger (DS-FL's soft labels: random probability rows); data size 60 + 40 i, loss i, and
+    (FedNova) 1 + i mod 6 local steps."""
     gen = torch.Generator().manual_seed(rnd)
     weights = strategy.global_weights()
     assert weights is not None
@@ -68,6 +75,8 @@ def _updates(strategy: Strategy | SecureAggregationStrategy, rnd: int, scale: fl
             else scale * 0.5 * torch.randn(shape, generator=gen)
             for k, (shape, _) in strategy.reply_tensors().items()
         }
+        if "soft_labels" in tensors:
+            tensors["soft_labels"] = torch.softmax(3 * tensors["soft_labels"], dim=1)
         report = FedNovaReport(num_examples=60 + 40 * i, loss=float(i), local_steps=1 + i % 6)
         out[c] = Message(UPDATE, rnd, run=RUN, client=c, params=wire.to_params(report), tensors=tensors)
     return out
@@ -75,9 +84,10 @@ def _updates(strategy: Strategy | SecureAggregationStrategy, rnd: int, scale: fl
 
 def _pair(algorithm: str, **overrides: object) -> tuple[SecureAggregationStrategy, Strategy]:
     secure_config, plain_config = _configs(algorithm, **overrides)
-    secure = make_strategy(secure_config, ServerContext(_model, 3, RUN))
+    context = ServerContext(_model, 3, RUN, open_x=OPEN_X)
+    secure = make_strategy(secure_config, context)
     assert isinstance(secure, SecureAggregationStrategy)
-    return secure, make_strategy(plain_config, ServerContext(_model, 3, RUN))
+    return secure, make_strategy(plain_config, context)
 
 
 def _plain_round(plain: Strategy, rnd: int, updates: Mapping[str, Message], survivors: list[str]) -> None:
@@ -176,13 +186,15 @@ def test_parts_travel_in_the_broadcast_and_malformed_ones_are_refused() -> None:
     secure, _ = _pair("scaffold")
     broadcast = decode(encode(secure.configure(1, CLIENTS).broadcast))  # type: ignore[arg-type]
     parts = parse_parts(broadcast.params["secagg.layout"].split(","), broadcast.params)
-    assert [(p.relative, p.weighted) for p in parts] == [(True, True), (False, False)]
+    assert [(p.relative, p.weighted, p.value_bound) for p in parts] == [(True, True, None), (False, False, None)]
     assert parts[1].tensors == ("control_delta.weight", "control_delta.bias")
-    for raw in ("xw:a", "ru:", "ru:a,a", "aw:a b", ";".join(["ru:a"] * 9)):
+    assert parse_parts(["w"], {}) == (SecurePart(("w",)),)  # FedAvg's broadcast names no parts
+    assert parse_parts(["w"], {PARTS_PARAM: "awv:w"})[0].value_bound is not None
+    for raw in ("xwn:w", "run:", "run:w,w", "awn:w b", "awn:v", ";".join(["run:w"] * 9)):
         with pytest.raises(MessageError):
             parse_parts(["w"], {PARTS_PARAM: raw})
-    with pytest.raises(SecAggConfigError, match="first secure-aggregation part"):
-        PartLayout([SecurePart(("w",), weighted=False)], {"w": ((2,), torch.float32)})
+    with pytest.raises(SecAggConfigError, match="the reply lacks"):
+        PartLayout([SecurePart(("w",), weighted=False)], {"v": ((2,), torch.float32)})
 
 
 class DeviceChannel:
@@ -251,3 +263,44 @@ def test_device_parties_give_the_plaintext_aggregate_of_the_survivors(algorithm:
     else:
         _assert_close(after, reference, 0.1 / N * bound, "feddyn.h.")
         _assert_close(after, reference, bound / weight + bound / N, "weights.")
+
+
+@pytest.mark.parametrize("aggregation", ["sa", "era"])
+@pytest.mark.parametrize("devices", [False, True])
+def test_dsfl_soft_labels_are_the_plaintext_aggregate_of_the_survivors(aggregation: str, devices: bool) -> None:
+    """SA: the survivors' mean soft labels, within K 2^-frac per value (K clients' equal shares 1/K: the sum's
+    |U3| 2^-frac over sum_{U3} 1/K); ERA: softmax(mean / T), which moves by at most (1/2)(1/T) that (softmax's
+    Jacobian has infinity-norm <= 1/2). Round 1 has no broadcast: with devices the parameters ride in the tasks."""
+    secure, plain = _pair("dsfl", algo=dataclasses.replace(DSFL, aggregation=aggregation), simulate_dropouts=0.3)
+    plan = secure.configure(1, CLIENTS)
+    assert plan.broadcast is None and all("secagg.round_seed" in t.params for t in plan.tasks.values())
+    updates = _updates(secure, 1)
+    if devices:
+        drop_at: dict[str, Stage] = {"c3": "upload", "c5": "unmask", "c7": "share"}
+        parties = {c: SecureRounds(c) for c in CLIENTS}
+        secure.use_channel(DeviceChannel(parties, drop_at))
+        replies = {}
+        for c in CLIENTS:
+            reply = parties[c].reply(decode(encode(plan.tasks[c])), None, updates[c])
+            assert reply is not None and "soft_labels" not in reply.tensors
+            replies[c] = secure.accept(1, c, decode(encode(reply)))
+        secure.aggregate(1, replies)
+        survivors = [c for c in CLIENTS if c not in ("c3", "c7")]
+    else:
+        secure.aggregate(1, {c: secure.accept(1, c, updates[c]) for c in CLIENTS})
+        assert secure.last is not None
+        survivors = list(secure.last.result.survivors)
+    assert len(survivors) < N
+    _plain_round(plain, 1, updates, survivors)
+    bound = N * secure._round_config(1, CLIENTS).plan.resolution  # K = N clients replied
+    if aggregation == "era":
+        bound *= 0.5 / DSFL.era_temperature
+    _assert_close(_state(secure), _state(plain), bound, "soft_labels")
+    mean = torch.stack([updates[c].tensors["soft_labels"] for c in survivors]).mean(dim=0)
+    everyone = torch.stack([updates[c].tensors["soft_labels"] for c in CLIENTS]).mean(dim=0)
+    assert float((mean - everyone).abs().max()) > 100 * bound  # the survivors' mean, not everyone's
+
+
+def test_dsfl_needs_a_ring_bound_that_holds_a_probability() -> None:
+    with pytest.raises(ConfigError, match="set --secagg-clip 1 or more"):
+        _pair("dsfl", algo=DSFL, secagg_clip=0.5)
