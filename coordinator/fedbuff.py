@@ -143,6 +143,19 @@ class BufferState:
         }
         return tensors, values
 
+    def move_group(self, name: str) -> str | None:
+        """The buffered update a tensor of :meth:`state` belongs to (named by its position, version and client: what
+        never changes while it is buffered), or None for any other tensor. The run journal writes each such group to a
+        file of its own, once (:meth:`coordinator.resume.RunJournal.checkpoint`)."""
+        parts = name.split("/", 3)
+        if len(parts) < 4 or f"{parts[0]}/" != _OWN or parts[1] != "buffer" or not parts[2].isdigit():
+            return None
+        i = int(parts[2])
+        if i >= len(self.buffer):
+            return None
+        u = self.buffer[i]
+        return f"{i}/{u.base_version}/{u.client}"
+
     @classmethod
     def restore(
         cls, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any], like: Mapping[str, torch.Tensor]

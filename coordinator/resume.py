@@ -45,6 +45,8 @@ _CLIENT = "client/"
 _PER_CLASS = "history/per_class"
 CLIENT_DIR = "clients"
 _CLIENT_FILE = re.compile(r"[A-Za-z0-9_.-]{1,64}-\d{6,}\.safetensors")
+SIDE_DIR = "journal-side"
+_SIDE_FILE = re.compile(r"[0-9a-f]{32}\.safetensors")
 
 
 class RunJournal:
@@ -72,6 +74,10 @@ class RunJournal:
         self.client_files: dict[ClientId, str] = {}  # the committed file of each client's store
         self.client_digests: dict[ClientId, str] = {}  # their SHA-256, signed with the journal
         self.previous_files: dict[ClientId, str] = {}  # those of the previous journal (the fallback) are kept too
+        # Side files (checkpoint): group -> (file, SHA-256) written; the files of the journal and of its fallback.
+        self._side: dict[str, tuple[str, str]] = {}
+        self._side_current: set[str] = set()
+        self._side_previous: set[str] = set()
         if not resume:
             self.writer = RunWriter(run_dir, config, partition)
             self.committed = self.writer.written()
@@ -118,30 +124,70 @@ class RunJournal:
             )
             write_journal(self.run_dir, self.config, state)
             self.committed = (metrics_bytes, ledger_bytes)
+            self._rotate_side(set())
             self.previous_files, self.client_files, self.client_digests = self.client_files, files, digests
             self._delete_stale_client_files()
 
         return commit
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, group: Callable[[str], str | None] | None = None) -> None:
         """Commit the strategy's state as it is now over the journal of the last completed round (the same round,
         records and client files): FedBuff over MQTT (:mod:`coordinator.mqtt_fedbuff`) calls it with every accepted
-        update, so a coordinator killed between two server steps resumes with its buffer and loses none of them."""
+        update, so a coordinator killed between two server steps resumes with its buffer and loses none of them.
+
+        ``group``: names the group of a strategy tensor that never changes once it exists (a buffered update's move:
+        :meth:`coordinator.fedbuff.BufferState.move_group`), or None. Each group is written to a file of its own in
+        ``journal-side/``, once, and the journal names it with its SHA-256: a commit writes what is new, not every
+        buffered move again."""
         history = self.engine.history
         strategy_tensors, strategy_values = self.engine.strategy.state()
-        tensors = dict(_prefixed(_STRATEGY, strategy_tensors))
+        tensors: dict[str, torch.Tensor] = {}
+        groups: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in strategy_tensors.items():
+            key = group(name) if group is not None else None
+            if key is None:
+                tensors[_STRATEGY + name] = tensor
+            else:
+                groups.setdefault(key, {})[_STRATEGY + name] = tensor
         if history.per_class_history:
             tensors[_PER_CLASS] = torch.from_numpy(np.stack(history.per_class_history))  # (evaluations, C)
+        side = self._write_side(groups)
         values = {
             "strategy": strategy_values,
             "resumed_after": list(history.resumed_after),
             "client_files": dict(self.client_files),
             "client_sha256": dict(self.client_digests),
+            "side_files": side,
         }
         metrics_bytes, ledger_bytes = self.committed
         write_journal(
             self.run_dir, self.config, RunState(len(history.rounds), tensors, values, metrics_bytes, ledger_bytes)
         )
+        self._rotate_side(set(side))
+
+    def _write_side(self, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, str]:
+        """Each group's file (written if new): {file name: SHA-256} for the journal."""
+        written: dict[str, tuple[str, str]] = {}
+        for key, part in groups.items():
+            if key not in self._side:
+                data = st_save({k: v.detach().contiguous() for k, v in part.items()})
+                name = hashlib.sha256(key.encode()).hexdigest()[:32] + ".safetensors"
+                (self.run_dir / SIDE_DIR).mkdir(exist_ok=True)
+                atomic_write(self.run_dir / SIDE_DIR / name, data)
+                self._side[key] = (name, hashlib.sha256(data).hexdigest())
+            written[key] = self._side[key]
+        self._side = written  # groups gone from the state (stepped) are forgotten
+        return dict(written.values())
+
+    def _rotate_side(self, current: set[str]) -> None:
+        """Keep the side files of the journal just committed and of its fallback; delete the others."""
+        self._side_previous, self._side_current = self._side_current, current
+        directory = self.run_dir / SIDE_DIR
+        if not directory.is_dir():
+            return
+        for path in directory.iterdir():
+            if path.name not in self._side_current | self._side_previous:
+                path.unlink(missing_ok=True)
 
     def _write_client_stores(
         self, rnd: int, stores: Mapping[ClientId, ClientStore]
@@ -178,6 +224,10 @@ class RunJournal:
         self._delete_stale_client_files()  # a finished run cannot be resumed: its clients' stores are not needed
         if (self.run_dir / CLIENT_DIR).is_dir():
             (self.run_dir / CLIENT_DIR).rmdir()
+        self._side_current = self._side_previous = set()
+        self._rotate_side(set())
+        if (self.run_dir / SIDE_DIR).is_dir():
+            (self.run_dir / SIDE_DIR).rmdir()
         return summary
 
     def _restore(self, state: RunState) -> None:
@@ -197,7 +247,8 @@ class RunJournal:
             resumed_after=[*state.values.get("resumed_after", []), state.round],
         )
         strategy_values = state.values.get("strategy", {})
-        self.engine.strategy.load_state(_part(_STRATEGY, state.tensors), strategy_values)
+        tensors = {**state.tensors, **self._read_side(state.values.get("side_files", {}))}
+        self.engine.strategy.load_state(_part(_STRATEGY, tensors), strategy_values)
         files = state.values.get("client_files", {})
         digests = state.values.get("client_sha256")  # absent in journals from before store digests
         if not isinstance(files, dict) or not isinstance(digests, (dict, type(None))):
@@ -224,6 +275,27 @@ class RunJournal:
         self.client_digests = {
             c: d for c, d in (digests or {}).items() if c in self.client_files and isinstance(d, str)
         }
+
+    def _read_side(self, files: object) -> dict[str, torch.Tensor]:
+        """The tensors of the side files a journal names, each checked against its SHA-256 (signed with it)."""
+        if not isinstance(files, dict):
+            raise JournalError(f"the journal in {self.run_dir} names its side files wrongly")
+        out: dict[str, torch.Tensor] = {}
+        for name, digest in files.items():
+            if not isinstance(name, str) or not _SIDE_FILE.fullmatch(name) or not isinstance(digest, str):
+                raise JournalError(f"the journal in {self.run_dir} names an invalid side file {str(name)[:80]!r}")
+            path = self.run_dir / SIDE_DIR / name
+            try:
+                data = path.read_bytes()
+                if hashlib.sha256(data).hexdigest() != digest:
+                    raise JournalError(
+                        f"{path} is not the file the journal recorded (SHA-256 differs): it was altered or damaged"
+                    )
+                out.update(st_load(data))
+            except (SafetensorError, OSError) as exc:
+                raise JournalError(f"{path} cannot be read: {exc}") from None
+        self._side_current = set(files)  # kept as the fallback's once the next journal is committed
+        return out
 
 
 def _prefixed(prefix: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -202,7 +202,12 @@ def run_coordinator(
     # Restored before connecting: a journal that cannot be resumed fails here, not after the clients joined.
     journal = RunJournal(run_dir, config, exp.partition_summary(), engine, resume=resume)
     if isinstance(engine, MqttFedBuffEngine):
-        engine.checkpoint = journal.checkpoint  # the buffer is journaled with every accepted update
+        fedbuff = engine
+
+        def checkpoint() -> None:  # the buffer, with every accepted update; each move in a side file, written once
+            journal.checkpoint(fedbuff.buffered.buffer.move_group)
+
+        engine.checkpoint = checkpoint
     if journal.resumed_after:
         log.info("resuming %s after round %d (session %s)", run_dir, journal.resumed_after[-1], transport.session)
     remaining = len(engine.history.rounds) < config.rounds  # no round left: killed before writing its summary

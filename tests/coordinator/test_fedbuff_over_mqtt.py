@@ -179,7 +179,13 @@ def test_a_buffer_journaled_before_the_first_step_is_resumed(tmp_path: Path) -> 
     move = {k: torch.full_like(v, 0.25) for k, v in first.strategy.global_weights().items()}
     first.strategy.buffer.buffer.append(BufferedUpdate("c001", 0, 667.0, move, 0.5))
     first.strategy.buffer.partial = {"entries": [], "drops": [], "rejections": [], "timings": [], "arrived": ["c001"]}
-    journal.checkpoint()
+    journal.checkpoint(first.strategy.buffer.move_group)
+    (side,) = (tmp_path / "journal-side").iterdir()  # the move, in a file of its own
+    assert set(load_file(side)) == {f"strategy/fedbuff/buffer/0/{k}" for k in move}
+    journal.checkpoint(first.strategy.buffer.move_group)  # nothing new: the side file stays as it was
+    assert list((tmp_path / "journal-side").iterdir()) == [side]
+    tensors = load_file(next(tmp_path.glob("journal-*.safetensors")))
+    assert not any("buffer" in k for k in tensors) and any(k.startswith("strategy/") for k in tensors)
 
     second = engine()
     RunJournal(tmp_path, CONFIG, exp.partition_summary(), second, resume=True)
@@ -410,11 +416,12 @@ def _kill_and_resume(url: str, bundle: Path, slow: Slowed, fedavg_model: StateDi
     assert sorted(u["client"] for u in buffered) == ["c000", "c001"] and {u["base_version"] for u in buffered} == {1}
     slow.release.set()  # its reply goes to the dead session: refused as late by the next one
     (killed,) = out.iterdir()
+    assert len(list((killed / "journal-side").iterdir())) == 2  # the two buffered moves, a file each
 
     assert main([*args, "--resume", str(killed)]) == 0
     assert _close(load_file(killed / "global_model.safetensors"), fedavg_model) < TOLERANCE
     summary = json.loads((killed / "summary.json").read_text())
-    assert summary["resumed_after"] == [1]
+    assert summary["resumed_after"] == [1] and not (killed / "journal-side").exists()  # finished: not needed
     lines = _lines(killed)
     assert [line["round"] for line in lines] == [1, 2, 3]
     assert lines[1]["replied"] == ["c000", "c001", "c002"] and lines[1]["buffer_fill"] == 3
