@@ -48,6 +48,7 @@ from edge_client.mqtt import MqttEdgeClient
 from fedge.accounting.ledger import read_ledger_csv
 from fedge.aggregation.fedbuff import BufferedUpdate, StalenessWeight
 from fedge.config import RunConfig, TrainConfig
+from fedge.errors import JournalError
 from fedge.learning.backend import Backend, TorchBackend
 from fedge.types import StateDict
 from fedge.wire.message import Message
@@ -194,6 +195,9 @@ def test_a_buffer_journaled_before_the_first_step_is_resumed(tmp_path: Path) -> 
     assert (update.client, update.base_version, update.weight, update.loss) == ("c001", 0, 667.0, 0.5)
     assert all(torch.equal(update.delta[k], move[k]) for k in move)
     assert second.strategy.buffer.partial["arrived"] == ["c001"]
+    side.write_bytes(side.read_bytes()[:-4] + b"\0\0\0\0")  # a move altered on disk is refused, not resumed
+    with pytest.raises(JournalError, match="SHA-256 differs"):
+        RunJournal(tmp_path, CONFIG, exp.partition_summary(), engine(), resume=True)
 
 
 def test_k_equal_to_the_cohort_is_fedavg_and_status_shows_the_buffer(
