@@ -327,7 +327,9 @@ class MqttFedBuffEngine(BufferedEngine):
         if judged.checked is None:
             assert judged.rejection is not None
             answered = judged.message is not None and judged.message.round == task.ctx.rnd
-            if client in task.ctx.failed or (answered and judged.rejection.category == "invalid"):
+            if client in task.ctx.failed:  # it said it cannot do the task
+                self._drop(task, task.ctx.failed[client], out)
+            elif answered and judged.rejection.category == "invalid":
                 self._drop(task, f"its reply was refused: {judged.rejection.reason}", out)
             return None
         reply = out.replies.pop(client)  # the record's replies are the buffer's, set when the step is due
