@@ -111,7 +111,7 @@ class RunConfig:
     upload_codec: str = "float32"
     broadcast_codec: str = "float32"
     # Secure aggregation (fedge.secagg, docs/secure_aggregation.md): the server learns the sum of the round's updates,
-    # never one of them. In process only (fedge sim) for now.
+    # never one of them; in fedge sim and over MQTT.
     secure_aggregation: bool = field(
         default=False,
         metadata={
