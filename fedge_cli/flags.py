@@ -127,19 +127,27 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
     names them. ``deployment`` (a coordinator over a broker, where any admitted client may be hostile): what neither
     ``base``, ``--config`` nor a flag sets takes the deployment's defaults instead of the papers' plain mean: for an
     algorithm that exchanges weights, the rule :data:`fedge.aggregation.robust.DEPLOYMENT_RULE` and the clipping
-    :data:`fedge.aggregation.robust.DEPLOYMENT_CLIP_FACTOR`; for one that exchanges soft labels (DS-FL),
+    :data:`fedge.aggregation.robust.DEPLOYMENT_CLIP_FACTOR` and the update bound
+    :data:`fedge.aggregation.robust.DEPLOYMENT_MAX_UPDATE_RATIO`; for one that exchanges soft labels (DS-FL),
     :data:`fedge.aggregation.robust.DEPLOYMENT_SOFT_LABEL_RULE`; and a quorum of :data:`DEPLOYMENT_MIN_REPLIES`
     instead of every sampled client (one refused reply must not skip a round).
     """
-    from fedge.aggregation.robust import DEPLOYMENT_CLIP_FACTOR, DEPLOYMENT_RULE, DEPLOYMENT_SOFT_LABEL_RULE
+    from fedge.aggregation.robust import (
+        DEPLOYMENT_CLIP_FACTOR,
+        DEPLOYMENT_MAX_UPDATE_RATIO,
+        DEPLOYMENT_RULE,
+        DEPLOYMENT_SOFT_LABEL_RULE,
+    )
     from fedge.config import RunConfig
 
-    chosen_clip = chosen_quorum = chosen_rule = base is not None  # a resumed run keeps what its config.json says
+    # A resumed run keeps what its config.json says.
+    chosen_clip = chosen_quorum = chosen_rule = chosen_bound = base is not None
     config = base or (RunConfig.from_json_file(args.config) if getattr(args, "config", None) else RunConfig())
     if getattr(args, "config", None):
         raw = json.loads(Path(args.config).read_text())  # valid: from_json_file read it (one-line errors)
         chosen_clip, chosen_quorum = "clip_factor" in (raw.get("algo") or {}), "min_replies" in raw
         chosen_rule = "robust" in (raw.get("algo") or {})
+        chosen_bound = "max_update_ratio" in (raw.get("algo") or {})
     changes: dict[str, dict[str, Any]] = {"run": {}, "train": {}, "algo": {}}
     for key, value in vars(args).items():
         if "." in key and value is not None:
@@ -170,6 +178,8 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None, *,
         base_algo = dataclasses.replace(base_algo, **{"robust": rule})
     if deployment and not chosen_clip and "clip_factor" in own and not (secure or private or buffered):
         base_algo = dataclasses.replace(base_algo, **{"clip_factor": DEPLOYMENT_CLIP_FACTOR})
+    if deployment and not chosen_bound and "max_update_ratio" in own and not (secure or private or buffered):
+        base_algo = dataclasses.replace(base_algo, **{"max_update_ratio": DEPLOYMENT_MAX_UPDATE_RATIO})
     if deployment and not chosen_quorum and not buffered:
         config = dataclasses.replace(config, min_replies=DEPLOYMENT_MIN_REPLIES)
     algo = dataclasses.replace(base_algo, **changes["algo"])

@@ -6,7 +6,6 @@ before, it succeeds on a fifth of the triggered images or more (measured 24% at 
 
 from __future__ import annotations
 
-import pytest
 import torch
 from insiders import BACKDOOR_TARGET, poisoned, trigger
 
@@ -24,8 +23,9 @@ FLAGS = ["--algorithm", "fedavg", "--dataset", "digits", "--model", "tiny_mlp", 
 FLAGS += ["--rounds", "10", "--partition", "iid", "--local-epochs", "2", "--lr", "0.1"]
 
 
-def _run(config: RunConfig, poisoners: int) -> tuple[float, float]:
-    """Clean accuracy and attack success after the last round; the first ``poisoners`` clients poison their data."""
+def _run(config: RunConfig, poisoners: int, refused: set[str] | None = None) -> tuple[float, float]:
+    """Clean accuracy and attack success after the last round; the first ``poisoners`` clients poison their data.
+    ``refused``: filled with the clients any of whose updates the server refused as too long."""
     exp = prepare(config)
     backend = TorchBackend(exp.model, exp.input_shape, exp.num_classes)
     value = float(exp.train.x.max())
@@ -35,6 +35,8 @@ def _run(config: RunConfig, poisoners: int) -> tuple[float, float]:
     strategy = exp.strategy("backdoor")
     test_x, test_y = exp.test_tensors()
     history = RoundEngine(exp.config, strategy, InProcessTransport(clients), test_x, test_y).run()
+    if refused is not None:
+        refused.update(r.client for rnd in history.rounds for r in rnd.rejections if "moves the model by" in r.detail)
     model = build_model(exp.model, input_shape=exp.input_shape, num_classes=exp.num_classes)
     weights = strategy.global_weights()
     assert weights is not None
@@ -56,16 +58,16 @@ def test_the_deployment_default_holds_one_poisoning_client_of_ten() -> None:
     assert _run(old, 1)[1] >= 0.2  # the attack is real: the clip alone lets it through
 
 
-@pytest.mark.xfail(strict=True, reason="FLAME lets three colluding poisoners in after round 20 (issue 52; docstring)")
 def test_the_deployment_default_holds_three_poisoning_clients_of_ten_to_round_25() -> None:
-    """Three poisoners of ten, as ``test_backdoor_over_kit.py`` runs them for 10 rounds, for 25: FLAME holds them at
-    the honest level to round 16, then not (``experiments/backdoor.py long``: 6.2% at round 20, 25.2% at 25, 53.3%
-    at 30, 88.1% at 40, against 0.7-1.2% honest; the median 96.0% at 40). Late in training the honest updates grow
-    nearly orthogonal to each other (cosine distance ~1.0, against 0.4 at round 5) while the poisoners' stay aligned
-    (~0.1), so the tightest majority takes the three poisoners in with four honest updates (rounds 18-22), whose
-    directions cancel in the mean where the poisoners' add up. A rule that holds them makes this pass, and strict
-    makes that a failure: then drop the marker."""
+    """Three poisoners of ten, as ``test_backdoor_over_kit.py`` runs them for 10 rounds, for 25. FLAME alone holds
+    them at the honest level to round 16, then not (``experiments/backdoor.py long``: 6.2% at round 20, 25.2% at 25,
+    88.1% at 40, against 0.7-1.2% honest): late in training the honest updates grow nearly orthogonal to each other
+    while the poisoners' stay aligned, so the tightest majority takes them in. Their updates are then 8-12 x the
+    median norm, and the deployment's update bound of 5 x (DEPLOYMENT_MAX_UPDATE_RATIO) refuses them: with it the
+    backdoor stays at the honest level (0.7% to round 40)."""
     default = _run_config(build_parser().parse_args(["coordinator", *FLAGS, "--rounds", "25"]), deployment=True)
     honest_clean, honest_success = _run(default, 0)
-    clean, success = _run(default, 3)
+    refused: set[str] = set()
+    clean, success = _run(default, 3, refused)
     assert success <= honest_success + 0.05 and honest_clean - clean <= 0.02, (honest_success, success, clean)
+    assert refused == {"c000", "c001", "c002"}  # the bound is what refused them, and no honest client

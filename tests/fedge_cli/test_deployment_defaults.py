@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from fedge.aggregation.robust import DEPLOYMENT_CLIP_FACTOR, DEPLOYMENT_RULE, DEPLOYMENT_SOFT_LABEL_RULE
+from fedge.aggregation.robust import (
+    DEPLOYMENT_CLIP_FACTOR,
+    DEPLOYMENT_MAX_UPDATE_RATIO,
+    DEPLOYMENT_RULE,
+    DEPLOYMENT_SOFT_LABEL_RULE,
+)
 from fedge_cli.main import DEPLOYMENT_MIN_REPLIES, _run_config, build_parser, main
 
 
@@ -16,6 +21,7 @@ def test_the_chosen_defaults() -> None:
     """The values the measurements chose (experiments/results/backdoor-defaults): a change here is a change of what
     every fleet runs, to be made with new figures."""
     assert (DEPLOYMENT_RULE, DEPLOYMENT_CLIP_FACTOR, DEPLOYMENT_SOFT_LABEL_RULE) == ("flame", 1.0, "median")
+    assert DEPLOYMENT_MAX_UPDATE_RATIO == 5.0
     assert DEPLOYMENT_MIN_REPLIES == 0.5
 
 
@@ -27,7 +33,10 @@ def test_provision_writes_the_deployment_defaults(tmp_path: Path, algorithm: str
     assert written["algo"]["robust"] == robust
     assert written["min_replies"] == DEPLOYMENT_MIN_REPLIES
     if algorithm == "fedavg":
-        assert (written["algo"]["clip_factor"], written["algo"]["max_update_ratio"]) == (DEPLOYMENT_CLIP_FACTOR, 10.0)
+        assert (written["algo"]["clip_factor"], written["algo"]["max_update_ratio"]) == (
+            DEPLOYMENT_CLIP_FACTOR,
+            DEPLOYMENT_MAX_UPDATE_RATIO,
+        )
 
 
 def _algo(*argv: str, deployment: bool = True) -> tuple[str, float]:
@@ -53,3 +62,15 @@ def test_secure_aggregation_keeps_the_mean_and_the_clients_clip() -> None:
     would be refused); each client's clip to --secagg-clip is what holds."""
     config = _run_config(build_parser().parse_args(["sim", "--secure-aggregation"]), deployment=True)
     assert (config.algo.robust, config.algo.clip_factor) == ("mean", 0.0)
+
+
+def test_the_update_bound_is_the_deployments_unless_chosen(tmp_path: Path) -> None:
+    def bound(*argv: str, deployment: bool = True) -> float:
+        return _run_config(build_parser().parse_args(list(argv)), deployment=deployment).algo.max_update_ratio
+
+    assert bound("coordinator") == DEPLOYMENT_MAX_UPDATE_RATIO
+    assert bound("sim", deployment=False) == 10.0  # the simulator keeps its own
+    assert bound("coordinator", "--max-update-ratio", "8") == 8.0
+    path = tmp_path / "c.json"  # a config file's choice stands
+    path.write_text(json.dumps({"algorithm": "fedavg", "algo": {"max_update_ratio": 10.0}}))
+    assert bound("coordinator", "--config", str(path)) == 10.0
