@@ -249,7 +249,9 @@ class MqttTransport:
                             f"({', '.join(sorted(among)) or 'none'}); lower --min-clients to {len(among)} or less, "
                             "or provision more clients"
                         )
-                elif out and len(among) - len(out) + len(others) < n:
+                # Once the waiting clients' retained hellos are in too (settled), so that cancel() tells them all:
+                # a refused hello can be read before the hello of a client that waits, which would never hear.
+                elif out and len(among) - len(out) + len(others) < n and time.monotonic() >= settled:
                     refusals = "; ".join(f"{c} refused: {why}" for c, why in sorted(out.items()))
                     raise TransportError(
                         f"{n} clients cannot join run {self.topics.run!r}: of the {len(among)} provisioned, "
