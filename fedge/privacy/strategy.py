@@ -400,7 +400,9 @@ class DifferentialPrivacyStrategy:
                 inputs[c], drop_at[c] = np.zeros(self._dim + 1), "advertise"
         simulated = simulated_dropouts(state.cohort, cfg.simulate_dropouts, cfg.seed, rnd)
         drop_at.update({c: s for c, s in simulated.items() if c in vectors})
-        ledger = _ProtocolLedger(rnd)
+        # The reply (dim float32 values) stands for the masked upload's first 4 dim bytes; the count value masked
+        # after them (dim + 1 values, 4 bytes each) is sent too, so it gets an entry of its own.
+        ledger = _ProtocolLedger(rnd, 4 * self._dim)
         try:
             result = run_configured(
                 config,

@@ -415,11 +415,11 @@ class _ProtocolLedger:
     """The ledger entries of one round's protocol messages, as :func:`fedge.secagg.run_round` sends them (its
     ``on_message``). The client's update message, 4 bytes a value (uint32 or float32), stands for the masked upload's
     first ``reply_bytes``; what a masked upload holds beyond them (a part that sums a tensor a second time, FedDyn's
-    drift) gets an entry of its own, kind ``secagg.masked-input``, of those extra bytes."""
+    drift; DP-FedAvg's count value) gets an entry of its own, kind ``secagg.masked-input``, of those extra bytes."""
 
-    def __init__(self, rnd: int, reply_bytes: int | None = None) -> None:
+    def __init__(self, rnd: int, reply_bytes: int) -> None:
         self.round = rnd
-        self.reply_bytes = reply_bytes  # the float32 reply tensors the parts cover; None: the whole upload
+        self.reply_bytes = reply_bytes  # of the reply's float32 tensors the masked vector holds: the reply counts them
         self.entries: list[LedgerEntry] = []
         self.upload_tensor_bytes = 0  # of one masked upload
 
@@ -427,7 +427,7 @@ class _ProtocolLedger:
         tensor_bytes = sum(int(a.nbytes) for a in message.to_fields()[0].values())
         if isinstance(message, MaskedInput):
             self.upload_tensor_bytes = tensor_bytes
-            extra = 0 if self.reply_bytes is None else tensor_bytes - self.reply_bytes
+            extra = tensor_bytes - self.reply_bytes
             if extra > 0:
                 self.entries.append(LedgerEntry(self.round, direction, message.client, message.KIND, 1, extra, extra))
             return

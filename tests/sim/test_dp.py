@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from fedge.accounting.ledger import read_ledger_csv
 from fedge.config import RunConfig, TrainConfig
 from fedge.privacy.accountant import Ledger
+from fedge.secagg.messages import MaskedInput
 from fedge_cli.main import main
 from fedge_io.rundir import RunResult
 from sim.report import write_report
@@ -104,6 +107,37 @@ def test_the_budget_stops_the_run_with_exit_0(tmp_path: Path, capsys: pytest.Cap
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped"].startswith("privacy budget: round 3") and summary["dp_rounds"] == 2
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_the_ledger_counts_every_masked_value_of_a_secure_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each client masks its clipped update and one value more (the clipped-count bit, 0 under a fixed clip): the
+    ledger's upload of each client that uploaded (its update message and any masked-input entry) is the masked
+    vector it sent, 4 bytes a value, as the protocol packed it."""
+    import fedge.privacy.strategy as dp
+
+    sent: dict[str, int] = {}  # client: bytes of the masked vector it uploaded (round 1)
+    run_configured = dp.run_configured
+
+    def spy(*args: Any, on_message: Any = None, **kwargs: Any) -> Any:
+        def seen(message: Any, *rest: Any) -> None:
+            if isinstance(message, MaskedInput):
+                sent[message.client] = 4 * message.masked.shape[0]
+            on_message(message, *rest)
+
+        return run_configured(*args, on_message=seen, **kwargs)
+
+    monkeypatch.setattr(dp, "run_configured", spy)
+    result = _run(tmp_path, "secure", secure_aggregation=True, num_clients=6, rounds=1)
+    assert len(sent) >= 2 and result.rounds[0].aggregated
+    dim = sum(t.numel() for t in load_file(result.path / "global_model.safetensors").values())
+    assert set(sent.values()) == {4 * (dim + 1)}  # the update and the count
+    counted: dict[str, int] = {}
+    for e in read_ledger_csv(result.path / "ledger.csv"):
+        if e.direction == "up" and e.kind in ("update", MaskedInput.KIND):
+            counted[e.client] = counted.get(e.client, 0) + e.tensor_bytes
+    assert counted == sent
 
 
 @pytest.mark.parametrize(
