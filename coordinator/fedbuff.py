@@ -21,8 +21,9 @@ import torch
 
 from coordinator.engine import RoundEngine, _Played
 from fedge.accounting.ledger import LedgerEntry
-from fedge.accounting.records import ClientTiming, Drop, Rejection
+from fedge.accounting.records import AggregationRecord, ClientTiming, Drop, Rejection
 from fedge.aggregation.fedbuff import BufferedUpdate, ServerLearningRate, ServerStep, StalenessWeight, buffered_delta
+from fedge.aggregation.robust import state_norm
 from fedge.algorithms.base import (
     CheckedReply,
     Evaluation,
@@ -245,6 +246,7 @@ class BufferedFedAvg(Strategy[Any]):
         )
         self.inner, self.weight, self.server_step = inner, weight, server_step
         self.buffer = BufferState()
+        self._drops: dict[int, tuple[Drop, ...]] = {}  # step -> the buffered updates it refused
 
     # --- delegated -----------------------------------------------------------------------------------------------
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
@@ -275,6 +277,7 @@ class BufferedFedAvg(Strategy[Any]):
         st = self.buffer
         updates, version = st.buffer, st.version
         assert version == rnd - 1, f"server step {rnd} taken at version {version}"
+        updates = self._calibrated(rnd, updates)
         delta = buffered_delta(updates, version, self.weight)
         # The buffer's step gives the average; the wrapped strategy's server optimizer (FedAdam's) takes it from there.
         self.inner.apply_average(self.server_step(self.inner.global_weights(), delta))
@@ -288,6 +291,25 @@ class BufferedFedAvg(Strategy[Any]):
             "staleness_max": float(max(ages)),
             **({"mean_local_loss": sum(losses) / len(losses)} if losses else {}),
         }
+
+    def _calibrated(self, rnd: int, updates: list[BufferedUpdate]) -> list[BufferedUpdate]:
+        """``updates`` less those that their task round's own median refuses, where that round was judged at arrival
+        without an earlier round's median (version 0's): :meth:`FedAvg.calibrated`, which FedAvg's aggregate applies
+        and this step bypasses. The refused become drops of step ``rnd`` (:meth:`aggregation_record`)."""
+        refused: set[tuple[int, ClientId]] = set()
+        drops: list[Drop] = []
+        for task_round in sorted({u.base_version + 1 for u in updates}):
+            norms = {u.client: state_norm(u.delta) for u in updates if u.base_version + 1 == task_round}
+            for drop in self.inner.refused_moves(task_round, norms):
+                refused.add((task_round, drop.client))
+                drops.append(drop)
+        if drops:
+            self._drops[rnd] = tuple(drops)
+        return [u for u in updates if (u.base_version + 1, u.client) not in refused]
+
+    def aggregation_record(self, rnd: int) -> AggregationRecord:
+        """The buffered updates :meth:`aggregate` left out of step ``rnd`` (refused by the update bound), as drops."""
+        return AggregationRecord(drops=self._drops.pop(rnd, ()))
 
     def state(self) -> StrategyState:
         tensors, values = self.inner.state()
@@ -324,6 +346,7 @@ class BufferedEngine(RoundEngine):
         self.history.ledger.extend(played.exchange.entries)
         played.quorum, played.aggregated = self.buffer_size, True
         played.metrics = {**self.strategy.aggregate(played.round, played.exchange.replies), **played.metrics}
+        self._note_protocol(played)  # the buffered updates the step refused: drops, not replies
         played.round_bytes = self.history.ledger.round_bytes(played.round)
         return played
 

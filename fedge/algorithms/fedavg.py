@@ -204,25 +204,39 @@ class FedAvg(Strategy[FedAvgSettingsT]):
         refuse: more than ``max_update_ratio`` x the median update norm of the round's replies, a reference the
         honest majority sets and a minority cannot move. So nothing passes in round 1 that would be refused in
         round 2. The refused become drops of the round (:meth:`aggregation_record`)."""
-        ratio = self.settings.max_update_ratio
-        if rnd not in self._uncalibrated or ratio <= 0 or len(replies) < self._norms.min_voters:
-            self._uncalibrated.discard(rnd)
+        if not self._calibrating(rnd, len(replies)):
             return dict(replies)
-        self._uncalibrated.discard(rnd)
         norms = {
             c: update_norm({k: r.update.tensors[k] for k in self._weights}, self._weights) for c, r in replies.items()
         }
+        self._refused[rnd] = self._refusals(rnd, norms)
+        refused = {d.client for d in self._refused[rnd]}
+        return {c: r for c, r in replies.items() if c not in refused}
+
+    def refused_moves(self, rnd: int, norms: Mapping[ClientId, float]) -> tuple[Drop, ...]:
+        """:meth:`calibrated` for updates aggregated outside :meth:`aggregate` (FedBuff's buffer): given the norms of
+        updates to round ``rnd``'s tasks (each measured from the model its task sent), those round ``rnd``'s own median
+        refuses, as drops, when ``rnd`` was judged without history; () otherwise, and for ``rnd`` from then on."""
+        return self._refusals(rnd, norms) if self._calibrating(rnd, len(norms)) else ()
+
+    def _calibrating(self, rnd: int, voters: int) -> bool:
+        """Whether round ``rnd``'s replies, ``voters`` of them, are judged again by their own median (once)."""
+        due = rnd in self._uncalibrated and self.settings.max_update_ratio > 0 and voters >= self._norms.min_voters
+        self._uncalibrated.discard(rnd)
+        return due
+
+    def _refusals(self, rnd: int, norms: Mapping[ClientId, float]) -> tuple[Drop, ...]:
+        ratio = self.settings.max_update_ratio
         median = statistics.median(norms.values())
-        refused = sorted(c for c, n in norms.items() if not n <= ratio * median)
-        self._refused[rnd] = tuple(
+        return tuple(
             Drop(
                 c,
                 f"refused: the update moves the model by {norms[c]:.3g}, more than {ratio:g} x the round's median "
                 f"update norm ({median:.3g}; round {rnd} has no earlier round to judge by)",
             )
-            for c in refused
+            for c in sorted(norms)
+            if not norms[c] <= ratio * median
         )
-        return {c: r for c, r in replies.items() if c not in refused}
 
     def aggregation_record(self, rnd: int) -> AggregationRecord:
         """The clients :meth:`calibrated` left out of round ``rnd``, as drops."""

@@ -57,3 +57,41 @@ def test_an_update_within_the_bound_passes_in_both_rounds() -> None:
     rounds, _ = _run("sign_flip", 5.0)
     assert [refused(r) for r in rounds] == [set(), set()]
     assert all(ATTACKER in r.replied for r in rounds)
+
+
+def test_fedbuffs_first_step_is_bounded_as_round_one() -> None:
+    """FedBuff (issue 53) steps from a buffer, not through FedAvg's aggregate: its first step, judged at arrival against
+    the initial model's norm only, is judged again at the step against its updates' own median, as round 1 is. K =
+    concurrency = the cohort, so step 1 buffers the ten version-0 updates, and steps from the nine within the bound; on
+    the simulated clock, in process."""
+    from sim.clock import load_profiles
+    from sim.fedbuff import fedbuff_engine
+
+    config = RunConfig(
+        algorithm="fedavg",
+        dataset="digits",
+        model="tiny_mlp",
+        num_clients=10,
+        rounds=1,
+        partition="iid",
+        train=TrainConfig(local_epochs=1, lr=0.1),
+        algo=FedAvgSettings(),  # max_update_ratio 10
+        client_profiles="uniform:compute=1ms",
+        link="lte",
+        aggregation="fedbuff",
+        buffer_size=10,
+        concurrency=10,
+    )
+    exp = prepare(config)
+    backend = TorchBackend(exp.model, exp.input_shape, exp.num_classes)
+    clients = [EdgeClient(c, exp.client_data(c), backend) for c in sorted(exp.parts)]
+    clients[0] = Scaled(clients[0], "sign_flip", 12.0)
+    profiles, _ = load_profiles(config, sorted(exp.parts), lambda: pytest.fail("a given compute is not measured"))
+    samples = {c: len(exp.client_data(c)) for c in exp.parts}
+    engine = fedbuff_engine(
+        config, exp.strategy("fedbuff-bound"), InProcessTransport(clients), *exp.test_tensors(), profiles=profiles,
+        samples=samples,
+    )  # fmt: skip
+    (step,) = engine.run().rounds  # later steps have a history to judge by (refused at arrival, as in round 2)
+    assert refused(step) == {ATTACKER} and ATTACKER not in step.replied
+    assert step.metrics["buffer_fill"] == 9 and len(step.replied) == 9
