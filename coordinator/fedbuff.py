@@ -255,6 +255,10 @@ class BufferedFedAvg(Strategy[Any]):
     def accept(self, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
         return self.inner.accept(rnd, client, reply)
 
+    def accept_from(self, base: StateDict, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
+        """:meth:`accept` of a reply whose task sent ``base`` (:meth:`FedAvg.accept_from`)."""
+        return self.inner.accept_from(base, rnd, client, reply)
+
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
         return self.inner.evaluate(x, y)
 

@@ -352,10 +352,13 @@ class MqttFedBuffEngine(BufferedEngine):
         return client
 
     def _check_at(self, rnd: int) -> ReplyCheck:
-        """The strategy's check of a reply to a task of round ``rnd`` (the round it names, whatever the step now)."""
+        """The strategy's check of a reply to a task of round ``rnd`` (the round it names, whatever the step now); its
+        update bound measures the move from the version the task sent, as the buffer will (and as the simulator,
+        which checks at dispatch, does), not from the model the steps since have moved to."""
 
         def check(client: ClientId, reply: Message) -> CheckedReply:
-            return self.strategy.accept(rnd, client, reply)
+            base = self.bases.get(rnd - 1, self.buffered.global_weights())
+            return self.buffered.accept_from(base, rnd, client, reply)
 
         return check
 

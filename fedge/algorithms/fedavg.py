@@ -142,6 +142,7 @@ class FedAvg(Strategy[FedAvgSettingsT]):
         self._uncalibrated: set[int] = set()
         self._refused: dict[int, tuple[Drop, ...]] = {}
         self._optimizer = self.server_optimizer()
+        self._measured_from: StateDict | None = None  # the model the update bound measures from, if not the current
 
     def global_weights(self) -> StateDict:
         return self._weights
@@ -181,7 +182,8 @@ class FedAvg(Strategy[FedAvgSettingsT]):
             reference = self._norms.reference(rnd, self._initial_norm)
             if not self._norms.medians:
                 self._uncalibrated.add(rnd)
-            moved = update_norm({k: reply.tensors[k] for k in self._weights}, self._weights)
+            base = self._weights if self._measured_from is None else self._measured_from
+            moved = update_norm({k: reply.tensors[k] for k in self._weights}, base)
             self._norms.observe(rnd, client, moved)
             if not moved <= ratio * reference:  # also catches an overflow to inf
                 raise CodecError(
@@ -189,6 +191,15 @@ class FedAvg(Strategy[FedAvgSettingsT]):
                     f"({reference:.3g}, the recent rounds' median); refused"
                 )
         return report
+
+    def accept_from(self, base: StateDict, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
+        """:meth:`accept`, with the update bound measuring the reply's move from ``base``, the model its task sent,
+        rather than from the current one: FedBuff over MQTT judges a reply when it arrives, steps after its task."""
+        self._measured_from = base
+        try:
+            return self.accept(rnd, client, reply)
+        finally:
+            self._measured_from = None
 
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
         return RoundPlan(broadcast=self.broadcast(rnd, self._weights), tasks={c: self.task(rnd, c) for c in clients})

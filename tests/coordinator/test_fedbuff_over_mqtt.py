@@ -40,6 +40,7 @@ from safetensors.torch import load_file
 import coordinator.fedbuff
 from coordinator.engine import RoundEngine
 from coordinator.fedbuff import BufferedFedAvg, buffered_strategy
+from coordinator.mqtt_fedbuff import MqttFedBuffEngine
 from coordinator.resume import RunJournal
 from coordinator.run import provision_fleet, run_coordinator
 from edge_client.client import EdgeClient
@@ -47,8 +48,10 @@ from edge_client.data import ClientDataInfo
 from edge_client.mqtt import MqttEdgeClient
 from fedge.accounting.ledger import read_ledger_csv
 from fedge.aggregation.fedbuff import BufferedUpdate, StalenessWeight
+from fedge.algorithms.base import UpdateReport, update_message
+from fedge.algorithms.fedavg import FedAvgSettings
 from fedge.config import RunConfig, TrainConfig
-from fedge.errors import JournalError
+from fedge.errors import CodecError, JournalError
 from fedge.learning.backend import Backend, TorchBackend
 from fedge.types import StateDict
 from fedge.wire.message import Message
@@ -436,3 +439,27 @@ def _kill_and_resume(url: str, bundle: Path, slow: Slowed, fedavg_model: StateDi
     late = [r for r in lines[1]["rejected"] if r["client"] == "c002"]
     assert sum(e.client == "c002" for e in ups) == 1 + len(late)
     assert all(r["category"] == "late" for r in late)
+
+
+def test_a_stale_reply_is_bounded_by_its_move_from_the_version_it_trained_on() -> None:
+    """The update bound measures a reply's move from the model its task sent (as the simulator, which judges at
+    dispatch, does), not from the model two steps later: an honest small move is accepted, and a reply near the
+    current model, which replays the steps taken since as a move of its own, is refused. In process (no broker)."""
+    config = dataclasses.replace(CONFIG, algo=FedAvgSettings(max_update_ratio=5.0))
+    exp = prepare(config)
+    strategy = buffered_strategy(config, exp.strategy("stale-bound"))
+    engine = MqttFedBuffEngine(config, strategy, InProcessTransport([]), *exp.test_tensors())  # type: ignore[arg-type]
+    w0 = {k: v.clone() for k, v in strategy.global_weights().items()}
+    engine.bases[0] = w0  # version 0: what the task of round 1 sent
+    task = strategy.configure(1, ["c000"]).tasks["c000"]
+    strategy.inner.apply_average({k: 11 * v for k, v in w0.items()})  # the model moved on, far (10 |w0|)
+    check = engine._check_at(1)
+
+    def reply(weights: StateDict) -> Message:
+        return update_message(task, weights, UpdateReport(num_examples=50, loss=0.5))
+
+    honest = {k: v + 1e-3 for k, v in w0.items()}  # a small move from version 0
+    assert check("c000", reply(honest)).report.num_examples == 50
+    replay = {k: v + 1e-3 for k, v in strategy.global_weights().items()}  # a move of 10 |w0| from version 0
+    with pytest.raises(CodecError, match="moves the model by"):
+        check("c000", reply(replay))
