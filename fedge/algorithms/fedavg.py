@@ -156,7 +156,9 @@ class FedAvg(Strategy[FedAvgSettingsT]):
 
     def state(self) -> StrategyState:
         tensors = {**{_WEIGHTS + k: v for k, v in self._weights.items()}, **self._optimizer.state()}
-        return tensors, {"update_norm_medians": list(self._norms.medians)}
+        # Rounds judged without a median: FedBuff's buffer carries their updates across a kill, to be judged again at
+        # the step (refused_moves); a synchronous round's are judged again when the round is played again.
+        return tensors, {"update_norm_medians": list(self._norms.medians), "uncalibrated": sorted(self._uncalibrated)}
 
     def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
         self._weights = tensors_like(tensors, _WEIGHTS, self._weights)
@@ -165,6 +167,10 @@ class FedAvg(Strategy[FedAvgSettingsT]):
         if not (isinstance(medians, list) and all(isinstance(m, float) and math.isfinite(m) for m in medians)):
             raise ConfigError("the saved state's update_norm_medians must be a list of finite numbers")
         self._norms = UpdateNormHistory(medians=medians[-self._norms.window :])
+        uncalibrated = values.get("uncalibrated", [])
+        if not (isinstance(uncalibrated, list) and all(type(r) is int and r > 0 for r in uncalibrated)):
+            raise ConfigError("the saved state's uncalibrated rounds must be a list of round numbers")
+        self._uncalibrated = set(uncalibrated)
 
     def reply_tensors(self) -> dict[str, TensorSpec]:
         return {k: (tuple(v.shape), v.dtype) for k, v in self._weights.items()}

@@ -12,7 +12,8 @@ from insiders import Scaled, refused
 from coordinator.engine import RoundEngine
 from edge_client.client import EdgeClient
 from fedge.accounting.records import RoundRecord
-from fedge.algorithms.fedavg import FedAvgSettings
+from fedge.algorithms.base import UpdateReport, update_message
+from fedge.algorithms.fedavg import FedAvg, FedAvgSettings
 from fedge.config import RunConfig, TrainConfig
 from fedge.learning.backend import TorchBackend
 from fedge_io.experiment import prepare
@@ -95,3 +96,18 @@ def test_fedbuffs_first_step_is_bounded_as_round_one() -> None:
     (step,) = engine.run().rounds  # later steps have a history to judge by (refused at arrival, as in round 2)
     assert refused(step) == {ATTACKER} and ATTACKER not in step.replied
     assert step.metrics["buffer_fill"] == 9 and len(step.replied) == 9
+
+
+def test_a_resumed_fedbuff_still_judges_version_zeros_updates_by_their_median() -> None:
+    """The rounds judged without a median are journaled with the strategy: a FedBuff coordinator killed with version
+    0's updates in its buffer judges them at the step as the uninterrupted run does (they are not judged again)."""
+    config = RunConfig(algorithm="fedavg", dataset="digits", model="tiny_mlp", num_clients=4, partition="iid")
+    exp = prepare(config)
+    killed, resumed = exp.strategy("resumed-bound"), exp.strategy("resumed-bound")
+    assert isinstance(killed, FedAvg) and isinstance(resumed, FedAvg)
+    task = killed.configure(1, ["c000"]).tasks["c000"]
+    killed.accept(1, "c000", update_message(task, killed.global_weights(), UpdateReport(num_examples=50)))
+    resumed.load_state(*killed.state())
+    norms = {"c000": 100.0, "c001": 1.0, "c002": 1.1, "c003": 0.9}
+    assert [d.client for d in resumed.refused_moves(1, norms)] == ["c000"]
+    assert resumed.refused_moves(1, norms) == ()  # judged once
