@@ -4,7 +4,9 @@ Files, next to those of :mod:`fedge_io.rundir`:
   journal.json                  the commit point: the last completed round, the config it belongs to, how many bytes
                                 of metrics.jsonl and ledger.csv belong to the completed rounds, the JSON-able state,
                                 and the name of the tensor file
-  journal-<round>.safetensors   every tensor of the state (safetensors: no pickle)
+  journal-<round>.safetensors   every tensor of the state (safetensors: no pickle); journal-<round>.<n>.safetensors
+                                when the round's journal is committed again (FedBuff's checkpoints), never the name
+                                of a file journal.json or its fallback still names
 
   journal-previous.json         the journal of the round before, kept with its tensor file as a fallback
 
@@ -50,7 +52,7 @@ FORMAT = "fedge-journal/3"
 _UNSIGNED_FORMAT = "fedge-journal/2"  # digests but no HMAC: read, with a warning
 _OLD_FORMAT = "fedge-journal/1"  # before digests: read, with a warning
 _FORMATS = (FORMAT, _UNSIGNED_FORMAT, _OLD_FORMAT)
-_TENSOR_FILE = re.compile(r"journal-\d{6,}\.safetensors")
+_TENSOR_FILE = re.compile(r"journal-\d{6,}(\.\d+)?\.safetensors")  # .N: the round's journal committed again
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class RunState:
 
 def write_journal(run_dir: Path, config: RunConfig, state: RunState) -> None:
     """Commit ``state`` as the journal of ``run_dir`` (atomically: see the module docstring)."""
-    name = f"journal-{state.round:06d}.safetensors"
+    name = _free_tensor_name(run_dir, state.round)
     tmp = run_dir / f".{name}.tmp"
     tensors = _unshared(state.tensors)
     save_file(tensors, tmp, metadata={"format": FORMAT, "round": str(state.round)})
@@ -211,6 +213,18 @@ def _fallback_hint(run_dir: Path) -> str:
     except (ValueError, KeyError, TypeError, OSError):
         return ""
     return f"; the journal of round {rnd} is kept: add --previous-journal to resume from it"
+
+
+def _free_tensor_name(run_dir: Path, rnd: int) -> str:
+    """A name for round ``rnd``'s tensor file that neither journal.json nor its fallback names. A round's journal may be
+    committed again (FedBuff's checkpoints, :meth:`coordinator.resume.RunJournal.checkpoint`): renamed over the file
+    the current journal names, a crash before journal.json is replaced would leave both journals naming other bytes
+    than they recorded."""
+    in_use = {_named_tensor_file(p.read_bytes()) for p in (run_dir / JOURNAL, run_dir / PREVIOUS) if p.is_file()}
+    n = 0
+    while (name := f"journal-{rnd:06d}{f'.{n}' if n else ''}.safetensors") in in_use:
+        n += 1
+    return name
 
 
 def _named_tensor_file(journal_bytes: bytes) -> str | None:

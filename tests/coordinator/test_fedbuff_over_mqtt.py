@@ -203,6 +203,52 @@ def test_a_buffer_journaled_before_the_first_step_is_resumed(tmp_path: Path) -> 
         RunJournal(tmp_path, CONFIG, exp.partition_summary(), engine(), resume=True)
 
 
+def test_a_kill_inside_a_checkpoints_journal_commit_resumes_from_the_one_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpoints commit the journal of one round again and again: each names a tensor file of its own, so a kill
+    after the new tensor file is in place but before journal.json names it leaves the journal (and its fallback)
+    naming the bytes they recorded. Killed in the third commit: the second's buffer comes back."""
+    import fedge_io.journal
+
+    exp = prepare(CONFIG)
+
+    def engine() -> RoundEngine:
+        strategy = buffered_strategy(CONFIG, exp.strategy("k"))
+        return RoundEngine(CONFIG, strategy, InProcessTransport([]), *exp.test_tensors())
+
+    first = engine()
+    assert isinstance(first.strategy, BufferedFedAvg)
+    journal = RunJournal(tmp_path, CONFIG, exp.partition_summary(), first)
+    st = first.strategy.buffer
+    for i, client in enumerate(["c000", "c001", "c002"]):
+        move = {k: torch.full_like(v, 0.1 * (i + 1)) for k, v in first.strategy.global_weights().items()}
+        st.buffer.append(BufferedUpdate(client, 0, 600.0, move, 0.5))
+        st.partial = {
+            "entries": [],
+            "drops": [],
+            "rejections": [],
+            "timings": [],
+            "arrived": [u.client for u in st.buffer],
+        }
+        if client == "c002":  # dies once the new tensor file is renamed into place, before journal.json names it
+
+            def killed(path: Path, data: bytes) -> None:
+                raise KeyboardInterrupt("kill -9")
+
+            monkeypatch.setattr(fedge_io.journal, "atomic_write", killed)
+            with pytest.raises(KeyboardInterrupt):
+                journal.checkpoint(st.move_group)
+            monkeypatch.undo()
+        else:
+            journal.checkpoint(st.move_group)
+
+    second = engine()
+    RunJournal(tmp_path, CONFIG, exp.partition_summary(), second, resume=True)
+    assert isinstance(second.strategy, BufferedFedAvg)
+    assert [u.client for u in second.strategy.buffer.buffer] == ["c000", "c001"]
+
+
 def test_k_equal_to_the_cohort_is_fedavg_and_status_shows_the_buffer(
     fleet: Fleet,
     serve: Callable[..., None],
