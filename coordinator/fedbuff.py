@@ -33,10 +33,10 @@ from fedge.algorithms.base import (
     StrategyState,
     TensorSpec,
 )
+from fedge.algorithms.catalog import ALGORITHMS, get_algorithm
 from fedge.algorithms.fedavg import FedAvg
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
-from fedge.registry import ALGORITHMS, get_algorithm
 from fedge.types import ClientId, StateDict
 from fedge.wire.message import Message
 

@@ -29,11 +29,11 @@ from coordinator.secagg_stages import MqttStages
 from coordinator.stopping import GracefulStop
 from fedge.accounting.records import RoundRecord
 from fedge.algorithms.base import Strategy
+from fedge.algorithms.catalog import get_algorithm
 from fedge.config import RunConfig
 from fedge.errors import ConfigError, FedgeError
 from fedge.privacy.strategy import DifferentialPrivacyStrategy
 from fedge.privacy.summary import privacy_summary
-from fedge.registry import get_algorithm
 from fedge.secagg.strategy import SecureAggregationStrategy
 from fedge.wire.fields import printable
 from fedge.wire.message import encode

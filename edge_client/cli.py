@@ -377,7 +377,7 @@ def runtime_capabilities(runtime: str, predict_only: bool) -> tuple[str, ...]:
     runs (:data:`edge_client.backends.RUNTIME_HOOKS`); an ONNX Runtime client cannot train, so it runs none, or,
     predict-only, the output-sharing ones (FD and DS-FL) that it can serve from its deployed model."""
     from edge_client.backends import RUNTIME_HOOKS
-    from fedge.registry import ALGORITHMS
+    from fedge.algorithms.catalog import ALGORITHMS
 
     if runtime != "onnxruntime":
         return tuple(name for name, spec in ALGORITHMS.items() if spec.hooks <= RUNTIME_HOOKS[runtime])

@@ -19,19 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from fedge.data.augment import PRESETS
 from fedge.errors import ConfigError
-from fedge.registry import ALGORITHMS, get_algorithm
+from fedge.registry import ALGORITHMS, AlgorithmSettings, get_algorithm
 
 if TYPE_CHECKING:
     from fedge.compression.strategy import Compression
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AlgorithmSettings:
-    """Base of every algorithm's settings (a frozen dataclass in its module). Fields marked
-    :func:`fedge.wire.fields.server_only` never leave the coordinator; the others travel in each task, converted by
-    :mod:`fedge.wire.fields`. An instance of this base itself stands for "the defaults of the run's algorithm"."""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import torch
 
 from fedge.algorithms import make_strategy
 from fedge.algorithms.base import ClientData, ServerContext, Strategy, derive_seed
+from fedge.algorithms.catalog import get_algorithm
 from fedge.algorithms.dsfl import DSFLSettings
 from fedge.config import RunConfig
 from fedge.data.augment import preset as augment_preset
@@ -20,7 +21,6 @@ from fedge.errors import ConfigError
 from fedge.learning.models import MODELS, build_model, default_model_for
 from fedge.learning.training import REPRESENTATION
 from fedge.plugins import check_model_on
-from fedge.registry import get_algorithm
 from fedge.types import ClientId
 
 log = logging.getLogger(__name__)

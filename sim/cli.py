@@ -149,8 +149,8 @@ def run_cost(args: argparse.Namespace) -> int:
         open_dataset_table,
         paper_tables,
     )
+    from fedge.algorithms.catalog import ALGORITHMS
     from fedge.learning.models import build_model, num_exchanged_values
-    from fedge.registry import ALGORITHMS
 
     accountings = ["multicast", "unicast"] if args.accounting == "both" else [args.accounting]
     out = []
@@ -162,9 +162,9 @@ def run_cost(args: argparse.Namespace) -> int:
             model = build_model(args.model, input_shape=shape, num_classes=args.num_classes)
             values = num_exchanged_values(model)
             rows = []
-            for name in ALGORITHMS:  # every registered algorithm, from its own traffic model
+            for name, spec in ALGORITHMS.items():  # every registered algorithm, from its own traffic model
                 c = algorithm_round_cost(
-                    name,
+                    spec.traffic,
                     model=args.model,
                     input_shape=shape,
                     num_classes=args.num_classes,

@@ -22,7 +22,7 @@ All byte figures use decimal units (1 kB = 1e3 B, 1 MB = 1e6 B, 1 GB = 1e9 B), a
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias, get_args
 
@@ -187,7 +187,7 @@ def round_cost(
 
 
 def algorithm_round_cost(
-    algorithm: str,
+    traffic: Callable[[CostInputs], RoundTraffic],
     *,
     model: str,
     input_shape: tuple[int, ...],
@@ -196,8 +196,8 @@ def algorithm_round_cost(
     open_per_round: int = 1000,
     accounting: str = "multicast",
 ) -> RoundCost:
-    """Tensor bytes of one round of a registered algorithm, from its own traffic model (e.g. SCAFFOLD sends a control
-    variate both ways, twice FedAvg's parameters)."""
+    """Tensor bytes of one round of an algorithm, from its own traffic model (``Algorithm.traffic``, e.g. SCAFFOLD
+    sends a control variate both ways, twice FedAvg's parameters)."""
     _positive("num_clients", num_clients)
     _positive("num_classes", num_classes)
     copies = _copies(accounting, num_clients)
@@ -210,7 +210,7 @@ def algorithm_round_cost(
         num_clients=num_clients,
         open_per_round=open_per_round,
     )
-    t = get_algorithm(algorithm).traffic(inputs)
+    t = traffic(inputs)
     return RoundCost(
         bytes_up=num_clients * t.up_per_client,
         bytes_down=copies * t.down_broadcast,

@@ -1,18 +1,19 @@
 """The algorithms, one module each, and the two calls that dispatch a round to them: :func:`make_strategy` (the
 server half of a run's algorithm, wrapped in the run's compression and secure aggregation or differential privacy) and
-:func:`run_client_step` (a task to the client half it names). Which algorithms exist is :mod:`fedge.registry`'s list.
+:func:`run_client_step` (a task to the client half it names). Which algorithms exist is :mod:`fedge.registry`'s list;
+their whole entries are read through :mod:`fedge.algorithms.catalog`.
 """
 
 from __future__ import annotations
 
 from fedge.algorithms.base import CheckedReply, ClientData, ClientStore, ServerContext, Strategy
+from fedge.algorithms.catalog import ALGORITHMS, get_algorithm
 from fedge.algorithms.compressed import compressed
 from fedge.compression.strategy import decode_broadcast, encode_update
 from fedge.config import AlgorithmSettings, RunConfig
 from fedge.errors import CodecError
 from fedge.learning.backend import Backend
 from fedge.privacy.strategy import privatized
-from fedge.registry import ALGORITHMS, get_algorithm
 from fedge.secagg.strategy import secured
 from fedge.wire.message import Message
 

@@ -1,23 +1,29 @@
-"""Every local objective and local term by its kind, as the algorithms declare them.
+"""Every algorithm's whole registry entry, and every local objective and local term by its kind, as the algorithms
+declare them.
 
+:mod:`fedge.registry` names the algorithms and gives the layers below them (config, cost tables) a few plain facts
+of each (:class:`fedge.registry.AlgorithmFacts`); what needs the whole :class:`~fedge.algorithms.base.Algorithm` (its
+server and client halves, hooks, traffic model, objectives and terms) reads it here, above the algorithms, typed.
 An algorithm module defines the losses it trains with and names them in its ``ALGORITHM``
-(:attr:`fedge.algorithms.base.Algorithm.objectives` and ``terms``); this module reads those declarations through the
-registry (:data:`fedge.registry.ALGORITHMS`). Nothing fills a table on import, and :mod:`fedge.learning` names no
-algorithm: what a program file, an export command or a task spells by kind is looked up here, at the layer that
-knows the algorithms.
+(:attr:`fedge.algorithms.base.Algorithm.objectives` and ``terms``); nothing fills a table on import, and
+:mod:`fedge.learning` names no algorithm: what a program file, an export command or a task spells by kind is looked
+up here, at the layer that knows the algorithms.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
+from fedge import registry
+from fedge.algorithms.base import Algorithm
 from fedge.errors import ConfigError
 from fedge.learning.objectives import Objective, objective_from_params
 from fedge.learning.terms import LocalTerm, term_from_params
-from fedge.registry import ALGORITHMS
 
 __all__ = [
+    "ALGORITHMS",
+    "get_algorithm",
     "make_objective",
     "make_term",
     "objective_classes",
@@ -27,6 +33,38 @@ __all__ = [
     "term_kinds",
     "terms_from_flags",
 ]
+
+
+class _Entries(Mapping[str, Algorithm[Any]]):
+    """Name -> the whole registry entry, in the registry's order; an entry that is not an
+    :class:`~fedge.algorithms.base.Algorithm` is a ConfigError naming its module."""
+
+    def __getitem__(self, name: str) -> Algorithm[Any]:
+        spec = registry.ALGORITHMS[name]  # KeyError for an unknown name, as a dict
+        if not isinstance(spec, Algorithm):
+            raise ConfigError(
+                f"{registry.MODULES[name]}.ALGORITHM is a {type(spec).__name__}, not a fedge.algorithms.base.Algorithm"
+            )
+        return spec
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(registry.ALGORITHMS)
+
+    def __len__(self) -> int:
+        return len(registry.ALGORITHMS)
+
+    def __contains__(self, name: object) -> bool:
+        return name in registry.ALGORITHMS
+
+
+ALGORITHMS: Mapping[str, Algorithm[Any]] = _Entries()
+"""Every algorithm's whole entry by its config name, in the order of :data:`fedge.registry.MODULES`."""
+
+
+def get_algorithm(name: str) -> Algorithm[Any]:
+    """The whole registry entry ``name``; a ConfigError listing the known ones otherwise."""
+    registry.get_algorithm(name)  # the ConfigError for an unknown name
+    return ALGORITHMS[name]
 
 
 def objective_classes() -> Mapping[str, type[Objective]]:

@@ -12,8 +12,8 @@ from fedge.accounting.ledger import ACCOUNTING_MODELS
 from fedge.accounting.markdown import markdown_table
 from fedge.accounting.records import RoundRecord
 from fedge.accounting.units import format_bytes
+from fedge.algorithms.catalog import get_algorithm
 from fedge.config import RunConfig
-from fedge.registry import get_algorithm
 from fedge_io.rundir import COMU_THRESHOLDS
 from sim.report.runs import Run, algorithm_name, partition_name
 

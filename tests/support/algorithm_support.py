@@ -18,10 +18,10 @@ from coordinator.transport import Exchange, ReplyCheck
 from edge_client.client import EdgeClient
 from fedge.accounting.records import RoundRecord
 from fedge.algorithms.base import ClientData, RoundPlan, ServerContext
+from fedge.algorithms.catalog import get_algorithm
 from fedge.config import AlgorithmSettings, RunConfig, TrainConfig
 from fedge.learning.models import exchanged_state, load_exchanged_state
 from fedge.learning.training import TrainRequest, TrainStats, predict_logits, train
-from fedge.registry import get_algorithm
 from fedge.types import ClientId, StateDict
 from fedge.wire.message import Message, decode, encode
 from fedge_io.rundir import RunResult

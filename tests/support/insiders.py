@@ -29,11 +29,11 @@ from edge_client.client import EdgeClient
 from fedge.accounting.records import RoundRecord
 from fedge.aggregation.robust import state_norm, update_norm
 from fedge.algorithms.base import ClientData, UpdateReport
+from fedge.algorithms.catalog import ALGORITHMS
 from fedge.algorithms.dsfl import DSFLSettings
 from fedge.compression.strategy import decode_broadcast, encode_update
 from fedge.config import RunConfig, TrainConfig
 from fedge.learning.backend import Backend, TorchBackend
-from fedge.registry import ALGORITHMS
 from fedge.types import StateDict
 from fedge.wire import fields as wire
 from fedge.wire.message import Message

@@ -8,12 +8,14 @@ from markdown_support import has_row, table_rows
 from fedge.accounting.cost import (
     CostRow,
     RoundCost,
+    algorithm_round_cost,
     cost_table_markdown,
     open_dataset_cost,
     paper_tables,
     round_cost,
 )
 from fedge.accounting.units import format_bytes
+from fedge.algorithms.catalog import get_algorithm
 from fedge.errors import ConfigError
 
 # DS-FL Tables I and II, per-round totals as printed in the paper.
@@ -100,6 +102,22 @@ def test_round_cost_errors() -> None:
         round_cost("fd", num_clients=3, num_classes=4, accounting="broadcast")
     with pytest.raises(ConfigError, match="num_clients"):
         round_cost("fd", num_clients=0, num_classes=4)
+
+
+def test_algorithm_round_cost_prices_an_algorithm_by_its_own_traffic_model() -> None:
+    """``fedge cost --model``'s rows: FedAvg moves the model once each way, SCAFFOLD its control variate as well."""
+
+    def cost(algorithm: str, accounting: str = "multicast") -> RoundCost:
+        traffic = get_algorithm(algorithm).traffic
+        shape = (1, 28, 28)
+        return algorithm_round_cost(
+            traffic, model="fedavg_cnn", input_shape=shape, num_classes=10, num_clients=3, accounting=accounting
+        )
+
+    fedavg, scaffold, unicast = cost("fedavg"), cost("scaffold"), cost("fedavg", "unicast")
+    assert fedavg == RoundCost(bytes_up=3 * 1_663_370 * 4, bytes_down=1_663_370 * 4)
+    assert scaffold == RoundCost(bytes_up=2 * fedavg.bytes_up, bytes_down=2 * fedavg.bytes_down)
+    assert unicast.bytes_down == 3 * fedavg.bytes_down
 
 
 def test_open_dataset_cost_matches_table_iii() -> None:
