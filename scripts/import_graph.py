@@ -1,8 +1,11 @@
 """The import graph inside a package, type-only imports included: its circles and the arrows that point up.
 
-import-linter (``lint-imports``) checks the layer contract on the imports that run; ``exclude_type_checking_imports``
-leaves out those under ``if TYPE_CHECKING:``. A circle closed by such an import, or by an import deferred into a
-function body, is still a circle of the code's design (issue 54), so this script lists every edge with its kind:
+import-linter (``lint-imports``) checks the layer contracts on the import statements (this project counts those under
+``if TYPE_CHECKING:`` too: ``exclude_type_checking_imports = false``), but a layers contract does not see a circle
+between modules of one layer, nor an import by name. A circle closed by a type-only import, by an import deferred into
+a function body or by one by name is still a circle of the code's design (issue 54), so this script lists every edge
+with its kind (``tests/scripts/test_import_graph.py`` holds fedge to no circle but through the registry's imports by
+name, and to the arrows up its contract names):
 
 - ``runtime``: a module-level import (it runs when the module loads);
 - ``deferred``: an import inside a function or method body (runs on call; often hides a circle);
