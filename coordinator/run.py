@@ -30,9 +30,9 @@ from coordinator.stopping import GracefulStop
 from fedge.accounting.records import RoundRecord
 from fedge.algorithms.base import Strategy
 from fedge.algorithms.catalog import get_algorithm
+from fedge.algorithms.privatized import DifferentialPrivacyStrategy
 from fedge.config import RunConfig
 from fedge.errors import ConfigError, FedgeError
-from fedge.privacy.strategy import DifferentialPrivacyStrategy
 from fedge.privacy.summary import privacy_summary
 from fedge.secagg.strategy import SecureAggregationStrategy
 from fedge.wire.fields import printable

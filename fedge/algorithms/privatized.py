@@ -34,7 +34,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +42,17 @@ import torch
 
 from fedge.accounting.records import AggregationRecord
 from fedge.aggregation.flat import FlatLayout
+from fedge.algorithms.base import (
+    CheckedReply,
+    Evaluation,
+    RoundPlan,
+    ServerContext,
+    Strategy,
+    StrategyState,
+    TensorSpec,
+    UpdateReport,
+)
+from fedge.config import AlgorithmSettings, RunConfig
 from fedge.errors import ConfigError
 from fedge.privacy.accountant import Ledger, update_noise_multiplier
 from fedge.privacy.mechanism import adapted_clip, count_std, noise_rng
@@ -64,20 +75,8 @@ from fedge.secagg.strategy import (
     rounding_rng,
     simulated_dropouts,
 )
+from fedge.types import ClientId, StateDict
 from fedge.wire.message import Message
-
-if TYPE_CHECKING:
-    from fedge.algorithms.base import (
-        CheckedReply,
-        Evaluation,
-        RoundPlan,
-        Strategy,
-        StrategyState,
-        TensorSpec,
-        UpdateReport,
-    )
-    from fedge.config import RunConfig
-    from fedge.types import ClientId
 
 log = logging.getLogger(__name__)
 
@@ -109,19 +108,28 @@ class PrivateRound:
     clip: float
 
 
-class DifferentialPrivacyStrategy:
-    """A :class:`~fedge.algorithms.base.Strategy` whose aggregation is DP-FedAvg's noised, clipped mean."""
+class DifferentialPrivacyStrategy(Strategy[AlgorithmSettings]):
+    """A :class:`~fedge.algorithms.base.Strategy` whose aggregation is DP-FedAvg's noised, clipped mean.
+
+    What is not about the round's aggregation (evaluation, global weights, reports) is the wrapped strategy's,
+    delegated method by method; the clip rides in its state."""
 
     def __init__(
         self,
-        inner: Strategy,
+        inner: Strategy[Any],
         config: RunConfig,
-        reply_type: type[CheckedReply],
         *,
         rand_bytes: RandBytes = os.urandom,
     ) -> None:
+        super().__init__(
+            config,
+            ServerContext(
+                inner.model_factory, inner.num_classes, run_id=inner.run_id, evaluation_device=inner.evaluation_device
+            ),
+        )
         self.inner = inner
-        self._reply_type = reply_type  # passed in: the core's privacy sits below the algorithms
+        self.report_type = inner.report_type
+        self.reply_tolerance = inner.reply_tolerance
         self.dp_config = config
         self._rand = rand_bytes
         self._session = rand_bytes(8).hex()
@@ -166,9 +174,6 @@ class DifferentialPrivacyStrategy:
             config.dp_accountant,
             f"--dp-noise-seed {config.dp_noise_seed}" if config.dp_noise_seed is not None else "os.urandom",
         )
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     def use_channel(self, channel: StageChannel) -> None:
         """Under secure aggregation, run the clients' parties where the clients are (a deployment): each client clips
@@ -257,7 +262,7 @@ class DifferentialPrivacyStrategy:
     def accept(self, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
         if self._remote is None or not self.dp_config.secure_aggregation:
             return self.inner.accept(rnd, client, reply)
-        checked, self._advertised[client] = remote_reply(self.inner, self._reply_type, rnd, client, reply)
+        checked, self._advertised[client] = remote_reply(self.inner, CheckedReply, rnd, client, reply)
         return checked
 
     def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
@@ -439,7 +444,7 @@ class DifferentialPrivacyStrategy:
             update = dataclasses.replace(first.update, client=SUM_CLIENT, tensors=weights)
             return dataclasses.replace(first, report=report, update=update)
         update = Message(kind="update", round=rnd, run=self.inner.run_id, client=SUM_CLIENT, tensors=weights)
-        return self._reply_type(self.inner.report_type(num_examples=0), update)
+        return CheckedReply(self.inner.report_type(num_examples=0), update)
 
     def aggregation_record(self, rnd: int) -> AggregationRecord:
         record, self._record = self._record, AggregationRecord()
@@ -456,6 +461,12 @@ class DifferentialPrivacyStrategy:
     def wire_reply_tensors(self) -> dict[str, TensorSpec]:
         return self.inner.wire_reply_tensors()
 
+    def global_weights(self) -> StateDict | None:
+        return self.inner.global_weights()
+
+    def report_of(self, reply: Message) -> UpdateReport:
+        return self.inner.report_of(reply)
+
     def state(self) -> StrategyState:
         tensors, values = self.inner.state()
         return tensors, {**values, "dp_clip": self.clip}
@@ -466,6 +477,6 @@ class DifferentialPrivacyStrategy:
         self.inner.load_state(tensors, rest)
 
 
-def privatized(strategy: Strategy, config: RunConfig, reply_type: type[CheckedReply]) -> Strategy:
+def privatized(strategy: Strategy[Any], config: RunConfig) -> Strategy[AlgorithmSettings]:
     """``strategy`` wrapped for DP-FedAvg (secure aggregation inside, when asked)."""
-    return DifferentialPrivacyStrategy(strategy, config, reply_type)  # type: ignore[return-value]  # a Strategy by delegation
+    return DifferentialPrivacyStrategy(strategy, config)

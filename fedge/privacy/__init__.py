@@ -1,2 +1,3 @@
-"""Client-level differential privacy: DP-FedAvg with adaptive clipping (:mod:`fedge.privacy.strategy`), its numbers
-(:mod:`fedge.privacy.mechanism`) and its accountant (:mod:`fedge.privacy.accountant`). See docs/privacy.md."""
+"""Client-level differential privacy: the numbers of DP-FedAvg with adaptive clipping (:mod:`fedge.privacy.mechanism`),
+its accountant (:mod:`fedge.privacy.accountant`), the clients' noise shares and the run's summary; the strategy that
+runs it wraps an algorithm's, above the algorithms (:mod:`fedge.algorithms.privatized`). See docs/privacy.md."""

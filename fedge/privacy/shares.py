@@ -1,6 +1,6 @@
 """DP-FedAvg's client share under secure aggregation: what one client adds to the secure sum, on its own device.
 
-With secure aggregation the coordinator never sees an un-noised sum (:mod:`fedge.privacy.strategy`, step 3): each
+With secure aggregation the coordinator never sees an un-noised sum (:mod:`fedge.algorithms.privatized`, step 3): each
 client encodes ``[clip_C(w_k - w), b_k] + N(0, diag(s)^2)``, its clipped update, the bit ``b_k = ||w_k - w|| <= C``
 of adaptive clipping (0 under a fixed clip, which releases no count), and its share ``s`` of the round's noise
 (``z_delta C / sqrt(t)`` per coordinate of the update, ``sigma_b / sqrt(t)`` for the bit, ``t`` the fewest survivors

@@ -17,11 +17,11 @@ from torch import nn
 from fedge.algorithms import make_strategy
 from fedge.algorithms.base import CheckedReply, ServerContext, UpdateReport
 from fedge.algorithms.fedavg import FedAvgSettings
+from fedge.algorithms.privatized import DifferentialPrivacyStrategy
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.privacy.accountant import Ledger
 from fedge.privacy.mechanism import adapted_clip, noise_rng
-from fedge.privacy.strategy import DifferentialPrivacyStrategy
 from fedge.wire import fields as wire
 from fedge.wire.message import UPDATE, Message
 from tests.fedge.secagg.conftest import _seeded_bytes
