@@ -30,7 +30,7 @@ from coordinator.stopping import GracefulStop
 from fedge.accounting.records import RoundRecord
 from fedge.algorithms.base import Strategy
 from fedge.algorithms.catalog import get_algorithm
-from fedge.algorithms.privatized import DifferentialPrivacyStrategy
+from fedge.algorithms.differential_privacy import DifferentialPrivacyStrategy
 from fedge.config import RunConfig
 from fedge.errors import ConfigError, FedgeError
 from fedge.privacy.summary import privacy_summary

@@ -9,7 +9,7 @@ from __future__ import annotations
 from fedge.algorithms.base import CheckedReply, ClientData, ClientStore, ServerContext, Strategy
 from fedge.algorithms.catalog import ALGORITHMS, get_algorithm
 from fedge.algorithms.compressed import compressed
-from fedge.algorithms.privatized import privatized
+from fedge.algorithms.differential_privacy import privatized
 from fedge.compression.strategy import decode_broadcast, encode_update
 from fedge.config import AlgorithmSettings, RunConfig
 from fedge.errors import CodecError

@@ -1,12 +1,13 @@
 """DP-FedAvg's client share under secure aggregation: what one client adds to the secure sum, on its own device.
 
-With secure aggregation the coordinator never sees an un-noised sum (:mod:`fedge.algorithms.privatized`, step 3): each
-client encodes ``[clip_C(w_k - w), b_k] + N(0, diag(s)^2)``, its clipped update, the bit ``b_k = ||w_k - w|| <= C``
-of adaptive clipping (0 under a fixed clip, which releases no count), and its share ``s`` of the round's noise
-(``z_delta C / sqrt(t)`` per coordinate of the update, ``sigma_b / sqrt(t)`` for the bit, ``t`` the fewest survivors
-a round completes with). The server sends ``C`` and ``s`` in the round's broadcast (:func:`share_params`); a device
-builds its input with :func:`client_input` from them, drawing the noise from its own generator (seeded from
-``os.urandom``: the server never learns a client's noise, so never the un-noised sum).
+With secure aggregation the coordinator never sees an un-noised sum (step 3 of
+:mod:`fedge.algorithms.differential_privacy`): each client encodes ``[clip_C(w_k - w), b_k] + N(0, diag(s)^2)``, its
+clipped update, the bit ``b_k = ||w_k - w|| <= C`` of adaptive clipping (0 under a fixed clip, which releases no
+count), and its share ``s`` of the round's noise (``z_delta C / sqrt(t)`` per coordinate of the update,
+``sigma_b / sqrt(t)`` for the bit, ``t`` the fewest survivors a round completes with). The server sends ``C`` and
+``s`` in the round's broadcast (:func:`share_params`); a device builds its input with :func:`client_input` from them,
+drawing the noise from its own generator (seeded from ``os.urandom``: the server never learns a client's noise, so
+never the un-noised sum).
 
 A client provisioned for a DP run (its config.json names the noise multiplier ``z``) does not take the broadcast's
 word for the noise: :class:`NoiseFloor` refuses a round that asks for less than an honest coordinator ever asks,

@@ -1,6 +1,6 @@
 """What a DP run's summary and console say about the privacy it spent: the same for ``fedge sim`` and ``fedge
 coordinator``, from the rounds' metrics (epsilon at the run's delta after each round,
-:mod:`fedge.algorithms.privatized`)."""
+:mod:`fedge.algorithms.differential_privacy`)."""
 
 from __future__ import annotations
 

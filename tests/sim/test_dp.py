@@ -115,7 +115,7 @@ def test_the_ledger_counts_every_masked_value_of_a_secure_round(
     """Each client masks its clipped update and one value more (the clipped-count bit, 0 under a fixed clip): the
     ledger's upload of each client that uploaded (its update message and any masked-input entry) is the masked
     vector it sent, 4 bytes a value, as the protocol packed it."""
-    import fedge.algorithms.privatized as dp
+    import fedge.algorithms.differential_privacy as dp
 
     sent: dict[str, int] = {}  # client: bytes of the masked vector it uploaded (round 1)
     run_configured = dp.run_configured

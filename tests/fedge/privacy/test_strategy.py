@@ -16,8 +16,8 @@ from torch import nn
 
 from fedge.algorithms import make_strategy
 from fedge.algorithms.base import CheckedReply, ServerContext, UpdateReport
+from fedge.algorithms.differential_privacy import DifferentialPrivacyStrategy
 from fedge.algorithms.fedavg import FedAvgSettings
-from fedge.algorithms.privatized import DifferentialPrivacyStrategy
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.privacy.accountant import Ledger

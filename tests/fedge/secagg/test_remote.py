@@ -17,7 +17,7 @@ from fedge.accounting.ledger import LedgerEntry
 from fedge.aggregation.flat import FlatLayout
 from fedge.algorithms import make_strategy
 from fedge.algorithms.base import CheckedReply, ServerContext, UpdateReport
-from fedge.algorithms.privatized import DifferentialPrivacyStrategy
+from fedge.algorithms.differential_privacy import DifferentialPrivacyStrategy
 from fedge.config import RunConfig
 from fedge.errors import CodecError
 from fedge.privacy.mechanism import noise_rng
@@ -248,7 +248,7 @@ def test_dp_noise_shares_added_on_the_devices_give_the_in_process_model_bit_for_
             assert "dp.clip" not in plan.broadcast.params  # type: ignore[union-attr]  # in process: nothing to send
             inputs = {c: updates[c] for c in clients}
             with pytest.MonkeyPatch.context() as patch:  # the in-process protocol loses c4 at the same stage
-                patch.setattr("fedge.algorithms.privatized.simulated_dropouts", lambda *a: dict(drop_at))
+                patch.setattr("fedge.algorithms.differential_privacy.simulated_dropouts", lambda *a: dict(drop_at))
                 strategy.aggregate(1, {c: strategy.accept(1, c, inputs[c]) for c in clients})
             strategies[remote] = strategy
             continue
