@@ -171,12 +171,10 @@ def test_the_deployment_defaults_survive_one_admitted_attacker(
     assert all(r.aggregated for r in result.rounds), [(r.round, r.replied, r.drops) for r in result.rounds]
     honest = {f"c00{i}" for i in range(5)}
     assert all(honest <= set(r.replied) for r in result.rounds)  # no honest client refused or dropped
-    if attack in (
-        "replacement",
-        "label_rotation",
-        "int8_offset",
-    ):  # inside the bound in some round (round 1 judges against its own median since issue 52): the aggregation
-        # alone must hold it off there
+    # Inside the bound in some round (round 1 judges against its own median since issue 52): the aggregation alone
+    # must hold it off there. The int8 offset (+5 on every output bias) is past the deployment's bound of 5 x the
+    # median update norm (issue 52) in every round, so the bound alone refuses it.
+    if attack in ("replacement", "label_rotation"):
         assert any(ATTACKER in r.replied for r in result.rounds), [r.drops for r in result.rounds]
     accuracy = result.rounds[-1].accuracy
     # 2 points = 9 of the 450 test images; the sign flip lands on exactly that (measured: 92.67% vs 94.67%).
