@@ -25,7 +25,7 @@ import numpy as np
 
 from fedge.secagg import RoundAbandoned, default_degree, default_threshold, recovery_risk, run_round
 from fedge.secagg.messages import SecAggMessage
-from fedge.secagg.strategy import simulated_dropouts
+from fedge.secagg.rounds import simulated_dropouts
 
 FEDAVG_CNN_VALUES = 1_663_370  # fedavg_cnn (FedNTD B.1) on 28 x 28 MNIST
 

@@ -31,10 +31,10 @@ from fedge.accounting.records import RoundRecord
 from fedge.algorithms.base import Strategy
 from fedge.algorithms.catalog import get_algorithm
 from fedge.algorithms.differential_privacy import DifferentialPrivacyStrategy
+from fedge.algorithms.secure_aggregation import SecureAggregationStrategy
 from fedge.config import RunConfig
 from fedge.errors import ConfigError, FedgeError
 from fedge.privacy.summary import privacy_summary
-from fedge.secagg.strategy import SecureAggregationStrategy
 from fedge.wire.fields import printable
 from fedge.wire.message import encode
 from fedge.wire.protocol import BrokerAddress, ClientStatus

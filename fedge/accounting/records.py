@@ -43,8 +43,8 @@ class Drop:
 @dataclass(frozen=True)
 class AggregationRecord:
     """What a strategy's aggregation of one round adds to the round's record when it runs a protocol of its own with
-    the clients (secure aggregation, :mod:`fedge.secagg.strategy`): the protocol's messages, the clients whose replies
-    it left out of the aggregate (and why), and why it kept the global state ("" when it aggregated)."""
+    the clients (secure aggregation, :mod:`fedge.algorithms.secure_aggregation`): the protocol's messages, the clients
+    whose replies it left out of the aggregate (and why), and why it kept the global state ("" when it aggregated)."""
 
     entries: tuple[LedgerEntry, ...] = ()
     drops: tuple[Drop, ...] = ()

@@ -6,15 +6,15 @@ their whole entries are read through :mod:`fedge.algorithms.catalog`.
 
 from __future__ import annotations
 
-from fedge.algorithms.base import CheckedReply, ClientData, ClientStore, ServerContext, Strategy
+from fedge.algorithms.base import ClientData, ClientStore, ServerContext, Strategy
 from fedge.algorithms.catalog import ALGORITHMS, get_algorithm
 from fedge.algorithms.compressed import compressed
 from fedge.algorithms.differential_privacy import privatized
+from fedge.algorithms.secure_aggregation import secured
 from fedge.compression.strategy import decode_broadcast, encode_update
 from fedge.config import AlgorithmSettings, RunConfig
 from fedge.errors import CodecError
 from fedge.learning.backend import Backend
-from fedge.secagg.strategy import secured
 from fedge.wire.message import Message
 
 
@@ -23,7 +23,7 @@ def make_strategy(config: RunConfig, context: ServerContext) -> Strategy[Algorit
     runs secure aggregation itself) wrap it. Typed by the settings base: what an algorithm's own settings add is its
     module's to read (``strategy.settings.prox_mu`` does not pass the type checker here)."""
     inner = compressed(get_algorithm(config.algorithm).server(config, context), config)
-    return privatized(inner, config) if config.differential_privacy else secured(inner, config, CheckedReply)
+    return privatized(inner, config) if config.differential_privacy else secured(inner, config)
 
 
 def run_client_step(

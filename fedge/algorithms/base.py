@@ -402,9 +402,9 @@ class Algorithm(Generic[SettingsT]):
     # export commands); one declared twice (by two algorithms) must be the same class.
     objectives: tuple[type[Objective], ...] = ()
     terms: tuple[type[LocalTerm], ...] = ()
-    # Why secure aggregation (fedge.secagg.strategy) cannot run this algorithm yet, for the start-up error; "" when
-    # its server half needs nothing but sums of the replies' tensors that fedge.secagg.parts declares (by default
-    # the weighted mean of the returned weights).
+    # Why secure aggregation (fedge.algorithms.secure_aggregation) cannot run this algorithm yet, for the start-up
+    # error; "" when its server half needs nothing but sums of the replies' tensors that fedge.secagg.parts declares
+    # (by default the weighted mean of the returned weights).
     secagg_gap: str = "its aggregation is not declared to be a weighted mean of the returned weights"
     # Why DP-FedAvg (fedge.privacy), which clips and noises the weighted mean of the returned weights alone, cannot
     # run it; None: the same as secagg_gap (an algorithm secure aggregation runs with its default part).

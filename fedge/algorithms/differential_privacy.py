@@ -52,6 +52,7 @@ from fedge.algorithms.base import (
     TensorSpec,
     UpdateReport,
 )
+from fedge.algorithms.secure_aggregation import remote_reply
 from fedge.config import AlgorithmSettings, RunConfig
 from fedge.errors import ConfigError
 from fedge.privacy.accountant import Ledger, update_noise_multiplier
@@ -63,18 +64,17 @@ from fedge.secagg.errors import RoundAbandoned, SecAggError
 from fedge.secagg.messages import AdvertiseKeys, SecAggMessage
 from fedge.secagg.protocol import SecAggServer, Stage
 from fedge.secagg.remote import LAYOUT_PARAM, SEED_PARAM, StageChannel
-from fedge.secagg.shamir import RandBytes
-from fedge.secagg.strategy import (
+from fedge.secagg.rounds import (
     RING_BITS,
     SUM_CLIENT,
-    _drops,
-    _ProtocolLedger,
+    ProtocolLedger,
     graph_seed,
     remote_drops,
-    remote_reply,
     rounding_rng,
     simulated_dropouts,
+    simulated_drops,
 )
+from fedge.secagg.shamir import RandBytes
 from fedge.types import ClientId, StateDict
 from fedge.wire.message import Message
 
@@ -262,7 +262,7 @@ class DifferentialPrivacyStrategy(Strategy[AlgorithmSettings]):
     def accept(self, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
         if self._remote is None or not self.dp_config.secure_aggregation:
             return self.inner.accept(rnd, client, reply)
-        checked, self._advertised[client] = remote_reply(self.inner, CheckedReply, rnd, client, reply)
+        checked, self._advertised[client] = remote_reply(self.inner, rnd, client, reply)
         return checked
 
     def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
@@ -407,7 +407,7 @@ class DifferentialPrivacyStrategy(Strategy[AlgorithmSettings]):
         drop_at.update({c: s for c, s in simulated.items() if c in vectors})
         # The reply (dim float32 values) stands for the masked upload's first 4 dim bytes; the count value masked
         # after them (dim + 1 values, 4 bytes each) is sent too, so it gets an entry of its own.
-        ledger = _ProtocolLedger(rnd, 4 * self._dim)
+        ledger = ProtocolLedger(rnd, 4 * self._dim)
         try:
             result = run_configured(
                 config,
@@ -419,11 +419,11 @@ class DifferentialPrivacyStrategy(Strategy[AlgorithmSettings]):
             )
         except RoundAbandoned as exc:
             gone = [c for c in sorted(drop_at) if c in vectors]
-            self._record = AggregationRecord(tuple(ledger.entries), _drops(gone, drop_at, config), str(exc))
+            self._record = AggregationRecord(tuple(ledger.entries), simulated_drops(gone, drop_at, config), str(exc))
             raise
         survivors = result.survivors
         gone = [c for c in result.dropped if c in vectors]
-        self._record = AggregationRecord(tuple(ledger.entries), _drops(gone, drop_at, result.config), "")
+        self._record = AggregationRecord(tuple(ledger.entries), simulated_drops(gone, drop_at, result.config), "")
         noise = sum((noises[c] for c in survivors), np.zeros(self._dim + 1))
         self._secure_metrics = {"dp_min_survivors": float(t_min), "dp_survivors": float(len(survivors))}
         return result.decoded_sum, noise, survivors

@@ -22,6 +22,7 @@ from fedge.algorithms import make_strategy
 from fedge.algorithms.base import CheckedReply, ServerContext, Strategy
 from fedge.algorithms.dsfl import DSFLSettings
 from fedge.algorithms.fednova import FedNova, FedNovaReport
+from fedge.algorithms.secure_aggregation import SecureAggregationStrategy
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.secagg.config import RoundConfig
@@ -30,7 +31,6 @@ from fedge.secagg.messages import MaskedInput, SecAggMessage
 from fedge.secagg.parts import PARTS_PARAM, PartLayout, SecurePart, parse_parts
 from fedge.secagg.protocol import STAGES, Stage
 from fedge.secagg.remote import from_message, to_message
-from fedge.secagg.strategy import SecureAggregationStrategy
 from fedge.wire import fields as wire
 from fedge.wire.message import UPDATE, Message, decode, encode
 

@@ -18,6 +18,7 @@ from fedge.aggregation.flat import FlatLayout
 from fedge.algorithms import make_strategy
 from fedge.algorithms.base import CheckedReply, ServerContext, UpdateReport
 from fedge.algorithms.differential_privacy import DifferentialPrivacyStrategy
+from fedge.algorithms.secure_aggregation import SecureAggregationStrategy
 from fedge.config import RunConfig
 from fedge.errors import CodecError
 from fedge.privacy.mechanism import noise_rng
@@ -37,7 +38,7 @@ from fedge.secagg.remote import (
     to_message,
     weight_of,
 )
-from fedge.secagg.strategy import SecureAggregationStrategy, rounding_rng, simulated_dropouts
+from fedge.secagg.rounds import rounding_rng, simulated_dropouts
 from fedge.wire import fields as wire
 from fedge.wire.message import UPDATE, Message, decode, encode
 

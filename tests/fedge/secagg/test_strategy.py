@@ -12,17 +12,13 @@ from torch import nn
 from fedge.algorithms import make_strategy
 from fedge.algorithms.base import CheckedReply, ServerContext, Strategy, UpdateReport
 from fedge.algorithms.fedavg import FedAvgSettings
+from fedge.algorithms.secure_aggregation import SecureAggregationStrategy
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.secagg import decode, encode, ring_sum
 from fedge.secagg.messages import MaskedInput
 from fedge.secagg.remote import clipped_delta
-from fedge.secagg.strategy import (
-    SUM_CLIENT,
-    SecureAggregationStrategy,
-    rounding_rng,
-    simulated_dropouts,
-)
+from fedge.secagg.rounds import SUM_CLIENT, rounding_rng, simulated_dropouts
 from fedge.wire import fields as wire
 from fedge.wire.message import UPDATE, Message
 

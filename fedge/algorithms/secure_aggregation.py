@@ -22,8 +22,8 @@ weights, ``a_k`` client k's averaging weight (its data size, or 1 under uniform 
 
 In ``fedge sim`` the replies are computed by the real client code in the executor's workers and reach this process
 in the clear; the clients' parties of the protocol (clipping, encoding, key agreement, share encryption, masking) then
-run here on their behalf, the same code a device will run over MQTT (not built yet). Nothing but the unmasked sum
-reaches the inner strategy.
+run here on their behalf, the same code a device runs over MQTT (:meth:`~SecureAggregationStrategy.use_channel`).
+Nothing but the unmasked sum reaches the inner strategy.
 
 Randomness: keys, self-mask seeds and nonces come from ``rand_bytes`` (os.urandom); the masks cancel exactly, so the
 sum does not depend on them. The stochastic rounding, the simulated dropouts and the public graph seed derive from
@@ -33,87 +33,53 @@ the run's seed and the round, so two runs with one seed give the same model bit 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from fedge.accounting.ledger import Direction, LedgerEntry
-from fedge.accounting.records import AggregationRecord, Drop
+from fedge.accounting.records import AggregationRecord
+from fedge.algorithms.base import (
+    CheckedReply,
+    Evaluation,
+    RoundPlan,
+    ServerContext,
+    Strategy,
+    StrategyState,
+    TensorSpec,
+    UpdateReport,
+)
+from fedge.config import AlgorithmSettings, RunConfig
 from fedge.errors import CodecError, ConfigError
 from fedge.secagg.config import RoundConfig
 from fedge.secagg.driver import RoundResult, run_configured, serve_round
 from fedge.secagg.errors import RoundAbandoned, SecAggError
-from fedge.secagg.messages import AdvertiseKeys, MaskedInput, SecAggMessage
+from fedge.secagg.messages import AdvertiseKeys, SecAggMessage
 from fedge.secagg.parts import PartLayout, SecurePart, default_parts, parts_param
 from fedge.secagg.protocol import SecAggServer, Stage
 from fedge.secagg.remote import LAYOUT_PARAM, SEED_PARAM, WEIGHT_PARAM, StageChannel, from_message
+from fedge.secagg.rounds import (
+    RING_BITS,
+    SUM_CLIENT,
+    ProtocolLedger,
+    graph_seed,
+    remote_drops,
+    rounding_rng,
+    simulated_dropouts,
+    simulated_drops,
+)
 from fedge.secagg.shamir import RandBytes
+from fedge.types import ClientId, StateDict
 from fedge.wire.fields import printable
-from fedge.wire.message import UPDATE
-
-if TYPE_CHECKING:
-    from fedge.algorithms.base import (
-        CheckedReply,
-        Evaluation,
-        RoundPlan,
-        Strategy,
-        StrategyState,
-        TensorSpec,
-        UpdateReport,
-    )
-    from fedge.config import RunConfig
-    from fedge.types import ClientId
-    from fedge.wire.message import Message
+from fedge.wire.message import UPDATE, Message
 
 log = logging.getLogger(__name__)
-
-RING_BITS = 32
-"""The ring of every round: uint32, so a masked upload is as large as a float32 one."""
-
-DROPOUT_STAGES: tuple[Stage, ...] = ("share", "upload", "unmask")
-"""Where ``simulate_dropouts`` makes a client vanish: after advertising its keys, after sharing them (before it
-uploads), or after uploading (it never answers the unmask request, and is in the sum)."""
-
-SUM_CLIENT = "secagg-sum"
-"""The client id of the one reply the inner strategy aggregates: the survivors' mean, not any client's update."""
-
-_ROUNDING, _DROPOUTS = 0x5EC0, 0x5EC1  # SeedSequence words: which per-round stream
-_VANISHED = {
-    "share": "vanished after advertising its keys",
-    "upload": "vanished after sharing its keys, before uploading",
-}  # the stages at which a vanishing client leaves the sum
-
-
-def rounding_rng(seed: int, rnd: int) -> np.random.Generator:
-    """The generator :func:`fedge.secagg.run_round` draws round ``rnd``'s stochastic rounding from (one child seed
-    per client of the cohort, in id order)."""
-    return np.random.default_rng(np.random.SeedSequence([_ROUNDING, seed & 0xFFFFFFFFFFFFFFFF, rnd]))
-
-
-def graph_seed(seed: int, rnd: int) -> bytes:
-    """Round ``rnd``'s public neighbour-graph seed. Public by design (it travels in the clear), derived from the
-    run's seed so that who the protocol prunes, and so the model, is reproducible."""
-    return hashlib.sha256(f"fedge-secagg-graph:{seed}:{rnd}".encode()).digest()
-
-
-def simulated_dropouts(cohort: Sequence[ClientId], fraction: float, seed: int, rnd: int) -> dict[ClientId, Stage]:
-    """``round(fraction * len(cohort))`` clients of the cohort, each with the stage at which it vanishes, drawn
-    uniformly from :data:`DROPOUT_STAGES` by a generator seeded from (seed, round)."""
-    count = round(fraction * len(cohort))
-    if count == 0:
-        return {}
-    gen = np.random.default_rng(np.random.SeedSequence([_DROPOUTS, seed & 0xFFFFFFFFFFFFFFFF, rnd]))
-    chosen = gen.choice(sorted(cohort), size=count, replace=False)
-    stages = gen.integers(0, len(DROPOUT_STAGES), size=count)
-    return {str(c): DROPOUT_STAGES[int(s)] for c, s in zip(chosen, stages, strict=True)}
 
 
 @dataclass(frozen=True)
@@ -139,24 +105,28 @@ class SecureRound:
     after: dict[str, torch.Tensor]
 
 
-class SecureAggregationStrategy:
+class SecureAggregationStrategy(Strategy[AlgorithmSettings]):
     """A :class:`~fedge.algorithms.base.Strategy` whose aggregation sees only the secure sum of the updates.
 
-    Everything that is not about aggregation (evaluation, state, global weights, settings) is the wrapped strategy's.
-    """
+    Everything that is not about aggregation (evaluation, state, global weights, reports, what stops a run) is the
+    wrapped strategy's, delegated method by method."""
 
     def __init__(
         self,
-        inner: Strategy,
+        inner: Strategy[Any],
         config: RunConfig,
         *,
         rand_bytes: RandBytes = os.urandom,
-        reply_type: type[CheckedReply] | None = None,
     ) -> None:
-        """``reply_type``: :class:`fedge.algorithms.base.CheckedReply` (passed in: the core's secure aggregation sits
-        below the algorithms), which remote parties' replies need (:meth:`use_channel`)."""
+        super().__init__(
+            config,
+            ServerContext(
+                inner.model_factory, inner.num_classes, run_id=inner.run_id, evaluation_device=inner.evaluation_device
+            ),
+        )
         self.inner = inner
-        self._reply_type = reply_type
+        self.report_type = inner.report_type
+        self.reply_tolerance = inner.reply_tolerance
         self.secure_config = config
         self._rand = rand_bytes
         self._session = rand_bytes(8).hex()  # keys are bound to it: a new coordinator never reuses one
@@ -207,9 +177,6 @@ class SecureAggregationStrategy:
         public keys, and :meth:`aggregate` drives the remaining stages over ``channel``."""
         self._remote = channel
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)  # config, settings, name, global_weights, state, ...
-
     def _round_config(self, rnd: int, cohort: Sequence[ClientId]) -> RoundConfig:
         c = self.secure_config
         return RoundConfig.new(
@@ -252,9 +219,7 @@ class SecureAggregationStrategy:
         remote parties, a reply carries the client's report and its advertised public keys, no update."""
         if self._remote is None:
             return self.inner.accept(rnd, client, reply)
-        if self._reply_type is None:
-            raise RuntimeError("remote parties need the reply type: build the strategy with reply_type")
-        checked, self._advertised[client] = remote_reply(self.inner, self._reply_type, rnd, client, reply)
+        checked, self._advertised[client] = remote_reply(self.inner, rnd, client, reply)
         return checked
 
     def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
@@ -283,7 +248,7 @@ class SecureAggregationStrategy:
         for c in config.clients:  # sampled, but without a valid reply: it never shows up in the protocol
             if c not in replies:
                 vectors[c], drop_at[c] = np.zeros(self._dim), "advertise"
-        ledger = _ProtocolLedger(rnd, 4 * self._layout.covered)
+        ledger = ProtocolLedger(rnd, 4 * self._layout.covered)
         metrics = self._round_metrics(config, clipped)
         try:
             result = run_configured(
@@ -296,13 +261,13 @@ class SecureAggregationStrategy:
             )
         except RoundAbandoned as exc:
             gone = [c for c in sorted(drop_at) if c in replies]
-            self._record = AggregationRecord(tuple(ledger.entries), _drops(gone, drop_at, config), str(exc))
+            self._record = AggregationRecord(tuple(ledger.entries), simulated_drops(gone, drop_at, config), str(exc))
             return metrics
         survivors = result.survivors
         after, scaled = self._stand_in(state, result.decoded_sum, replies, shares, survivors)
         metrics.update(self.inner.aggregate(rnd, {SUM_CLIENT: _mean_reply(replies, survivors, after)}) | scaled)
         gone = [c for c in result.dropped if c in replies]
-        self._record = AggregationRecord(tuple(ledger.entries), _drops(gone, drop_at, config), "")
+        self._record = AggregationRecord(tuple(ledger.entries), simulated_drops(gone, drop_at, config), "")
         self.last = SecureRound(vectors, shares, result, self._layout.reference(state.reference), after)
         return metrics | {
             "secagg_survivors": float(len(survivors)),
@@ -404,6 +369,15 @@ class SecureAggregationStrategy:
     def wire_reply_tensors(self) -> dict[str, TensorSpec]:
         return self.inner.wire_reply_tensors()
 
+    def global_weights(self) -> StateDict | None:
+        return self.inner.global_weights()
+
+    def report_of(self, reply: Message) -> UpdateReport:
+        return self.inner.report_of(reply)
+
+    def stop_before(self, rnd: int) -> str:
+        return self.inner.stop_before(rnd)
+
     def state(self) -> StrategyState:
         return self.inner.state()
 
@@ -411,43 +385,8 @@ class SecureAggregationStrategy:
         self.inner.load_state(tensors, values)
 
 
-class _ProtocolLedger:
-    """The ledger entries of one round's protocol messages, as :func:`fedge.secagg.run_round` sends them (its
-    ``on_message``). The client's update message, 4 bytes a value (uint32 or float32), stands for the masked upload's
-    first ``reply_bytes``; what a masked upload holds beyond them (a part that sums a tensor a second time, FedDyn's
-    drift; DP-FedAvg's count value) gets an entry of its own, kind ``secagg.masked-input``, of those extra bytes."""
-
-    def __init__(self, rnd: int, reply_bytes: int) -> None:
-        self.round = rnd
-        self.reply_bytes = reply_bytes  # of the reply's float32 tensors the masked vector holds: the reply counts them
-        self.entries: list[LedgerEntry] = []
-        self.upload_tensor_bytes = 0  # of one masked upload
-
-    def __call__(self, message: SecAggMessage, stage: Stage, direction: Direction, size: int) -> None:
-        tensor_bytes = sum(int(a.nbytes) for a in message.to_fields()[0].values())
-        if isinstance(message, MaskedInput):
-            self.upload_tensor_bytes = tensor_bytes
-            extra = tensor_bytes - self.reply_bytes
-            if extra > 0:
-                self.entries.append(LedgerEntry(self.round, direction, message.client, message.KIND, 1, extra, extra))
-            return
-        self.entries.append(LedgerEntry(self.round, direction, message.client, message.KIND, 1, tensor_bytes, size))
-
-
-def _drops(gone: Sequence[ClientId], drop_at: Mapping[ClientId, Stage], config: RoundConfig) -> tuple[Drop, ...]:
-    """Why each client that replied is not in the round's sum: it vanished (simulated), or the protocol left it out
-    with too few neighbours to recover its secrets."""
-    why = {**_VANISHED, "unmask": "vanished while unmasking"}
-    return tuple(
-        Drop(c, f"secure aggregation: {why[drop_at[c]]} (simulated)")
-        if c in drop_at
-        else Drop(c, f"secure aggregation: left out, fewer than t = {config.threshold} of its neighbours took part")
-        for c in gone
-    )
-
-
 def remote_reply(
-    inner: Strategy, reply_type: type[CheckedReply], rnd: int, client: ClientId, reply: Message
+    inner: Strategy[Any], rnd: int, client: ClientId, reply: Message
 ) -> tuple[CheckedReply, AdvertiseKeys]:
     """A remote party's reply (its report and advertised keys, no update) checked: the inner strategy's envelope and
     report rules, and the keys' message; CodecError otherwise."""
@@ -462,18 +401,7 @@ def remote_reply(
     keys = from_message(reply)
     if not isinstance(keys, AdvertiseKeys):
         raise CodecError(f"a reply under secure aggregation carries the client's keys, not a {keys.KIND} message")
-    return reply_type(report, reply), keys
-
-
-def remote_drops(gone: Sequence[ClientId], why: Mapping[ClientId, str], config: RoundConfig) -> tuple[Drop, ...]:
-    """Why each client that replied is not in the round's sum: it stopped answering at some stage (the transport
-    says how), or the protocol left it out with too few neighbours to recover its secrets."""
-    return tuple(
-        Drop(c, f"secure aggregation: {why[c]}")
-        if c in why
-        else Drop(c, f"secure aggregation: left out, fewer than t = {config.threshold} of its neighbours took part")
-        for c in gone
-    )
+    return CheckedReply(report, reply), keys
 
 
 def _mean_reply(
@@ -492,8 +420,8 @@ def _mean_reply(
     return dataclasses.replace(first, report=report, update=update)
 
 
-def secured(strategy: Strategy, config: RunConfig, reply_type: type[CheckedReply] | None = None) -> Strategy:
+def secured(strategy: Strategy[Any], config: RunConfig) -> Strategy[AlgorithmSettings]:
     """``strategy`` wrapped for secure aggregation when the run asks for it, else itself."""
     if not config.secure_aggregation:
         return strategy
-    return SecureAggregationStrategy(strategy, config, reply_type=reply_type)  # type: ignore[return-value]  # a Strategy by delegation
+    return SecureAggregationStrategy(strategy, config)
