@@ -7,7 +7,7 @@
 # Resumable: a finished run (summary.json) is skipped, a killed one continues with --resume; runs one at a time.
 # Usage: bash experiments/dp_mnist.sh [ROUNDS] [OUT] [ALGORITHMS] [ZS]
 #   the full experiment: bash experiments/dp_mnist.sh 200 runs/dp-mnist "fedavg fedntd" "0 0.5 1 2"
-#   (hours on a laptop CPU; what was run on the 2-core machine: experiments/results/dp-mnist/README.md)
+#   (hours on a laptop CPU; what was run on the 2-core machine so far: experiments/results/dp-mnist/README.md)
 set -euo pipefail
 ROUNDS=${1:-200}
 OUT=${2:-runs/dp-mnist}
