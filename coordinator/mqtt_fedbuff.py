@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -38,6 +37,7 @@ import torch
 from coordinator.engine import _Played, sample_clients
 from coordinator.fedbuff import BufferedEngine, BufferedFedAvg, BufferState
 from coordinator.mqtt import MqttTransport
+from coordinator.mqtt_round import reported_seconds, wire_bytes
 from coordinator.presence import StatusChange
 from coordinator.replies import Judgement, RoundContext, file_reply, judge_reply, reject
 from coordinator.transport import Exchange, ReplyCheck
@@ -194,7 +194,7 @@ class MqttFedBuffEngine(BufferedEngine):
             topic = mqtt.topics.broadcast
             online = mqtt.presence.online()
             sizes = mqtt.link.send(topic, payload, qos=mqtt.qos)
-            wire = _wire(topic, sizes, subscribers=len(online), qos=mqtt.qos)
+            wire = wire_bytes(topic, sizes, subscribers=len(online), qos=mqtt.qos)
             # Every online client receives it and any of them may train on it: counted once per client that holds it.
             out.entries.append(LedgerEntry.of(plan.broadcast, "down", BROADCAST_CLIENT, sum(sizes), len(online), wire))
             self.broadcasts[st.version], self.holders = payload, set(online)
@@ -230,7 +230,9 @@ class MqttFedBuffEngine(BufferedEngine):
         payload = self.broadcasts[version]
         sizes = mqtt.link.send(topic, payload, qos=mqtt.qos)
         copy = decode(payload, check_finite=False)
-        entry = LedgerEntry.of(copy, "down", client, sum(sizes), 1, _wire(topic, sizes, subscribers=1, qos=mqtt.qos))
+        entry = LedgerEntry.of(
+            copy, "down", client, sum(sizes), 1, wire_bytes(topic, sizes, subscribers=1, qos=mqtt.qos)
+        )
         out.entries.append(replace(entry, round=self._step()))  # an older version's copy counts in this step
         if version == self.buffered.buffer.version:
             self.holders.add(client)
@@ -241,7 +243,7 @@ class MqttFedBuffEngine(BufferedEngine):
         sizes = mqtt.link.send(topic, task.payload, qos=mqtt.qos)
         msg = decode(task.payload, check_finite=False)
         subscribers = 1 if mqtt.presence.is_online(task.client) else 0
-        wire = _wire(topic, sizes, subscribers=subscribers, qos=mqtt.qos)
+        wire = wire_bytes(topic, sizes, subscribers=subscribers, qos=mqtt.qos)
         entry = LedgerEntry.of(msg, "down", task.client, sum(sizes), 1, wire)
         out.entries.append(replace(entry, round=self._step()))  # a resent older task counts in this step
 
@@ -319,8 +321,10 @@ class MqttFedBuffEngine(BufferedEngine):
         else:
             judged = judge_reply(item.payload, client, ctx)
         said = judged.message.transport if judged.message is not None else {}
-        timing = ClientTiming(client, item.received_at - (task.sent_at if task else item.received_at),
-                              _seconds(said.get(COMPUTE_S)), _seconds(said.get(COMPUTE_CPU_S)))  # fmt: skip
+        round_trip = item.received_at - (task.sent_at if task else item.received_at)
+        timing = ClientTiming(
+            client, round_trip, reported_seconds(said.get(COMPUTE_S)), reported_seconds(said.get(COMPUTE_CPU_S))
+        )
         file_reply(out, rnd, client, judged, timing, payload_bytes=len(item.payload), wire_bytes=wire, final=False)
         if task is None:
             return None
@@ -427,17 +431,3 @@ def _restore_partial(st: BufferState) -> tuple[Exchange, list[ClientId], int]:
         return out, [str(c) for c in p["arrived"]], int(p["dispatched"])
     except (KeyError, TypeError, ValueError) as exc:
         raise JournalError(f"the journal's FedBuff step record is malformed ({type(exc).__name__}: {exc})") from None
-
-
-def _wire(topic: str, sizes: list[int], *, subscribers: int, qos: int) -> int:
-    """Wire bytes of one message sent as PUBLISH packets of these payload sizes."""
-    return sum(delivery_wire_bytes(topic, size, subscribers=subscribers, qos=qos) for size in sizes)
-
-
-def _seconds(raw: str | None) -> float:
-    """A client-reported duration; NaN when missing or not a finite, non-negative number."""
-    try:
-        value = float(raw[:40]) if raw is not None else math.nan
-    except ValueError:
-        return math.nan
-    return value if math.isfinite(value) and value >= 0 else math.nan

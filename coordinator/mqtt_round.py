@@ -119,7 +119,7 @@ class MqttRound:
             self.broadcast = encode(stamped)
             topic = self.topics.broadcast
             sizes = self.link.send(topic, self.broadcast, qos=self.qos)
-            wire = _wire_bytes(topic, sizes, subscribers=len(self.presence.online()), qos=self.qos)
+            wire = wire_bytes(topic, sizes, subscribers=len(self.presence.online()), qos=self.qos)
             out.entries.append(
                 LedgerEntry.of(plan.broadcast, "down", BROADCAST_CLIENT, sum(sizes), len(plan.tasks), wire)
             )
@@ -217,14 +217,14 @@ class MqttRound:
         if resend and self.broadcast is not None:
             # The client missed the shared broadcast while away: send it its own copy on its task topic.
             sizes = self.link.send(topic, self.broadcast, qos=self.qos)
-            wire = _wire_bytes(topic, sizes, subscribers=1, qos=self.qos)
+            wire = wire_bytes(topic, sizes, subscribers=1, qos=self.qos)
             copy = decode(self.broadcast, check_finite=False)
             out.entries.append(LedgerEntry.of(copy, "down", client, sum(sizes), 1, wire))
         payload = self.tasks[client]
         sizes = self.link.send(topic, payload, qos=self.qos)
         self.sent_at[client] = time.monotonic()
         subscribers = 1 if self.presence.is_online(client) else 0
-        wire = _wire_bytes(topic, sizes, subscribers=subscribers, qos=self.qos)
+        wire = wire_bytes(topic, sizes, subscribers=subscribers, qos=self.qos)
         out.entries.append(LedgerEntry.of(task, "down", client, sum(sizes), 1, wire))
 
     # --- what arrives -------------------------------------------------------------------------------------------
@@ -275,7 +275,9 @@ class MqttRound:
         msg = judged.message
         said = msg.transport if msg is not None else {}  # the compute times the client reports
         round_trip = received_at - self.sent_at.get(client, self.started)
-        timing = ClientTiming(client, round_trip, _seconds(said.get(COMPUTE_S)), _seconds(said.get(COMPUTE_CPU_S)))
+        timing = ClientTiming(
+            client, round_trip, reported_seconds(said.get(COMPUTE_S)), reported_seconds(said.get(COMPUTE_CPU_S))
+        )
         file_reply(
             self.out,
             self.rnd,
@@ -297,12 +299,12 @@ class MqttRound:
         self.chunks.incomplete.pop(client, None)  # an earlier attempt that was given up does not matter any more
 
 
-def _wire_bytes(topic: str, sizes: list[int], *, subscribers: int, qos: int) -> int:
+def wire_bytes(topic: str, sizes: list[int], *, subscribers: int, qos: int) -> int:
     """Wire bytes of one message sent as PUBLISH packets of these payload sizes (one size: not chunked)."""
     return sum(delivery_wire_bytes(topic, size, subscribers=subscribers, qos=qos) for size in sizes)
 
 
-def _seconds(raw: str | None) -> float:
+def reported_seconds(raw: str | None) -> float:
     """A client-reported duration; NaN when missing or not a finite, non-negative number."""
     try:
         value = float(raw[:40]) if raw is not None else math.nan
