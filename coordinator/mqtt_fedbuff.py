@@ -20,6 +20,11 @@ clients that trained on the current version without being buffered may be dispat
 
 The ledger counts every message: each step's record holds what was sent and received while it filled, a reply that
 arrives for an earlier version's task included.
+
+A reply larger than the link's packet limit arrives as chunks (:mod:`fedge.wire.chunking`): each task out has its own
+:class:`coordinator.mqtt_chunks.ChunkBook` (its reply judged chunk by chunk against the task, memory bounded by one
+largest update, complete by the task's deadline), and the whole message is then judged like a one-packet reply, its
+ledger entry counting every chunk. Chunks still incomplete when the task ends are given up and named in its drop.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ import torch
 from coordinator.engine import _Played, sample_clients
 from coordinator.fedbuff import BufferedEngine, BufferedFedAvg, BufferState
 from coordinator.mqtt import MqttTransport
+from coordinator.mqtt_chunks import ChunkBook, Tally, reassembler
 from coordinator.mqtt_round import reported_seconds, wire_bytes
 from coordinator.presence import StatusChange
-from coordinator.replies import Judgement, RoundContext, file_reply, judge_reply, reject
+from coordinator.replies import RoundContext, file_reply, judge_reply
 from coordinator.transport import Exchange, ReplyCheck
 from fedge.accounting.ledger import BROADCAST_CLIENT, LedgerEntry
 from fedge.accounting.records import ClientTiming, Drop, Rejection
@@ -89,6 +95,7 @@ class MqttFedBuffEngine(BufferedEngine):
         self.concurrency = config.fedbuff_concurrency
         self.max_staleness = config.max_staleness
         self.tasks: dict[ClientId, Task] = {}
+        self.chunks: dict[ClientId, ChunkBook] = {}  # the chunked reply being collected for each task out
         self.bases: dict[int, StateDict] = {}  # the global model of every version a task out trains on
         self.broadcasts: dict[int, bytes] = {}  # the encoded broadcast of those versions (for copies)
         self.holders: set[ClientId] = set()  # clients that received the current version's broadcast
@@ -96,6 +103,7 @@ class MqttFedBuffEngine(BufferedEngine):
         self._out: Exchange | None = None  # the record of the step being filled (status changes add to it)
         self._resumed = False
         self._idle_ctx: RoundContext | None = None  # judges what clients without a task send
+        self._idle_chunks: ChunkBook | None = None  # ... and refuses their chunks
 
     # --- a step ------------------------------------------------------------------------------------------------
 
@@ -110,6 +118,8 @@ class MqttFedBuffEngine(BufferedEngine):
             st.trained_on_version = {u.client for u in st.buffer if u.base_version == st.version}
         out, arrived, dispatched = _restore_partial(st)
         self._out = out
+        for book in self.chunks.values():  # replies still being collected count in the step they complete in
+            book.out = out
         self.bases.setdefault(st.version, {k: v.detach().clone() for k, v in self.buffered.global_weights().items()})
         stalled_since: float | None = None
         while len(st.buffer) < self.buffer_size:
@@ -217,6 +227,9 @@ class MqttFedBuffEngine(BufferedEngine):
                 session=mqtt.session,
             )
             self.tasks[client] = Task(client, st.version, ctx, encode(task), now, now + mqtt.round_timeout)
+            self.chunks[client] = ChunkBook(
+                ctx, out, reassembler(mqtt.max_payload, 1, mqtt.round_timeout), deadline=now + mqtt.round_timeout
+            )
             self._send_task(self.tasks[client], out)
             st.seq += 1
             st.trained_on_version.add(client)
@@ -267,9 +280,22 @@ class MqttFedBuffEngine(BufferedEngine):
         del self.tasks[task.client]
         if again and task.version == self.buffered.buffer.version:
             self.buffered.buffer.trained_on_version.discard(task.client)
+        incomplete = self._close_chunks(task.client)
+        if incomplete:
+            why = f"{why} ({incomplete})"
         out.drops.append(Drop(task.client, why, round(time.monotonic() - task.sent_at, 3)))
         log.warning("version %d: client %s dropped: %s", task.version, task.client, why)
         self._forget_bases()
+
+    def _close_chunks(self, client: ClientId) -> str:
+        """The task of ``client`` ended: its chunks still being collected are given up (counted as ``incomplete``).
+        Why its reply never completed, or ""."""
+        book = self.chunks.pop(client, None)
+        if book is None:
+            return ""
+        book.end(time.monotonic())
+        self.mqtt.reassembly_peak = max(self.mqtt.reassembly_peak, book.peak)
+        return book.incomplete.get(client, "")
 
     def _forget_bases(self) -> None:
         keep = {t.version for t in self.tasks.values()} | {self.buffered.buffer.version}
@@ -315,17 +341,24 @@ class MqttFedBuffEngine(BufferedEngine):
         wire = delivery_wire_bytes(item.topic, len(item.payload), subscribers=1, qos=item.qos)
         task = self.tasks.get(client)
         ctx = task.ctx if task is not None else self._no_task_context(rnd)
-        if chunking.is_chunk(item.payload):  # the run refuses to start when a reply cannot fit one packet
-            rejection = reject(ctx, client, "oversize", "a chunk: FedBuff over MQTT takes replies in one packet")
-            judged = Judgement(None, rejection)
-        else:
-            judged = judge_reply(item.payload, client, ctx)
+        counted = Tally(len(item.payload), wire)
+        payload = item.payload
+        if chunking.is_chunk(payload):
+            book = self.chunks.get(client) if task is not None else None
+            whole = (book or self._idle_chunk_book(rnd, out)).add(client, item, wire)
+            if whole is None:  # more to come, or refused (counted and rejected by the book)
+                return None
+            payload, counted = whole
+        judged = judge_reply(payload, client, ctx)
         said = judged.message.transport if judged.message is not None else {}
         round_trip = item.received_at - (task.sent_at if task else item.received_at)
         timing = ClientTiming(
             client, round_trip, reported_seconds(said.get(COMPUTE_S)), reported_seconds(said.get(COMPUTE_CPU_S))
         )
-        file_reply(out, rnd, client, judged, timing, payload_bytes=len(item.payload), wire_bytes=wire, final=False)
+        file_reply(
+            out, rnd, client, judged, timing, payload_bytes=counted.payload_bytes, wire_bytes=counted.wire_bytes,
+            final=False,
+        )  # fmt: skip
         if task is None:
             return None
         if judged.checked is None:
@@ -338,6 +371,7 @@ class MqttFedBuffEngine(BufferedEngine):
             return None
         reply = out.replies.pop(client)  # the record's replies are the buffer's, set when the step is due
         del self.tasks[client]
+        self._close_chunks(client)
         base = self.bases[task.version]
         age = st.version - task.version
         if self.max_staleness is not None and age > self.max_staleness:
@@ -380,6 +414,16 @@ class MqttFedBuffEngine(BufferedEngine):
                 session=mqtt.session,
             )
         return self._idle_ctx
+
+    def _idle_chunk_book(self, rnd: int, out: Exchange) -> ChunkBook:
+        """Refuses the chunks of clients without a task out (its context samples nobody), each message once."""
+        ctx = self._no_task_context(rnd)
+        if self._idle_chunks is None or self._idle_chunks.ctx is not ctx:
+            mqtt = self.mqtt
+            deadline = time.monotonic() + mqtt.round_timeout
+            self._idle_chunks = ChunkBook(ctx, out, reassembler(mqtt.max_payload, 1, mqtt.round_timeout), deadline)
+        self._idle_chunks.out = out
+        return self._idle_chunks
 
     # --- journal and view --------------------------------------------------------------------------------------
 

@@ -223,13 +223,6 @@ def run_coordinator(
     board.update(about=about(config, exp.model), started=round(time.time(), 3), **view())
     with coordinator_log(run_dir) as logfile, transport:
         try:
-            limit = transport.link.packet_limit
-            if config.buffered and limit is not None and limit < transport.max_payload:
-                raise ConfigError(
-                    f"--aggregation fedbuff takes each reply in one MQTT packet, and this run's largest reply "
-                    f"({transport.max_payload:,} bytes) exceeds the {limit:,}-byte packet limit: raise the broker's "
-                    "message_size_limit (a fleet kit sizes it to the run), or run synchronously"
-                )
             if remaining:
                 # Without a kit, the clients the config's partition was written for: the wait fails at once when
                 # refusals (or --min-clients itself) leave too few of them, as with a kit.

@@ -54,12 +54,13 @@ from fedge.config import RunConfig, TrainConfig
 from fedge.errors import CodecError, JournalError
 from fedge.learning.backend import Backend, TorchBackend
 from fedge.types import StateDict
+from fedge.wire import chunking
 from fedge.wire.message import Message
 from fedge.wire.protocol import BrokerAddress, ClientStatus, Topics, encode_status
 from fedge_cli.main import main
 from fedge_io.credentials import load_bundle
 from fedge_io.experiment import Experiment, prepare
-from fedge_io.mqtt import MqttLink
+from fedge_io.mqtt import MqttLink, PacketLimit
 from sim.brokers import fleet_mosquitto, free_port, mosquitto_broker
 from sim.inprocess import InProcessTransport
 from sim.run import run_inprocess
@@ -120,17 +121,21 @@ def fleet() -> Iterator[Fleet]:
 
 
 @pytest.fixture
-def serve(fleet: Fleet) -> Iterator[Callable[[str, dict[str, EdgeClient]], None]]:
-    """Serve the given clients over the broker under ``run`` until the test ends."""
+def serve(fleet: Fleet) -> Iterator[Callable[..., list[MqttEdgeClient]]]:
+    """Serve the given clients over the broker under ``run`` until the test ends (``max_packet_size``: what each
+    client publishes in one packet, larger messages as chunks)."""
     servers: list[tuple[MqttEdgeClient, threading.Thread]] = []
 
-    def start(run: str, clients: dict[str, EdgeClient]) -> None:
+    def start(run: str, clients: dict[str, EdgeClient], max_packet_size: PacketLimit = "auto") -> list[MqttEdgeClient]:
+        started = []
         for cid, client in clients.items():
             info = ClientDataInfo(cid, fleet.exp.model, fleet.exp.input_shape, fleet.exp.num_classes)
-            server = MqttEdgeClient(client, info, BrokerAddress.parse(fleet.url), run)
+            server = MqttEdgeClient(client, info, BrokerAddress.parse(fleet.url), run, max_packet_size=max_packet_size)
             thread = threading.Thread(target=server.serve, name=f"{run}-{cid}", daemon=True)
             thread.start()
             servers.append((server, thread))
+            started.append(server)
+        return started
 
     yield start
     for server, _ in servers:
@@ -281,6 +286,61 @@ def test_k_equal_to_the_cohort_is_fedavg_and_status_shows_the_buffer(
     assert (status["phase"], status["version"], status["buffer_size"]) == ("finished", 3, 3)
     assert status["buffer_fill"] == 0 and status["staleness_max"] == -1  # stepped: the buffer is empty
     assert status["in_flight"] == 0 and status["replied"] == ["c000", "c001", "c002"]  # the last step's
+
+
+def test_chunked_replies_are_reassembled_and_counted_whole(
+    fleet: Fleet, serve: Callable[..., list[MqttEdgeClient]], fedavg_model: StateDict, tmp_path: Path
+) -> None:
+    """Replies larger than the clients' packet limit travel as chunks: each task's chunks are collected and the
+    whole reply judged and buffered as a one-packet reply is (the same model as FedAvg's), its ledger entry counting
+    every chunk's bytes."""
+    limit = 2048
+    servers = serve("buf-chunks", fleet.clients, max_packet_size=limit)
+    result = run_coordinator(
+        CONFIG, tmp_path / "run", broker=fleet.url, run="buf-chunks", experiment=fleet.exp, round_timeout=60,
+        join_timeout=60, max_packet_size=limit,
+    )  # fmt: skip
+    assert _close(load_file(tmp_path / "run" / "global_model.safetensors"), fedavg_model) < TOLERANCE
+    assert all(server.link.chunked == 3 for server in servers)  # one chunked reply a step each
+    updates = [e for e in read_ledger_csv(result.path / "ledger.csv") if e.kind == "update"]
+    assert len(updates) == 9 and all(e.payload_bytes > limit and e.wire_bytes > e.payload_bytes for e in updates)
+    assert not [e for e in read_ledger_csv(result.path / "ledger.csv") if e.kind in ("invalid", "incomplete")]
+    assert 0 < result.summary["reassembly_peak_bytes"] <= 2 * max(e.payload_bytes for e in updates)
+
+
+def test_a_reply_short_of_a_chunk_is_given_up_with_its_task(
+    fleet: Fleet, serve: Callable[..., list[MqttEdgeClient]], tmp_path: Path
+) -> None:
+    """c001's first reply loses a chunk: its task is dropped at the round timeout with the reason, the chunks that
+    came are counted as an ``incomplete`` entry, and its freed slot takes it again on the next version."""
+    limit, timeout = 2048, 6.0
+    held = Slowed(fleet.clients["c002"], at=2)  # keeps step 2 waiting until c001's first task has timed out
+    _, c001, _ = serve("buf-lossy", {**fleet.clients, "c002": held}, max_packet_size=limit)
+    publish, lost = c001.link.publish, []
+
+    def lose_one(topic: str, payload: bytes, **kwargs: Any) -> Any:
+        if "/update/" in topic and chunking.is_chunk(payload) and not lost:
+            lost.append(chunking.parse_header(payload).index)  # its first chunk never reaches the broker
+            return None
+        return publish(topic, payload, **kwargs)
+
+    c001.link.publish = lose_one  # type: ignore[method-assign]
+    config = dataclasses.replace(CONFIG, rounds=2, buffer_size=2)
+    try:
+        result = run_coordinator(
+            config, tmp_path / "run", broker=fleet.url, run="buf-lossy", experiment=prepare(config),
+            round_timeout=timeout, join_timeout=60, max_packet_size=limit,
+        )  # fmt: skip
+    finally:
+        held.release.set()
+    assert lost == [0]
+    (drop,) = [d for d in result.summary["drops"] if d["client"] == "c001"]
+    assert drop["round"] == 2 and drop["reason"].startswith(f"silent past the {timeout:g} s round timeout")
+    assert "(incomplete reply: " in drop["reason"] and " chunks)" in drop["reason"]
+    ledger = read_ledger_csv(result.path / "ledger.csv")
+    (incomplete,) = [e for e in ledger if e.kind == "incomplete"]
+    assert incomplete.client == "c001" and incomplete.payload_bytes > limit
+    assert [e.client for e in ledger if e.kind == "update" and e.round == 2].count("c001") == 1  # its second task
 
 
 def test_a_slowed_client_is_buffered_stale_with_its_weight(
