@@ -316,7 +316,8 @@ def test_a_reply_short_of_a_chunk_is_given_up_with_its_task(
     limit, timeout = 2048, 6.0
     held = Slowed(fleet.clients["c002"], at=2)  # keeps step 2 waiting until c001's first task has timed out
     _, c001, _ = serve("buf-lossy", {**fleet.clients, "c002": held}, max_packet_size=limit)
-    publish, lost = c001.link.publish, []
+    publish = c001.link.publish
+    lost: list[int] = []
 
     def lose_one(topic: str, payload: bytes, **kwargs: Any) -> Any:
         if "/update/" in topic and chunking.is_chunk(payload) and not lost:
