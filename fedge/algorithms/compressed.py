@@ -8,23 +8,14 @@ algorithm's own checks and aggregation see it; the schemes and the message codin
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from fedge.accounting.records import AggregationRecord
-from fedge.algorithms.base import (
-    CheckedReply,
-    Evaluation,
-    RoundPlan,
-    ServerContext,
-    Strategy,
-    StrategyState,
-    TensorSpec,
-    UpdateReport,
-)
+from fedge.algorithms.base import CheckedReply, RoundPlan, Strategy, TensorSpec
+from fedge.algorithms.wrapping import WrappingStrategy
 from fedge.compression import codecs as cz
 from fedge.compression.strategy import (
     FEEDBACK,
@@ -35,31 +26,23 @@ from fedge.compression.strategy import (
     encode_message,
     without_codec,
 )
-from fedge.config import AlgorithmSettings, RunConfig
-from fedge.types import ClientId, StateDict
+from fedge.config import RunConfig
+from fedge.types import ClientId
 from fedge.wire.message import Message
 
 
-class CompressedStrategy(Strategy[AlgorithmSettings]):
+class CompressedStrategy(WrappingStrategy):
     """A :class:`Strategy` whose messages travel compressed; the algorithm sees float32.
 
     Everything that is not about messages (evaluation, state, global weights, what stops a run) is the wrapped
-    strategy's, delegated method by method."""
+    strategy's (:class:`~fedge.algorithms.wrapping.WrappingStrategy`)."""
 
     def __init__(self, inner: Strategy[Any], compression: Compression) -> None:
-        super().__init__(
-            inner.config,
-            ServerContext(
-                inner.model_factory, inner.num_classes, run_id=inner.run_id, evaluation_device=inner.evaluation_device
-            ),
-        )
-        self.inner = inner
-        self.compression = compression
-        self.report_type = inner.report_type
-        self._reference: dict[str, torch.Tensor] = {}  # this round's broadcast as the clients decode it
-        if compression.upload.name != "float32":
+        if compression.upload.name != "float32":  # the inner checks of probability rows allow the coding's error
             inner.reply_tolerance = compression.probability_error()
-        self.reply_tolerance = inner.reply_tolerance
+        super().__init__(inner, inner.config)
+        self.compression = compression
+        self._reference: dict[str, torch.Tensor] = {}  # this round's broadcast as the clients decode it
 
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
         plan = self.inner.configure(rnd, clients)
@@ -89,42 +72,11 @@ class CompressedStrategy(Strategy[AlgorithmSettings]):
             decoded = replace(reply, params=without_codec(reply.params), tensors=tensors)
         return self.inner.accept(rnd, client, decoded)
 
-    def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
-        return self.accept(rnd, client, reply).report
-
-    def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
-        """``replies``: what :meth:`accept` returned (the updates decoded)."""
-        return self.inner.aggregate(rnd, replies)
-
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
-        return self.inner.evaluate(x, y)
-
-    def reply_tensors(self) -> dict[str, TensorSpec]:
-        return self.inner.reply_tensors()
-
     def wire_reply_tensors(self) -> dict[str, TensorSpec]:
         """What a valid reply carries on the wire: the coded parts of :meth:`reply_tensors`."""
         expect = {k: cz.TensorSpec(shape, dtype) for k, (shape, dtype) in self.inner.reply_tensors().items()}
         coded = cz.coded_specs(expect, self.compression.upload)
         return {k: (s.shape, s.dtype) for k, s in coded.items()}
-
-    def global_weights(self) -> StateDict | None:
-        return self.inner.global_weights()
-
-    def aggregation_record(self, rnd: int) -> AggregationRecord:
-        return self.inner.aggregation_record(rnd)
-
-    def stop_before(self, rnd: int) -> str:
-        return self.inner.stop_before(rnd)
-
-    def state(self) -> StrategyState:
-        return self.inner.state()
-
-    def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
-        self.inner.load_state(tensors, values)
-
-    def report_of(self, reply: Message) -> UpdateReport:
-        return self.inner.report_of(reply)
 
 
 def compressed(strategy: Strategy[Any], config: RunConfig) -> Strategy[Any]:

@@ -42,17 +42,9 @@ import torch
 
 from fedge.accounting.records import AggregationRecord
 from fedge.aggregation.flat import FlatLayout
-from fedge.algorithms.base import (
-    CheckedReply,
-    Evaluation,
-    RoundPlan,
-    ServerContext,
-    Strategy,
-    StrategyState,
-    TensorSpec,
-    UpdateReport,
-)
+from fedge.algorithms.base import CheckedReply, RoundPlan, Strategy, StrategyState
 from fedge.algorithms.secure_aggregation import remote_reply
+from fedge.algorithms.wrapping import WrappingStrategy
 from fedge.config import AlgorithmSettings, RunConfig
 from fedge.errors import ConfigError
 from fedge.privacy.accountant import Ledger, update_noise_multiplier
@@ -75,7 +67,7 @@ from fedge.secagg.rounds import (
     simulated_drops,
 )
 from fedge.secagg.shamir import RandBytes
-from fedge.types import ClientId, StateDict
+from fedge.types import ClientId
 from fedge.wire.message import Message
 
 log = logging.getLogger(__name__)
@@ -108,11 +100,11 @@ class PrivateRound:
     clip: float
 
 
-class DifferentialPrivacyStrategy(Strategy[AlgorithmSettings]):
+class DifferentialPrivacyStrategy(WrappingStrategy):
     """A :class:`~fedge.algorithms.base.Strategy` whose aggregation is DP-FedAvg's noised, clipped mean.
 
-    What is not about the round's aggregation (evaluation, global weights, reports) is the wrapped strategy's,
-    delegated method by method; the clip rides in its state."""
+    What is not about the round's aggregation (evaluation, global weights, reports) is the wrapped strategy's
+    (:class:`~fedge.algorithms.wrapping.WrappingStrategy`); the clip rides in its state."""
 
     def __init__(
         self,
@@ -121,15 +113,7 @@ class DifferentialPrivacyStrategy(Strategy[AlgorithmSettings]):
         *,
         rand_bytes: RandBytes = os.urandom,
     ) -> None:
-        super().__init__(
-            config,
-            ServerContext(
-                inner.model_factory, inner.num_classes, run_id=inner.run_id, evaluation_device=inner.evaluation_device
-            ),
-        )
-        self.inner = inner
-        self.report_type = inner.report_type
-        self.reply_tolerance = inner.reply_tolerance
+        super().__init__(inner, config)
         self.dp_config = config
         self._rand = rand_bytes
         self._session = rand_bytes(8).hex()
@@ -264,9 +248,6 @@ class DifferentialPrivacyStrategy(Strategy[AlgorithmSettings]):
             return self.inner.accept(rnd, client, reply)
         checked, self._advertised[client] = remote_reply(self.inner, rnd, client, reply)
         return checked
-
-    def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
-        return self.accept(rnd, client, reply).report
 
     def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
         """Clip, noise and sum the replies (securely when the run asks); hand the inner strategy ``w + sum / m``."""
@@ -450,22 +431,7 @@ class DifferentialPrivacyStrategy(Strategy[AlgorithmSettings]):
         record, self._record = self._record, AggregationRecord()
         return record
 
-    # --- delegated, with the clip in the state ----------------------------------------------------------------------
-
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
-        return self.inner.evaluate(x, y)
-
-    def reply_tensors(self) -> dict[str, TensorSpec]:
-        return self.inner.reply_tensors()
-
-    def wire_reply_tensors(self) -> dict[str, TensorSpec]:
-        return self.inner.wire_reply_tensors()
-
-    def global_weights(self) -> StateDict | None:
-        return self.inner.global_weights()
-
-    def report_of(self, reply: Message) -> UpdateReport:
-        return self.inner.report_of(reply)
+    # --- the inner strategy's state, with the clip -------------------------------------------------------------------
 
     def state(self) -> StrategyState:
         tensors, values = self.inner.state()

@@ -45,16 +45,8 @@ import numpy.typing as npt
 import torch
 
 from fedge.accounting.records import AggregationRecord
-from fedge.algorithms.base import (
-    CheckedReply,
-    Evaluation,
-    RoundPlan,
-    ServerContext,
-    Strategy,
-    StrategyState,
-    TensorSpec,
-    UpdateReport,
-)
+from fedge.algorithms.base import CheckedReply, RoundPlan, Strategy
+from fedge.algorithms.wrapping import WrappingStrategy
 from fedge.config import AlgorithmSettings, RunConfig
 from fedge.errors import CodecError, ConfigError
 from fedge.secagg.config import RoundConfig
@@ -75,7 +67,7 @@ from fedge.secagg.rounds import (
     simulated_drops,
 )
 from fedge.secagg.shamir import RandBytes
-from fedge.types import ClientId, StateDict
+from fedge.types import ClientId
 from fedge.wire.fields import printable
 from fedge.wire.message import UPDATE, Message
 
@@ -105,11 +97,11 @@ class SecureRound:
     after: dict[str, torch.Tensor]
 
 
-class SecureAggregationStrategy(Strategy[AlgorithmSettings]):
+class SecureAggregationStrategy(WrappingStrategy):
     """A :class:`~fedge.algorithms.base.Strategy` whose aggregation sees only the secure sum of the updates.
 
     Everything that is not about aggregation (evaluation, state, global weights, reports, what stops a run) is the
-    wrapped strategy's, delegated method by method."""
+    wrapped strategy's (:class:`~fedge.algorithms.wrapping.WrappingStrategy`)."""
 
     def __init__(
         self,
@@ -118,15 +110,7 @@ class SecureAggregationStrategy(Strategy[AlgorithmSettings]):
         *,
         rand_bytes: RandBytes = os.urandom,
     ) -> None:
-        super().__init__(
-            config,
-            ServerContext(
-                inner.model_factory, inner.num_classes, run_id=inner.run_id, evaluation_device=inner.evaluation_device
-            ),
-        )
-        self.inner = inner
-        self.report_type = inner.report_type
-        self.reply_tolerance = inner.reply_tolerance
+        super().__init__(inner, config)
         self.secure_config = config
         self._rand = rand_bytes
         self._session = rand_bytes(8).hex()  # keys are bound to it: a new coordinator never reuses one
@@ -221,9 +205,6 @@ class SecureAggregationStrategy(Strategy[AlgorithmSettings]):
             return self.inner.accept(rnd, client, reply)
         checked, self._advertised[client] = remote_reply(self.inner, rnd, client, reply)
         return checked
-
-    def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
-        return self.accept(rnd, client, reply).report
 
     def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
         """Run the protocol over the replies' clipped, weighted deltas; hand the inner strategy their mean only."""
@@ -357,32 +338,6 @@ class SecureAggregationStrategy(Strategy[AlgorithmSettings]):
         stand for: 4 bytes a value either way), whom it left out, and whether it gave up."""
         record, self._record = self._record, AggregationRecord()
         return record
-
-    # --- delegated --------------------------------------------------------------------------------------------------
-
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
-        return self.inner.evaluate(x, y)
-
-    def reply_tensors(self) -> dict[str, TensorSpec]:
-        return self.inner.reply_tensors()
-
-    def wire_reply_tensors(self) -> dict[str, TensorSpec]:
-        return self.inner.wire_reply_tensors()
-
-    def global_weights(self) -> StateDict | None:
-        return self.inner.global_weights()
-
-    def report_of(self, reply: Message) -> UpdateReport:
-        return self.inner.report_of(reply)
-
-    def stop_before(self, rnd: int) -> str:
-        return self.inner.stop_before(rnd)
-
-    def state(self) -> StrategyState:
-        return self.inner.state()
-
-    def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
-        self.inner.load_state(tensors, values)
 
 
 def remote_reply(
