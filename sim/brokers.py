@@ -46,6 +46,7 @@ from amqtt.plugins.topic_checking import TopicAccessControlListPlugin
 from amqtt.session import Session
 
 from coordinator.broker_setup import find_mosquitto as find_mosquitto_binary
+from coordinator.kit.broker_files import EMBEDDED_BROKER_FILE
 from fedge.errors import TransportError
 
 log = logging.getLogger(__name__)
@@ -195,9 +196,12 @@ def embedded_broker(
         )
     url = f"{scheme}://127.0.0.1:{port}"
     log.info("embedded broker (amqtt) listening on %s%s", url, " with a fleet kit's users and ACL" if fleet else "")
+    marker = _mark_kit(Path(fleet), url) if fleet is not None else None
     try:
         yield url
     finally:
+        if marker is not None:
+            marker.unlink(missing_ok=True)
         try:
             asyncio.run_coroutine_threadsafe(holder["broker"].shutdown(), loop).result(10)
         except Exception as exc:  # shutting down must not hide the error that brought us here
@@ -206,6 +210,18 @@ def embedded_broker(
         thread.join(10)
         if not thread.is_alive():
             loop.close()
+
+
+def _mark_kit(broker_dir: Path, url: str) -> Path | None:
+    """Tell ``fedge kit`` that this process serves the kit: amqtt reads the users and ACL once, at start (its
+    FileAuthPlugin has no reload), so an added device would not get in and a revoked one would stay connected."""
+    marker = broker_dir / EMBEDDED_BROKER_FILE
+    try:
+        marker.write_text(json.dumps({"pid": os.getpid(), "url": url}) + "\n")
+    except OSError as exc:  # a kit this user may read but not write: fedge kit could not change it either
+        log.info("cannot mark %s as served by the embedded broker: %s", broker_dir, exc.strerror)
+        return None
+    return marker
 
 
 def find_mosquitto() -> str:

@@ -16,6 +16,11 @@ from pwdlib.hashers.argon2 import Argon2Hasher
 from coordinator.kit.accounts import PBKDF2_ITERATIONS, SALT_BYTES, FleetSpec, Grant
 from fedge.errors import ConfigError
 
+EMBEDDED_BROKER_FILE = "embedded-broker.json"
+"""Written into a kit's ``broker/`` by the embedded broker (``sim.brokers.embedded_broker``) while it serves the kit,
+with its process id: that broker reads the users and ACL once, at start, so ``fedge kit`` must not change them under
+it."""
+
 
 def mosquitto_password_line(
     username: str, password: str, *, salt: bytes | None = None, iterations: int = PBKDF2_ITERATIONS

@@ -16,7 +16,9 @@ one started otherwise (another host, a container) is reloaded by hand, as :class
 
 A revoked id is never issued again (its data, certificate or a copy of its bundle may be in other hands), and a kit
 with client certificates cannot revoke: mosquitto takes such a device's login from its certificate, which only a
-revocation list would refuse (not built). The embedded broker (``fedge sim``) reads its files at start only.
+revocation list would refuse (not built). The embedded broker (amqtt, ``fedge sim --transport mqtt``) reads its
+files at start only and cannot be reloaded: while it serves a kit, both commands are refused before anything
+changes.
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ from coordinator.kit.accounts import (
     fleet_username,
     monitor_names,
 )
-from coordinator.kit.broker_files import amqtt_password_line, mosquitto_acl, mosquitto_password_line
+from coordinator.kit.broker_files import (
+    EMBEDDED_BROKER_FILE,
+    amqtt_password_line,
+    mosquitto_acl,
+    mosquitto_password_line,
+)
 from coordinator.kit.pki import issue_certificate
 from fedge.errors import ConfigError
 from fedge_io.credentials import BUNDLE_FILE
@@ -148,6 +155,22 @@ class Kit:
                 "mosquitto)"
             )
 
+    def check_reloadable(self, action: str, client: str) -> None:
+        """ConfigError, before anything is changed, while the embedded broker serves this kit: amqtt reads the users
+        and ACL once, at start, so the change would not reach it (an added device refused, a revoked one left in)."""
+        for folder in self.broker_dirs:
+            pid = _embedded_broker_pid(folder / EMBEDDED_BROKER_FILE)
+            if pid is None:
+                continue
+            effect = "let it log in" if action == "add" else "refuse its login or close its connection"
+            raise ConfigError(
+                f"the broker of this kit is the embedded one (amqtt, in process {pid}: fedge sim --transport mqtt), "
+                f"which reads the kit's users and ACL only when it starts: it would not {effect}, so client {client} "
+                "was not changed and nothing was written. To add or revoke devices during a run, run the fleet over "
+                "the kit's mosquitto (the commands fedge provision printed under 'start the broker'); for a "
+                "simulation, stop it and start a new one with the clients it should have"
+            )
+
     def check_new(self, client: str) -> None:
         if not _NAME.fullmatch(client):
             raise ConfigError(f"client id {client!r}: use 1-64 letters, digits, '.', '_' or '-'")
@@ -207,6 +230,29 @@ class Kit:
         )
 
 
+def _embedded_broker_pid(marker: Path) -> int | None:
+    """The process id in an embedded broker's marker file, if that process still runs (a marker left by a killed one
+    blocks nothing)."""
+    try:
+        with open(marker, "rb") as fh:
+            text = fh.read(4096)
+    except OSError:
+        return None
+    try:
+        pid = json.loads(text).get("pid")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)  # no signal: only asks whether the process exists
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # another user's process: it exists
+        return pid
+    return pid
+
+
 def _mosquitto_pids() -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
@@ -260,6 +306,7 @@ def add_client(root: Path, client: str, *, data_from: str | None = None, cert_da
 def _add_client(root: Path, client: str, *, data_from: str | None, cert_days: int) -> Membership:
     kit = Kit(root)
     kit.check_new(client)
+    kit.check_reloadable("add", client)
     kit.check_writable()
     source = kit.root / "clients" / (data_from or (kit.clients[0] if kit.clients else ""))
     template = _json(source / BUNDLE_FILE) if (source / BUNDLE_FILE).is_file() else {}
@@ -329,6 +376,7 @@ def _revoke_client(root: Path, client: str, *, reason: str) -> Membership:
     if client not in kit.clients:
         known = "it was revoked already" if client in kit.revoked else f"the fleet holds {', '.join(kit.clients)}"
         raise ConfigError(f"client {client} is not in the fleet of run {kit.run!r}: {known}")
+    kit.check_reloadable("revoke", client)
     if kit.client_certificates:
         raise ConfigError(
             "this kit logs devices in by their certificates (--client-certificates): mosquitto would still let a "

@@ -257,3 +257,50 @@ def test_kit_changes_take_turns_and_a_damaged_roster_is_one_line(
     assert "'events' must be a list" in err and "Nothing was changed" in err and "Traceback" not in err
     assert "c003" not in json.loads((kit.root / "coordinator" / "bundle.json").read_text())["clients"]
     assert not (kit.root / "clients" / "c003").exists()
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file of a kit and its bytes, but the lock that each fedge kit command takes."""
+    from coordinator.kit.membership import LOCK_FILE
+
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != LOCK_FILE
+    }
+
+
+def test_while_the_embedded_broker_serves_the_kit_add_client_and_revoke_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """amqtt (the embedded broker of `fedge sim --transport mqtt`) reads the kit's users and ACL once, at start, and has
+    no reload: a device added under it could not log in, a revoked one would stay connected. So while it serves the
+    kit, both commands say so and change nothing; once it is gone (or its marker is a dead process's), they work, and
+    a broker started anew from the kit lets the added device in."""
+    from coordinator.kit.accounts import FleetSpec
+    from coordinator.kit.broker_files import EMBEDDED_BROKER_FILE
+    from coordinator.kit.writer import generate_fleet_kit
+    from fedge_io.mqtt import MqttLink
+    from sim.brokers import embedded_broker
+
+    port = free_port()
+    kit = generate_fleet_kit(FleetSpec("lab", ("c000", "c001"), ("127.0.0.1",), 100_000, port=port), tmp_path / "k")
+    marker = kit.broker_dir / EMBEDDED_BROKER_FILE
+    with embedded_broker(port, fleet=kit.broker_dir):
+        before = _files(kit.root)
+        assert json.loads(marker.read_text())["pid"] == os.getpid()
+        assert main(["kit", "add-client", "c002", "--kit", str(kit.root)]) == 2
+        assert main(["kit", "revoke", "c001", "--kit", str(kit.root), "--reason", "lost"]) == 2
+        err = capsys.readouterr().err
+        assert err.count(f"the broker of this kit is the embedded one (amqtt, in process {os.getpid()}") == 2, err
+        assert "it would not let it log in" in err and "refuse its login or close its connection" in err
+        assert "run the fleet over the kit's mosquitto" in err and "Traceback" not in err
+        assert _files(kit.root) == before  # nothing written: no bundle, no login, no roster entry
+    assert not marker.exists()  # the broker is gone: the kit can change again
+    assert main(["kit", "add-client", "c002", "--kit", str(kit.root)]) == 0
+    assert "to do: no mosquitto started with" in capsys.readouterr().out
+    with embedded_broker(port, fleet=kit.broker_dir) as url:  # started anew, it reads the new login
+        device = load_bundle(kit.root / "clients" / "c002", broker=url)
+        with MqttLink(device.address, device.username).start(10) as link:
+            assert link.connections == 1
+    marker.write_text(json.dumps({"pid": 2**22 + 1}))  # above Linux's pid_max: a process that is gone
+    assert main(["kit", "revoke", "c001", "--kit", str(kit.root), "--reason", "lost"]) == 0
+    assert "c001" not in json.loads((kit.root / "coordinator" / "bundle.json").read_text())["clients"]
