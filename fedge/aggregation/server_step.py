@@ -34,6 +34,7 @@ from collections.abc import Mapping
 import torch
 
 from fedge.errors import ConfigError
+from fedge.tensors import tensors_like
 from fedge.types import StateDict
 
 __all__ = ["ADAPTIVE", "Adaptive", "Momentum", "Plain", "ServerOptimizer", "adaptive_step", "pseudo_gradient"]
@@ -110,7 +111,7 @@ class Momentum(ServerOptimizer):
     def load_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
         if not any(self._BUFFER + k in tensors for k in self._params):
             return  # saved before the first step
-        for k, buffer in _like(tensors, self._BUFFER, self._params).items():
+        for k, buffer in tensors_like(tensors, self._BUFFER, self._params).items():
             self._sgd.state[self._params[k]]["momentum_buffer"] = buffer.clone()
 
 
@@ -186,17 +187,5 @@ class Adaptive(ServerOptimizer):
         return {**{self._FIRST + k: v for k, v in self._m.items()}, **{self._SECOND + k: v for k, v in self._v.items()}}
 
     def load_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self._m = _like(tensors, self._FIRST, self._m)
-        self._v = _like(tensors, self._SECOND, self._v)
-
-
-def _like(tensors: Mapping[str, torch.Tensor], prefix: str, like: Mapping[str, torch.Tensor]) -> StateDict:
-    """``like``'s entries read back from ``tensors[prefix + name]``; ConfigError naming the first that does not fit."""
-    out: StateDict = {}
-    for name, ref in like.items():
-        t = tensors.get(prefix + name)
-        if t is None or t.shape != ref.shape or t.dtype != ref.dtype:
-            found = "missing" if t is None else f"{t.dtype}{list(t.shape)}"
-            raise ConfigError(f"saved state {prefix + name!r} is {found}, expected {ref.dtype}{list(ref.shape)}")
-        out[name] = t
-    return out
+        self._m = tensors_like(tensors, self._FIRST, self._m)
+        self._v = tensors_like(tensors, self._SECOND, self._v)

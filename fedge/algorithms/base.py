@@ -33,6 +33,7 @@ from fedge.learning.metrics import per_class_accuracy
 from fedge.learning.objectives import Objective
 from fedge.learning.terms import LocalTerm
 from fedge.learning.training import SGDSettings, TrainRequest, predict_logits
+from fedge.tensors import tensors_like as tensors_like  # the algorithms' load_state reads it beside Strategy
 from fedge.types import ClientId, StateDict
 from fedge.wire import fields as wire
 from fedge.wire.fields import bounded
@@ -303,19 +304,6 @@ class Strategy(ABC, Generic[SettingsT]):
         for obj in fields:
             params.update(wire.to_params(obj))
         return Message(BROADCAST, rnd, run=self.run_id, params=params, tensors=tensors)
-
-
-def tensors_like(tensors: Mapping[str, torch.Tensor], prefix: str, like: Mapping[str, torch.Tensor]) -> StateDict:
-    """``like``'s entries read back from ``tensors[prefix + name]``, in ``like``'s order (for :meth:`Strategy.
-    load_state`); ConfigError naming the first one that is missing or has another shape or dtype."""
-    out: StateDict = {}
-    for name, ref in like.items():
-        t = tensors.get(prefix + name)
-        if t is None or t.shape != ref.shape or t.dtype != ref.dtype:
-            found = "missing" if t is None else f"{t.dtype}{list(t.shape)}"
-            raise ConfigError(f"saved state {prefix + name!r} is {found}, expected {ref.dtype}{list(ref.shape)}")
-        out[name] = t
-    return out
 
 
 def evaluate_model(
