@@ -71,6 +71,12 @@ class FedAdamSettings(FedAvgSettings):
                 "server_beta2 and server_tau set an adaptive optimizer's second moment; the momentum server optimizer "
                 "has none: leave them at their defaults, or choose adam, yogi or adagrad"
             )
+        if self.server_optimizer == "adagrad" and self.server_beta2 != _BETA2:
+            raise ConfigError(
+                f"server_beta2 {self.server_beta2:g} decays adam's and yogi's second moment; adagrad (FedAdagrad, "
+                "Reddi et al. Alg. 2) sums every squared update, v_t = v_{t-1} + Delta_t^2, with no decay to set: "
+                f"leave server_beta2 at its default ({_BETA2:g}), or choose adam or yogi"
+            )
 
 
 class FedAdam(FedAvg[FedAdamSettings]):

@@ -31,9 +31,8 @@ def _second_moment(kind: str, v: torch.Tensor, delta: torch.Tensor) -> torch.Ten
 
 @pytest.mark.parametrize("kind", ["adam", "yogi", "adagrad"])
 def test_two_rounds_follow_algorithm_2(kind: str) -> None:
-    settings = FedAdamSettings(
-        server_optimizer=kind, server_opt_lr=ETA, server_beta1=B1, server_beta2=B2, server_tau=TAU
-    )
+    beta2 = {} if kind == "adagrad" else {"server_beta2": B2}  # FedAdagrad has no beta2 (and refuses one)
+    settings = FedAdamSettings(server_optimizer=kind, server_opt_lr=ETA, server_beta1=B1, server_tau=TAU, **beta2)
     run = TwoClients(config("fedadam", settings))
     x, m, v = W0, torch.zeros_like(W0), torch.full_like(W0, TAU**2)
     for rnd in (1, 2):
@@ -96,6 +95,7 @@ def test_yogi_and_adam_differ_after_two_rounds() -> None:
     [
         ({"server_optimizer": "sgd"}, "server_optimizer must be one of adam, yogi, adagrad, momentum"),
         ({"server_optimizer": "momentum", "server_tau": 0.1}, "the momentum server optimizer has none"),
+        ({"server_optimizer": "adagrad", "server_beta2": 0.9}, r"adagrad \(FedAdagrad.*no decay to set"),
         ({"server_opt_lr": 0.0}, "server_opt_lr must be > 0"),
         ({"server_beta1": 1.0}, r"server_beta1 must be in \[0, 1\)"),
         ({"server_tau": 0.0}, "server_tau must be > 0"),
@@ -104,6 +104,15 @@ def test_yogi_and_adam_differ_after_two_rounds() -> None:
 def test_bad_settings_are_refused(kwargs: dict[str, object], says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         FedAdamSettings(**kwargs)  # type: ignore[arg-type]
+
+
+def test_adagrad_takes_beta2_s_default_and_the_others_any_beta2() -> None:
+    """The default beta2 (what a run gets without --server-beta2) is accepted with adagrad, which does not read it;
+    adam and yogi, which do, take another value."""
+    assert FedAdamSettings(server_optimizer="adagrad").server_beta2 == 0.99
+    assert FedAdamSettings(server_optimizer="adagrad", server_beta2=0.99).server_beta2 == 0.99
+    for kind in ("adam", "yogi"):
+        assert FedAdamSettings(server_optimizer=kind, server_beta2=0.9).server_beta2 == 0.9
 
 
 @pytest.mark.broker
