@@ -58,6 +58,7 @@ from fedge_io.broker_security import (
     tls_context,
     tls_failure,
 )
+from fedge_io.login_claims import LoginClaim
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +147,9 @@ class MqttLink:
 
     ``logins``: user names interchangeable with ``address``'s, with its password (a fleet kit's monitor bundle: one
     per viewer watching at once). Since a fleet broker binds a connection to its user name, two viewers on one name
-    push each other off: with ``logins``, each connection logs in as one of them at random, after a lost connection
-    never the one it had, so viewers that met on one name part at the next try.
+    push each other off: with ``logins``, each connection logs in as one that no other viewer on this machine holds
+    (:mod:`fedge_io.login_claims`), else at random; after a lost connection never the one it had, so viewers (of
+    other machines) that met on one name part at the next try.
     """
 
     def __init__(
@@ -171,6 +173,7 @@ class MqttLink:
         self.address = address
         self.client_id = client_id
         self._logins = tuple(logins)
+        self._claim = LoginClaim(f"{address.host}:{address.port}") if logins else None
         self.keepalive = keepalive
         self._subscriptions = list(subscriptions)
         self._on_ready = on_ready
@@ -234,7 +237,7 @@ class MqttLink:
         deadline = time.monotonic() + timeout
         delay = self._backoff[0]
         probed = False
-        self._take_login(self._logins)
+        self._take_login()
         while True:
             try:
                 if not probed:  # before our own connection: a broker that binds ids to users would replace it
@@ -283,6 +286,8 @@ class MqttLink:
         self._client.disconnect()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(wait, 1.0))
+        if self._claim is not None:
+            self._claim.release()
 
     def __enter__(self) -> MqttLink:
         return self
@@ -437,7 +442,7 @@ class MqttLink:
             log.warning("lost the connection to %s; reconnecting", self.address)
             while not self._stopping.wait(delay):
                 try:
-                    self._take_login([u for u in self._logins if u != self.address.username])
+                    self._take_login()
                     self._client.reconnect()
                     delay = self._backoff[0]
                     break
@@ -445,11 +450,11 @@ class MqttLink:
                     delay = min(delay * 2, self._backoff[1])
                     log.warning("cannot reach broker at %s: %s; next try in %.1f s", self.address, exc, delay)
 
-    def _take_login(self, names: Sequence[str]) -> None:
-        """Log in as one of ``names`` from the next connection on (none: keep the current login)."""
-        if not names:
+    def _take_login(self) -> None:
+        """Log in as another of ``logins`` from the next connection on (none: keep the current login)."""
+        if self._claim is None:
             return
-        user = secrets.choice(list(names))
+        user = self._claim.take(self._logins, avoid=self._claim.name)
         self.address = self.address.with_login(user, self.address.password)
         self.client_id = user  # a fleet broker's client id is the user name (amqtt's FleetAuthPlugin checks it)
         self._client.username_pw_set(user, self.address.password)

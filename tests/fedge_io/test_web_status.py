@@ -9,7 +9,6 @@ import hashlib
 import http.client
 import json
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from browser_support import chromium
+from browser_support import dump_dom as load
 from mqtt_support import require_mosquitto
 from signal_support import default_sigint
 
@@ -230,23 +231,6 @@ def test_idle_connections_beyond_the_bound_are_closed_unanswered() -> None:
     finally:
         server.shutdown()
         server.server_close()
-
-
-def chromium() -> str:
-    found = shutil.which("chromium-headless-shell")
-    if found is None:
-        pytest.skip(
-            "chromium-headless-shell is not installed (make chromium, or apt-get install chromium-headless-shell)"
-        )
-    return found
-
-
-def load(url: str) -> str:
-    """The page's DOM after its script ran (virtual time: the first polls of /status.json are in)."""
-    cmd = [chromium(), "--no-sandbox", "--disable-gpu", "--virtual-time-budget=3000", "--dump-dom", url]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
 
 
 def cell(dom: str, name: str) -> str:
