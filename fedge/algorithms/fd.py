@@ -8,6 +8,14 @@ average of the *other* clients (eq. 6) with CE + gamma * soft-CE (eq. 7).
 Rounds are pipelined so each round is one exchange: round 1 is the plain update (eq. 1); in round r > 1 the client
 first distills on round r-1's broadcast, then uploads. The order of steps is the paper's: U, P, D, P, D, ...
 FD has no global model: a round's accuracy is the mean over its clients of what they measure on their test data.
+
+Under secure aggregation (:mod:`fedge.secagg.parts`) the server needs eq. 5's per-class sums and counts only: each
+client masks its C x C outputs (zero rows for absent classes) and a C-vector of per-class holds (1 where it has a
+sample of the class, 0 elsewhere; uploaded only then, ``class_holds``), both as sent and unweighted, clipped per value
+(probabilities and indicators lie in [0, 1]). The server learns ``S_n = sum_{U3} t_k,n`` and ``|K_n ∩ U3|`` and
+broadcasts their quotient and the counts as in the clear. Eq. 6's leave-one-out needs no more: each client subtracts
+its own row from ``|K_n| t_g,n`` itself (:func:`fd_leave_one_out`); it is told in its task whether its upload is in the
+sums (``in_sums``: it may have vanished in the protocol after uploading in the clear's sense; the server knows U3).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from fedge.errors import CodecError, ConfigError
 from fedge.learning.backend import Backend
 from fedge.learning.losses import fd_distillation_loss
 from fedge.learning.objectives import Objective, ObjectiveInput
+from fedge.secagg.parts import SecurePart
 from fedge.types import ClientId
 from fedge.wire import fields as wire
 from fedge.wire.fields import bounded
@@ -66,9 +75,17 @@ class FDSettings(AlgorithmSettings):
             raise ConfigError(f"fd_gamma must be >= 0, got {self.fd_gamma}")
 
 
+CLASS_HOLDS = "class_holds"
+"""Under secure aggregation, beside ``class_probs``: (C,) 1.0 where the client holds a sample of the class, else 0."""
+
+
 @dataclass(frozen=True)
 class FDTask:
     model_seed: int = field(metadata=bounded(0, 2**31 - 1))  # common initialization of every client's own model
+    # Under secure aggregation only (absent in the clear): upload CLASS_HOLDS too (the server cannot read the holders
+    # off zero rows it never sees), and whether this client's upload of the broadcast's source round is in its sums.
+    secure: bool | None = None
+    in_sums: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +126,10 @@ class FederatedDistillation(Strategy[FDSettings]):
         self._global: torch.Tensor | None = None  # (C, C) from the latest round
         self._contributors: torch.Tensor | None = None  # (C,) int32
         self._last_eval: Evaluation | None = None
+        self._source: int | None = None  # the round whose uploads _global averages (None: unknown, an old journal)
+        self._secure = config.secure_aggregation
+        self._in_sums: frozenset[ClientId] = frozenset()  # secure: the clients whose uploads _global sums (U3)
+        self._survivors: Mapping[ClientId, UpdateReport] = {}  # secure: this round's U3 and their reports
 
     def state(self) -> StrategyState:
         tensors: dict[str, torch.Tensor] = {}
@@ -118,11 +139,21 @@ class FederatedDistillation(Strategy[FDSettings]):
         if self._last_eval is not None:  # the accuracy a round without a quorum reports again
             tensors["last_eval.per_class"] = torch.from_numpy(self._last_eval.per_class)
             values["last_eval_accuracy"] = self._last_eval.accuracy
+        if self._source is not None:
+            values["source_round"] = self._source
+        if self._secure:
+            values["in_sums"] = sorted(self._in_sums)
         return tensors, values
 
     def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
         c = self.num_classes
         self._global = self._contributors = self._last_eval = None
+        source, in_sums = values.get("source_round"), values.get("in_sums", [])
+        if not (source is None or isinstance(source, int)):
+            raise ConfigError("the saved state's source_round must be an integer")
+        if not (isinstance(in_sums, list) and all(isinstance(c, str) for c in in_sums)):
+            raise ConfigError("the saved state's in_sums must be a list of client ids")
+        self._source, self._in_sums = source, frozenset(in_sums)
         if "global_probs" in tensors:
             like = {"global_probs": torch.zeros(c, c), "contributors": torch.zeros(c, dtype=torch.int32)}
             restored = tensors_like(tensors, "", like)
@@ -133,7 +164,8 @@ class FederatedDistillation(Strategy[FDSettings]):
 
     def reply_tensors(self) -> dict[str, TensorSpec]:
         c = self.num_classes
-        return {"class_probs": ((c, c), torch.float32)}
+        holds = {CLASS_HOLDS: ((c,), torch.float32)} if self._secure else {}
+        return {"class_probs": ((c, c), torch.float32), **holds}
 
     def check_reply(self, rnd: int, client: ClientId, reply: Message) -> UpdateReport:
         report = super().check_reply(rnd, client, reply)
@@ -142,6 +174,8 @@ class FederatedDistillation(Strategy[FDSettings]):
         slack = 1e-3 + self.num_classes * self.reply_tolerance  # compressed uploads: each entry within its bound
         if bool((probs < 0).any()) or not bool(((sums - 1).abs() < slack).logical_or(sums == 0).all()):
             raise CodecError("class_probs rows must be probability vectors (or zero rows for absent classes)")
+        if self._secure and not torch.equal(reply.tensors[CLASS_HOLDS], (sums > 0).to(torch.float32)):
+            raise CodecError(f"{CLASS_HOLDS} must be 1 for the classes with a probability row, 0 for the zero rows")
         assert isinstance(report, FDReport)
         for counts in (report.eval_correct, report.eval_total):
             if counts and len(counts) != self.num_classes:
@@ -152,12 +186,25 @@ class FederatedDistillation(Strategy[FDSettings]):
         broadcast = None
         if self._global is not None and self._contributors is not None:
             tensors = {"global_probs": self._global, "contributors": self._contributors}
-            broadcast = self.broadcast(rnd, tensors, FDBroadcast(source_round=rnd - 1))
-        task = FDTask(model_seed=derive_seed(self.config.seed, "model"))
-        return RoundPlan(broadcast=broadcast, tasks={c: self.task(rnd, c, task) for c in clients})
+            source = rnd - 1 if self._source is None else self._source  # older than rnd - 1 after a skipped round
+            broadcast = self.broadcast(rnd, tensors, FDBroadcast(source_round=source))
+        seed = derive_seed(self.config.seed, "model")
+        if not self._secure:
+            return RoundPlan(broadcast=broadcast, tasks={c: self.task(rnd, c, FDTask(seed)) for c in clients})
+        tasks = {c: self.task(rnd, c, FDTask(seed, secure=True, in_sums=c in self._in_sums)) for c in clients}
+        return RoundPlan(broadcast=broadcast, tasks=tasks)
 
     def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
         ordered = [replies[c] for c in sorted(replies)]
+        self._source = rnd
+        if self._secure:  # one reply standing for the survivors U3: eq. 5's sums
+            (stand_in,) = ordered
+            self._global, self._contributors = secure_class_average(
+                stand_in.update.tensor("class_probs"), stand_in.update.tensor(CLASS_HOLDS), len(self._survivors)
+            )
+            self._in_sums = frozenset(self._survivors)
+            self._last_eval = pooled_local_eval(list(self._survivors.values()), self.num_classes)
+            return {}
         probs = [r.update.tensor("class_probs") for r in ordered]
         # A zero row marks a class the client has no sample of (eq. 4): softmax rows are strictly positive.
         counts = [(p.abs().sum(dim=1) > 0).to(torch.int64) for p in probs]
@@ -167,9 +214,37 @@ class FederatedDistillation(Strategy[FDSettings]):
         self._last_eval = pooled_local_eval([r.report for r in ordered], self.num_classes)
         return {}
 
+    def secure_parts(self) -> tuple[SecurePart, ...]:
+        """Under secure aggregation (:mod:`fedge.secagg.parts`): the per-class outputs and the per-class holds, each
+        as sent and summed unweighted (eq. 5's numerators and ``|K_n|``), clipped per value: both lie in [0, 1]."""
+        return (
+            SecurePart(("class_probs",), relative=False, weighted=False, value_bound=1.0),
+            SecurePart((CLASS_HOLDS,), relative=False, weighted=False, value_bound=1.0),
+        )
+
+    def secure_shares(self, replies: Sequence[CheckedReply]) -> list[float]:
+        """Equal shares (only weighted parts use them; FD's are sums)."""
+        return [1.0] * len(replies)
+
+    def secure_survivors(self, rnd: int, reports: Mapping[ClientId, UpdateReport]) -> None:
+        """The clients whose uploads are in this round's sums (U3) and their reports (their own test counts)."""
+        self._survivors = dict(reports)
+
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
         # No global model: the accuracy is the mean of what the round's clients measured on their test data.
         return self._last_eval
+
+
+def secure_class_average(sums: torch.Tensor, holds: torch.Tensor, survivors: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 5 from secure sums: ``(global (C, C) float32, contributors (C,) int32)`` from the survivors' summed
+    outputs ``sums`` (C, C) and summed holds ``holds`` (C,). Each hold is 0 or 1, exact in the fixed point, so their
+    sum is an integer; it is rounded anyway and kept in ``[0, survivors]``, and the means in [0, 1], so that a client
+    encoding other values than an honest one can (anything within the ring's per-value bound) moves no row outside
+    the range of an average of probabilities."""
+    counts = holds.double().round().clamp(0, survivors)  # (C,)
+    mean = (sums.double() / counts.clamp(min=1).unsqueeze(1)).clamp(0, 1)  # (C, C)
+    mean = torch.where(counts.unsqueeze(1) > 0, mean, torch.zeros_like(mean))  # rows with |K_n| = 0 stay 0
+    return mean.to(torch.float32), counts.to(torch.int32)
 
 
 def pooled_local_eval(reports: Sequence[UpdateReport], num_classes: int) -> Evaluation | None:
@@ -201,7 +276,7 @@ class FDClient(ClientHalf[FDSettings]):
         self, task: Message, broadcast: Message | None, data: ClientData, backend: Backend, store: ClientStore
     ) -> Message:
         training, settings = self.parse(task)
-        extra = wire.from_params(FDTask, task.params, defaults=False)
+        extra = wire.from_params(FDTask, task.params)  # the secure-aggregation fields are absent in the clear
         restore_own_model(store, backend, extra.model_seed)
         t = training
         if broadcast is None:
@@ -215,7 +290,7 @@ class FDClient(ClientHalf[FDSettings]):
                 k,
                 store.get("uploaded_probs", torch.zeros_like(g)),
                 store.get("uploaded_counts", torch.zeros_like(k)),
-                own_included=own_round == source.source_round,
+                own_included=own_round == source.source_round and extra.in_sums is not False,
             )
             inputs = {"targets": targets[data.y], "mask": mask[data.y]}  # (N, C), (N,)
             objective = FDDistillation(gamma=settings.fd_gamma)
@@ -231,7 +306,8 @@ class FDClient(ClientHalf[FDSettings]):
         store["uploaded_counts"] = (counts > 0).to(torch.int64)
         store["uploaded_round"] = torch.tensor(task.round)
         report = FDReport(num_examples=len(data), loss=stats.mean_loss, **local_eval_counts(backend, data))
-        return update_message(task, {"class_probs": class_probs}, report)
+        holds = {CLASS_HOLDS: (counts > 0).to(torch.float32)} if extra.secure else {}
+        return update_message(task, {"class_probs": class_probs, **holds}, report)
 
 
 def local_eval_counts(backend: Backend, data: ClientData) -> dict[str, tuple[int, ...]]:
@@ -245,7 +321,8 @@ def local_eval_counts(backend: Backend, data: ClientData) -> dict[str, tuple[int
 
 
 def fd_traffic(inputs: CostInputs) -> RoundTraffic:
-    """C x C per-class outputs each way (eq. 4-5), plus the C per-class client counts eq. 6 needs on the client."""
+    """C x C per-class outputs each way (eq. 4-5), plus the C per-class client counts eq. 6 needs on the client (under
+    secure aggregation each upload also carries C per-class holds, 4 C bytes more: not modelled here)."""
     c = inputs.num_classes
     return RoundTraffic(up_per_client=c * c * 4, down_broadcast=c * c * 4, protocol_extra_down=c * 4)
 
@@ -261,7 +338,7 @@ ALGORITHM = Algorithm(
     exchange="outputs",
     has_global_model=False,
     describe=lambda s: f"γ={s.fd_gamma:g}",
-    secagg_gap="FD averages per-class outputs over the clients that hold each class; secure aggregation of output "
-    "(logit) averages is not built yet",
+    secagg_gap="",
+    dp_gap="FD uploads per-class outputs, not weights",
     objectives=(FDDistillation,),
 )

@@ -4,9 +4,11 @@ one client's update (Bonawitz et al. 2017; Bell et al. 2020: the SecAgg+ protoco
 :class:`SecureAggregationStrategy` wraps an algorithm's :class:`~fedge.algorithms.base.Strategy` whose aggregation
 needs sums of the returned tensors only (``Algorithm.secagg_gap == ""``): by default the weighted mean of the returned
 weights, as below; an algorithm that needs more (SCAFFOLD's control deltas, FedNova's per-client scaling, FedDyn's
-plain sum) declares the parts of each client's vector, :mod:`fedge.secagg.parts`. Per round, with ``w`` the broadcast
-weights, ``a_k`` client k's averaging weight (its data size, or 1 under uniform weighting) and ``A`` the sum of the
-``a_k`` of the clients that take part:
+plain sum, FedCurv's Fisher sums, DS-FL's and FD's outputs) declares the parts of each client's vector,
+:mod:`fedge.secagg.parts`. One that tells each client whether its own upload is in what it broadcasts next (FD's
+leave-one-out, FedCurv's own terms, which the client subtracts itself) is told the survivors U3 before it aggregates
+(``secure_survivors``). Per round, with ``w`` the broadcast weights, ``a_k`` client k's averaging weight (its data
+size, or 1 under uniform weighting) and ``A`` the sum of the ``a_k`` of the clients that take part:
 
 1. :meth:`~SecureAggregationStrategy.configure`: the inner plan; the round's public protocol parameters
    (:class:`~fedge.secagg.config.RoundConfig`: the sampled cohort, the ring plan, degree, threshold, graph seed)
@@ -45,7 +47,7 @@ import numpy.typing as npt
 import torch
 
 from fedge.accounting.records import AggregationRecord
-from fedge.algorithms.base import CheckedReply, RoundPlan, Strategy
+from fedge.algorithms.base import CheckedReply, RoundPlan, Strategy, UpdateReport
 from fedge.algorithms.wrapping import WrappingStrategy
 from fedge.config import AlgorithmSettings, RunConfig
 from fedge.errors import CodecError, ConfigError
@@ -119,17 +121,25 @@ class SecureAggregationStrategy(WrappingStrategy):
         # The FedAvg family's (fedge.algorithms.fedavg.FedAvg): each client's share s_k (data sizes, or 1 each, or
         # FedNova's), the parts of its vector, and a factor on the weighted mean's step (FedNova's).
         shares = getattr(inner, "secure_shares", None) or getattr(inner, "averaging_weights", None)
-        if weights is None or not callable(shares):
-            raise ConfigError(f"secure aggregation needs a global model and averaging weights; {inner.name} has none")
+        if not callable(shares):
+            raise ConfigError(f"secure aggregation needs averaging weights; {inner.name} has none")
         self._shares: Callable[[Sequence[CheckedReply]], list[float]] = shares
         declared = getattr(inner, "secure_parts", None)
         parts: tuple[SecurePart, ...] = declared() if callable(declared) else default_parts(list(specs))
+        if weights is None and any(p.relative for p in parts):
+            raise ConfigError(f"secure aggregation of a model's move needs a global model; {inner.name} has none")
         self._scale: Callable[[Sequence[CheckedReply]], tuple[float, dict[str, float]]] | None = getattr(
             inner, "secure_scale", None
         )
+        # FD and FedCurv: the inner strategy learns who is in the sum (U3, which the protocol reveals anyway) and their
+        # reports (in the clear anyway), so a client can be told whether its own upload is in what it is sent next
+        # (it subtracts its own part itself) and FD pools the survivors' own test counts.
+        self._note_survivors: Callable[[int, Mapping[ClientId, UpdateReport]], None] | None = getattr(
+            inner, "secure_survivors", None
+        )
         covered = {n for p in parts for n in p.tensors}
         odd = [k for k, (shape, dtype) in specs.items() if dtype != torch.float32 or k not in covered]
-        odd += [n for p in parts if p.relative for n in p.tensors if n not in weights]
+        odd += [n for p in parts if p.relative for n in p.tensors if n not in (weights or {})]
         if odd:
             raise ConfigError(
                 f"secure aggregation sums float32 tensors; this model also exchanges {odd[:3]} (not float32, not "
@@ -180,10 +190,9 @@ class SecureAggregationStrategy(WrappingStrategy):
 
     def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
         plan = self.inner.configure(rnd, clients)
-        weights = self.inner.global_weights()
-        assert weights is not None  # checked in __init__
+        weights = self.inner.global_weights()  # None (FD) only where no part is a move: checked in __init__
         config = self._round_config(rnd, clients)
-        self._round = _Round(rnd, config, dict(weights))
+        self._round = _Round(rnd, config, dict(weights or {}))
         tensors, meta = config.to_fields()
         params = {
             **meta,
@@ -246,6 +255,8 @@ class SecureAggregationStrategy(WrappingStrategy):
             return metrics
         survivors = result.survivors
         after, scaled = self._stand_in(state, result.decoded_sum, replies, shares, survivors)
+        if self._note_survivors is not None:
+            self._note_survivors(rnd, {c: replies[c].report for c in survivors})
         metrics.update(self.inner.aggregate(rnd, {SUM_CLIENT: _mean_reply(replies, survivors, after)}) | scaled)
         gone = [c for c in result.dropped if c in replies]
         self._record = AggregationRecord(tuple(ledger.entries), simulated_drops(gone, drop_at, config), "")
@@ -294,6 +305,8 @@ class SecureAggregationStrategy(WrappingStrategy):
         entries, why = channel.take_record(rnd)
         survivors = result.survivors
         after, scaled = self._stand_in(state, result.decoded_sum, replies, shares, survivors)
+        if self._note_survivors is not None:
+            self._note_survivors(rnd, {c: replies[c].report for c in survivors})
         metrics.update(self.inner.aggregate(rnd, {SUM_CLIENT: _mean_reply(replies, survivors, after)}) | scaled)
         gone = [c for c in result.dropped if c in replies]
         self._record = AggregationRecord(tuple(entries), remote_drops(gone, why, config), "")
