@@ -145,6 +145,28 @@ def test_the_steps_are_read_from_the_doc_and_a_changed_doc_fails(tmp_path: Path)
         walkthrough(doc)
 
 
+_INSTALL = re.compile(r"^<!-- install -->\n```bash\n(.*?)\n```$", re.S | re.M)
+
+
+def test_the_walkthrough_installs_fedge_onto_path_before_its_first_command() -> None:
+    """A fresh clone has no ``fedge`` on ``PATH``: followed as a new user, the walkthrough's first block was
+    ``fedge: command not found``. Its install block comes first, makes the venv it activates, and installs fedge with
+    its dependencies and the coordinator extra (whose commands ``tests/fedge_cli/test_packaging.py`` runs in an
+    environment of that extra alone), pinned by the constraints file of this repository."""
+    text = DOC.read_text()
+    found = _INSTALL.search(text)
+    assert found and found.start() < text.index("<!-- walkthrough: provision -->"), "no install block before provision"
+    install, activate = found.group(1).splitlines()
+    made = re.fullmatch(r"python3 -m venv (\S+) && (\S+)/bin/pip install -c (\S+) -e '\.\[(\w+)\]'", install)
+    assert made, install
+    venv, pip_venv, constraints, extra = made.groups()
+    assert pip_venv == venv and activate == f". {venv}/bin/activate"
+    assert (ROOT / constraints).is_file() and "--no-deps" not in install
+    extras = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1].split("\n[")[0]
+    assert extra == "coordinator" and re.search(rf"^{extra} = \[", extras, re.M), extras
+    assert subprocess.run(["bash", "-n", "-c", found.group(1)]).returncode == 0
+
+
 @dataclass
 class Walk:
     """A walkthrough under way: its shell, steps, log folder, broker port and times."""
