@@ -311,6 +311,7 @@ class LocalRound(Generic[FedAvgSettingsT]):
     store: ClientStore
     broadcast: Message
     global_weights: StateDict
+    task: Message  # the round's task, for an algorithm's own fields (FedCurv's under secure aggregation)
 
 
 class FedAvgClient(ClientHalf[FedAvgSettingsT]):
@@ -326,7 +327,7 @@ class FedAvgClient(ClientHalf[FedAvgSettingsT]):
             raise CodecError("a weight-exchange task needs the round's broadcast of global weights")
         global_weights = self.received_weights(broadcast)
         backend.set_weights(global_weights)
-        r = LocalRound(training, settings, data, backend, store, broadcast, global_weights)
+        r = LocalRound(training, settings, data, backend, store, broadcast, global_weights, task)
         stats = backend.train(self.request(r))
         tensors = self.upload(r, backend.get_weights(), stats)
         return update_message(task, tensors, self.report(r, stats))

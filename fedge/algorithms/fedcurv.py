@@ -31,11 +31,29 @@ directions carry the model plus two values per trainable parameter, three times 
 lost its store, or whose last update the server refused, subtracts terms the server does not hold (or holds other
 ones): P is clamped at 0 so the pull stays a pull. The server's memory grows with the number of clients heard from:
 two values per trainable parameter per client, journaled with the run.
+
+Under secure aggregation (:mod:`fedge.secagg.parts`) the server keeps no client's terms: it keeps ``U`` and ``V``
+themselves and learns each round only sums. Each client k keeps in its store the terms of its that are in U and V
+(``(u'_k, v'_k)``, "committed"; zeros at first) and uploads, beside its weights, the *changes* ``u_k - u'_k`` and
+``v_k - v'_k``, masked as two unweighted parts after the model's weighted move, each clipped to L2 norm
+``--secagg-clip`` on its own (the client computes the same clip, so it knows what the sums received). The server adds
+their sums over the survivors U3 to U and V: the same "latest terms of every client heard from" as in the clear,
+telescoped (``U = sum_k u'_k``), to within the fixed point's rounding. It tells each client in its task the round
+whose terms of its are in U and V (``kept_round``; it knows U3, the client does not: its upload may have vanished in
+the protocol), and the client then takes its last upload (``u'_k + clip(u_k - u'_k)``, kept as pending) as committed
+if that is the round, and subtracts its committed terms from the broadcast sums for P and Q as in the clear. The
+server learns, per round, the survivors' mean move and the sums of their terms' changes; U and V, which every client
+receives, it holds anyway. The clear's server-side safeguards need each client's terms and are gone: a negative ``u``
+and a ``v`` other than ``u * w`` are a client's own business (each change is bounded by the clip), the broadcast U is
+clamped at 0, and ``--clip-factor`` (the median cap) is refused under secure aggregation. A client that lost its store
+cannot take its old terms out of U and V: they stay there beside its new ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,14 +78,21 @@ from fedge.config import RunConfig
 from fedge.errors import CodecError, ConfigError
 from fedge.learning.terms import LocalTerm, TermBatch, TermCall
 from fedge.learning.training import TrainRequest, TrainStats
+from fedge.secagg.parts import SecurePart
 from fedge.types import ClientId, StateDict
+from fedge.wire import fields as wire
 from fedge.wire.fields import bounded
 from fedge.wire.message import Message
+
+log = logging.getLogger(__name__)
 
 FISHER_U = "fisher_u."  # broadcast: U = sum_j u_j; update: the client's u_k
 FISHER_V = "fisher_v."  # broadcast: V = sum_j v_j; update: the client's v_k = u_k * w_k
 _SAVED = "fedcurv.{}.{}."  # the server's kept (u_j, v_j) in its saved state: fedcurv.u.<client>.<param>
-_OWN = "fedcurv.own_"  # the client's own last u_k, v_k in its store
+_OWN = "fedcurv.own_"  # the client's own last u_k, v_k in its store (secure aggregation: those in U and V)
+_SUMS = "fedcurv.sum_{}."  # secure aggregation: U and V in the server's saved state
+_PENDING = "fedcurv.pending_"  # secure aggregation: the client's last uploaded terms, not yet known to be in U, V
+_PENDING_ROUND, _KEPT_ROUND = "fedcurv.pending_round", "fedcurv.kept_round"  # their rounds, in the client's store
 
 
 @dataclass(frozen=True)
@@ -83,6 +108,15 @@ class FedCurvSettings(FedAvgSettings):
         super().__post_init__()
         if not self.curv_lambda >= 0:
             raise ConfigError(f"curv_lambda must be >= 0, got {self.curv_lambda}")
+
+
+@dataclass(frozen=True)
+class FedCurvTask:
+    """Under secure aggregation only (absent in the clear): the round of this client's terms in the broadcast's U and
+    V (0: none) and the L2 bound of each uploaded change of its terms (the run's ``--secagg-clip``)."""
+
+    kept_round: int | None = field(default=None, metadata=bounded(0, 2**31 - 1))
+    term_clip: float | None = field(default=None, metadata=bounded(1e-9, 1e9))
 
 
 @dataclass(frozen=True)
@@ -112,12 +146,22 @@ class FedCurv(FedAvg[FedCurvSettings]):
         super().__init__(config, context)
         self.trainable = tuple(name for name, _ in self._model.named_parameters())
         self._terms: dict[ClientId, tuple[StateDict, StateDict]] = {}  # client -> (u_j, v_j), its latest accepted
+        # Secure aggregation: U and V themselves (never a client's terms), the round of each client's terms in them,
+        # and this round's survivors U3.
+        self._secure = config.secure_aggregation
+        self._u_sum, self._v_sum = self._zeros(), self._zeros()
+        self._kept: dict[ClientId, int] = {}
+        self._survivors: tuple[ClientId, ...] = ()
 
     def _zeros(self) -> StateDict:
         return {k: torch.zeros_like(self._weights[k]) for k in self.trainable}
 
     def state(self) -> StrategyState:
         tensors, values = super().state()
+        if self._secure:
+            tensors.update({_SUMS.format("u") + k: t for k, t in self._u_sum.items()})
+            tensors.update({_SUMS.format("v") + k: t for k, t in self._v_sum.items()})
+            return tensors, {**values, "fedcurv_kept": dict(sorted(self._kept.items()))}
         for client, (u, v) in sorted(self._terms.items()):
             tensors.update({_SAVED.format("u", client) + k: t for k, t in u.items()})
             tensors.update({_SAVED.format("v", client) + k: t for k, t in v.items()})
@@ -125,6 +169,14 @@ class FedCurv(FedAvg[FedCurvSettings]):
 
     def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
         super().load_state(tensors, values)
+        if self._secure:
+            kept = values.get("fedcurv_kept", {})
+            if not (isinstance(kept, dict) and all(isinstance(c, str) and type(r) is int for c, r in kept.items())):
+                raise ConfigError("the saved state's fedcurv_kept must map client ids to rounds")
+            self._kept = dict(kept)
+            self._u_sum = tensors_like(tensors, _SUMS.format("u"), self._zeros())
+            self._v_sum = tensors_like(tensors, _SUMS.format("v"), self._zeros())
+            return
         clients = values.get("fedcurv_clients", [])
         if not (isinstance(clients, list) and all(isinstance(c, str) for c in clients)):
             raise ConfigError("the saved state's fedcurv_clients must be a list of client ids")
@@ -135,7 +187,10 @@ class FedCurv(FedAvg[FedCurvSettings]):
         }
 
     def sums(self) -> tuple[StateDict, StateDict]:
-        """U = sum_j u_j and V = sum_j v_j over every client heard from (zeros before any), in client-id order."""
+        """U = sum_j u_j and V = sum_j v_j over every client heard from (zeros before any), in client-id order; under
+        secure aggregation the sums kept, U clamped at 0 (the fixed point's rounding can take a sum of zeros below)."""
+        if self._secure:
+            return {k: t.clamp(min=0) for k, t in self._u_sum.items()}, dict(self._v_sum)
         u_sum, v_sum = self._zeros(), self._zeros()
         for client in sorted(self._terms):
             u, v = self._terms[client]
@@ -150,7 +205,11 @@ class FedCurv(FedAvg[FedCurvSettings]):
             **{FISHER_U + k: t for k, t in u_sum.items()},
             **{FISHER_V + k: t for k, t in v_sum.items()},
         }
-        return RoundPlan(broadcast=self.broadcast(rnd, tensors), tasks={c: self.task(rnd, c) for c in clients})
+        if not self._secure:
+            return RoundPlan(broadcast=self.broadcast(rnd, tensors), tasks={c: self.task(rnd, c) for c in clients})
+        clip = self.config.secagg_clip
+        tasks = {c: self.task(rnd, c, FedCurvTask(self._kept.get(c, 0), clip)) for c in clients}
+        return RoundPlan(broadcast=self.broadcast(rnd, tensors), tasks=tasks)
 
     def reply_tensors(self) -> dict[str, TensorSpec]:
         out = super().reply_tensors()
@@ -166,7 +225,7 @@ class FedCurv(FedAvg[FedCurvSettings]):
         ``u * w`` a little: compressed values are clamped at 0 instead, and every kept ``v`` is recomputed as ``u * w``
         (in :meth:`aggregate`), where ``u``'s size is also bounded under a clip factor."""
         report = super().check_reply(rnd, client, reply)
-        if self.config.upload_codec != "float32":
+        if self.config.upload_codec != "float32" or self._secure:  # secure: changes of the terms, either sign
             return report
         for k in self.trainable:
             u, v = reply.tensors[FISHER_U + k], reply.tensors[FISHER_V + k]
@@ -182,6 +241,13 @@ class FedCurv(FedAvg[FedCurvSettings]):
         one client cannot make every other client's pull overflow; ``v`` recomputed here as ``u * w`` from the
         update's own (decoded) weights, so that no upload, compressed or not, moves the others' anchor elsewhere."""
         metrics = super().aggregate(rnd, replies)
+        if self._secure:  # one reply standing for the survivors U3: the sums of their terms' changes
+            (stand_in,) = replies.values()
+            for k in self.trainable:
+                self._u_sum[k] = self._u_sum[k] + stand_in.update.tensors[FISHER_U + k]
+                self._v_sum[k] = self._v_sum[k] + stand_in.update.tensors[FISHER_V + k]
+            self._kept.update({c: rnd for c in self._survivors})
+            return metrics
         fisher = {c: {k: replies[c].update.tensors[FISHER_U + k].clamp(min=0) for k in self.trainable} for c in replies}
         norms = {c: float(torch.stack([(u * u).sum() for u in f.values()]).sum().sqrt()) for c, f in fisher.items()}
         clip = self.settings.clip_factor
@@ -192,6 +258,21 @@ class FedCurv(FedAvg[FedCurvSettings]):
             self._terms[client] = (u, {k: u[k] * replies[client].update.tensors[k] for k in self.trainable})
         return metrics
 
+    def secure_parts(self) -> tuple[SecurePart, ...]:
+        """Under secure aggregation (:mod:`fedge.secagg.parts`): the model's weighted move, then the changes of the
+        Fisher terms u and v as sent, each summed unweighted (U and V are sums) and clipped to the bound on its own."""
+        u = tuple(FISHER_U + k for k in self.trainable)
+        v = tuple(FISHER_V + k for k in self.trainable)
+        return (
+            SecurePart(tuple(self._weights)),
+            SecurePart(u, relative=False, weighted=False),
+            SecurePart(v, relative=False, weighted=False),
+        )
+
+    def secure_survivors(self, rnd: int, reports: Mapping[ClientId, UpdateReport]) -> None:
+        """The clients whose terms' changes are in this round's sums (U3): their terms in U and V are this round's."""
+        self._survivors = tuple(reports)
+
 
 class FedCurvClient(FedAvgClient[FedCurvSettings]):
     settings_type = FedCurvSettings
@@ -201,7 +282,7 @@ class FedCurvClient(FedAvgClient[FedCurvSettings]):
 
     def request(self, r: LocalRound[FedCurvSettings]) -> TrainRequest:
         u_sum, v_sum = _sums(r.broadcast, r.global_weights)
-        own_u, own_v = _own(r.store, u_sum)
+        own_u, own_v = _own_terms(r, u_sum)
         p = {k: (u_sum[k] - own_u[k]).clamp(min=0) for k in u_sum}  # sum over the other clients
         q = {k: v_sum[k] - own_v[k] for k in v_sum}
         anchor = {k: torch.where(p[k] > 0, q[k] / p[k], torch.zeros_like(q[k])) for k in p}
@@ -215,6 +296,19 @@ class FedCurvClient(FedAvgClient[FedCurvSettings]):
             raise ConfigError(f"the {r.backend.runtime} runtime returned no Fisher information; FedCurv needs it")
         u = {k: stats.fisher[k].to(torch.float32).contiguous() for k in _sums(r.broadcast, r.global_weights)[0]}
         v = {k: (u[k] * weights[k]).contiguous() for k in u}
+        secure = wire.from_params(FedCurvTask, r.task.params)
+        if secure.term_clip is not None:  # secure aggregation: the changes of the terms in U and V
+            own_u, own_v = _own_terms(r, u)
+            du = {k: (u[k] - own_u[k]).contiguous() for k in u}
+            dv = {k: (v[k] - own_v[k]).contiguous() for k in v}
+            # What U and V will hold of this client if its upload is in the sums: the secure part clips each change
+            # to the bound as this does (so secagg_clipped counts it).
+            du_sent, dv_sent = _clipped(du, secure.term_clip), _clipped(dv, secure.term_clip)
+            for k in u:
+                r.store[_PENDING + "u." + k] = own_u[k] + du_sent[k]
+                r.store[_PENDING + "v." + k] = own_v[k] + dv_sent[k]
+            r.store[_PENDING_ROUND] = torch.tensor(r.task.round)
+            return {**weights, **{FISHER_U + k: t for k, t in du.items()}, **{FISHER_V + k: t for k, t in dv.items()}}
         for k in u:
             r.store[_OWN + "u." + k], r.store[_OWN + "v." + k] = u[k], v[k]
         return {**weights, **{FISHER_U + k: t for k, t in u.items()}, **{FISHER_V + k: t for k, t in v.items()}}
@@ -239,6 +333,44 @@ def _own(store: ClientStore, like: StateDict) -> tuple[StateDict, StateDict]:
     return u, v
 
 
+def _own_terms(r: LocalRound[FedCurvSettings], like: StateDict) -> tuple[StateDict, StateDict]:
+    """This client's terms in the broadcast's U and V: its last upload's in the clear; under secure aggregation those
+    of the round the task names (:func:`_settle`)."""
+    kept_round = wire.from_params(FedCurvTask, r.task.params).kept_round
+    if kept_round is not None:
+        _settle(r.store, kept_round, like)
+    return _own(r.store, like)
+
+
+def _settle(store: ClientStore, kept_round: int, like: StateDict) -> None:
+    """Secure aggregation: make the store's committed terms (:data:`_OWN`) those the server says U and V hold of this
+    client, from round ``kept_round`` (0: none): the pending upload of that round, or the committed terms already."""
+    pending = int(store[_PENDING_ROUND]) if _PENDING_ROUND in store else -1
+    kept = int(store[_KEPT_ROUND]) if _KEPT_ROUND in store else 0
+    if kept_round == pending:
+        for k in like:
+            store[_OWN + "u." + k], store[_OWN + "v." + k] = store[_PENDING + "u." + k], store[_PENDING + "v." + k]
+    elif kept_round == 0:  # the server holds nothing of this client
+        for k, t in like.items():
+            store[_OWN + "u." + k], store[_OWN + "v." + k] = torch.zeros_like(t), torch.zeros_like(t)
+    elif kept_round != kept:
+        log.warning(
+            "round %d's Fisher terms of this client are in the server's sums, but this client no longer has them (a "
+            "lost store): they stay in the sums beside its new ones",
+            kept_round,
+        )
+    store[_KEPT_ROUND] = torch.tensor(kept_round)
+
+
+def _clipped(terms: StateDict, bound: float) -> StateDict:
+    """``terms`` scaled down to L2 norm ``bound`` over all of them when longer (as :meth:`fedge.secagg.parts.PartLayout.
+    vector` clips a part: the same factor to within float64 rounding)."""
+    norm = math.sqrt(sum(float((t.double() ** 2).sum()) for t in terms.values()))
+    if norm <= bound:
+        return {k: t.contiguous() for k, t in terms.items()}
+    return {k: (t * (bound / norm)).contiguous() for k, t in terms.items()}
+
+
 def fedcurv_traffic(inputs: CostInputs) -> RoundTraffic:
     """The model plus two Fisher terms (u and v, or their sums) per trainable parameter in each direction."""
     size = (inputs.model_values + 2 * inputs.trainable_values) * 4
@@ -254,7 +386,7 @@ ALGORITHM = Algorithm(
     client=FedCurvClient(),
     traffic=fedcurv_traffic,
     describe=lambda s: f"λ={s.curv_lambda:g}",
-    secagg_gap="FedCurv keeps every client's Fisher terms by client, which secure aggregation would hide; summing them "
-    "securely instead is not built yet",
+    secagg_gap="",
+    dp_gap="FedCurv also sums the clients' Fisher terms, which DP-FedAvg does not clip or noise",
     terms=(FisherProximal,),
 )

@@ -130,7 +130,6 @@ def test_an_interrupted_run_resumes_to_the_same_model_bit_for_bit(tmp_path: Path
     ("flags", "message"),
     [
         (["--robust", "median"], "--robust median needs every client's update in the clear"),
-        (["--algorithm", "fedcurv"], "cannot run --algorithm fedcurv yet"),
         (["--transport", "mqtt", "--simulate-dropouts", "0.2"], "over MQTT the clients that vanish are real"),
     ],
 )

@@ -1,14 +1,17 @@
-"""Secure aggregation of FD (per-class output sums and per-class holder counts, both summed unweighted; each client
-takes itself out of the sums itself, where it is in them). On hand-built rounds, with and without clients vanishing at
-random stages, the secure result is the plaintext algorithm's over the survivors within the fixed-point bound (each
-client's stochastic rounding is off by less than one code 2^-frac_bits, so a summed part by less than |U3|
-2^-frac_bits per value); a part left out or a wrong part is caught."""
+"""Secure aggregation of FD (per-class output sums and per-class holder counts, both summed unweighted) and FedCurv
+(the model's weighted move and the sums of the clients' Fisher-term changes, which the server adds to its U and V; each
+client keeps what U and V hold of it and subtracts that itself). On hand-built rounds, with and without clients
+vanishing at random stages, the secure result is the plaintext algorithm's over the survivors within the fixed-point
+bound (each client's stochastic rounding is off by less than one code 2^-frac_bits, so a summed part by less than
+|U3| 2^-frac_bits per value, accumulated over rounds where the server keeps a running sum); a part left out, a wrong
+part or a server that forgets who was in the sum is caught."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, cast
 
 import pytest
 import torch
@@ -16,11 +19,14 @@ from algorithm_support import NUM_CLASSES, X_A, Y_A, LinearBackend, config, line
 from torch import nn
 
 from fedge.algorithms import make_strategy
-from fedge.algorithms.base import CheckedReply, ClientData, ServerContext, Strategy
+from fedge.algorithms.base import CheckedReply, ClientData, ServerContext, Strategy, UpdateReport
 from fedge.algorithms.fd import CLASS_HOLDS, FDClient, FDReport, FDTask, FederatedDistillation
+from fedge.algorithms.fedavg import LocalRound
+from fedge.algorithms.fedcurv import FISHER_U, FedCurv, FedCurvClient, FedCurvSettings, FedCurvTask
 from fedge.algorithms.secure_aggregation import SecureAggregationStrategy
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
+from fedge.learning.training import TrainStats
 from fedge.secagg.parts import SecurePart
 from fedge.secagg.rounds import SUM_CLIENT
 from fedge.wire import fields as wire
@@ -150,6 +156,131 @@ def test_an_fd_part_left_out_or_wrong_is_caught(monkeypatch: pytest.MonkeyPatch)
     assert ratio > 100
 
 
+# --- FedCurv ---------------------------------------------------------------------------------------------------------
+
+
+def _fedcurv_upload(
+    client: FedCurvClient,
+    plan_task: Message,
+    broadcast: Message,
+    store: dict[str, torch.Tensor],
+    gen: torch.Generator,
+    fisher_scale: float,
+) -> dict[str, torch.Tensor]:
+    """What a FedCurv client uploads after a round of local training that moved the broadcast weights by a random
+    step and measured a random diagonal Fisher (the real client half's upload hook; training itself is not what
+    this tests)."""
+    weights = client.received_weights(broadcast)
+    trained = {k: w + 0.1 * torch.randn(w.shape, generator=gen) for k, w in weights.items()}
+    fisher = {k: fisher_scale * torch.rand(w.shape, generator=gen) for k, w in weights.items()}
+    settings = FedCurvSettings()
+    r = LocalRound(cast(Any, None), settings, cast(Any, None), cast(Any, None), store, broadcast, weights, plan_task)
+    return client.upload(r, trained, TrainStats(steps=1, samples=1, mean_loss=0.0, fisher=fisher))
+
+
+Stores = dict[str, dict[str, dict[str, torch.Tensor]]]  # side -> client -> the client's store
+
+
+def _fedcurv_rounds(
+    secure: SecureAggregationStrategy, plain: Strategy[Any], rounds: int, stores: Stores, fisher_scale: float = 0.05
+) -> Iterator[tuple[float, list[str], dict[str, float]]]:
+    """FedCurv round after round both ways: each client (the real client half, with its own store each way) uploads
+    from the same random step and Fisher; the plaintext server aggregates the secure round's survivors. Yields, per
+    round, the worst error of the server's U, V and weights over the fixed-point bound accumulated so far (U and V
+    are running sums; the weights move from the last round's, so their errors add up too), the survivors and the
+    secure round's metrics."""
+    client = FedCurvClient()
+    sum_bound = mean_bound = 1e-7  # float32 rounding of the values compared (below 1)
+    for rnd in range(1, rounds + 1):
+        replies: dict[str, dict[str, Message]] = {}
+        for side, strategy in (("secure", secure), ("plain", plain)):
+            plan = strategy.configure(rnd, CLIENTS)
+            assert plan.broadcast is not None
+            replies[side] = {}
+            for i, c in enumerate(CLIENTS):
+                gen = torch.Generator().manual_seed(1000 * rnd + i)  # the same step and Fisher both ways
+                tensors = _fedcurv_upload(client, plan.tasks[c], plan.broadcast, stores[side][c], gen, fisher_scale)
+                report = wire.to_params(UpdateReport(num_examples=60 + 40 * i, loss=float(i)))
+                replies[side][c] = Message(UPDATE, rnd, run=RUN, client=c, params=report, tensors=tensors)
+        metrics = secure.aggregate(rnd, {c: secure.accept(rnd, c, replies["secure"][c]) for c in CLIENTS})
+        survivors = _survivors(secure)
+        plain.aggregate(rnd, {c: plain.accept(rnd, c, replies["plain"][c]) for c in survivors})
+        assert secure.last is not None
+        sum_bound += len(survivors) * _resolution(secure)
+        mean_bound += len(survivors) * _resolution(secure) / sum(secure.last.shares[c] for c in survivors)
+        inner = _fedcurv(secure)
+        assert isinstance(plain, FedCurv)
+        errors = [
+            max(float((a[k].double() - b[k].double()).abs().max()) for k in a) / sum_bound
+            for a, b in zip(inner.sums(), plain.sums(), strict=True)
+        ]
+        w, w_plain = inner.global_weights(), plain.global_weights()
+        errors.append(max(float((w[k].double() - w_plain[k].double()).abs().max()) for k in w) / mean_bound)
+        yield max(errors), survivors, metrics
+
+
+def _fedcurv(secure: SecureAggregationStrategy) -> FedCurv:
+    assert isinstance(secure.inner, FedCurv)
+    return secure.inner
+
+
+def _stores() -> Stores:
+    return {"secure": {c: {} for c in CLIENTS}, "plain": {c: {} for c in CLIENTS}}
+
+
+@pytest.mark.parametrize("dropouts", [0.0, 0.3])
+def test_fedcurv_sums_and_model_are_the_plaintext_ones_of_the_survivors(dropouts: float) -> None:
+    """Three rounds: the server's U and V (in the clear, the latest terms of every client heard from, kept by client;
+    here telescoped from the survivors' changes) and the model agree with the plaintext run's within the bound."""
+    secure, plain = _pair("fedcurv", dropouts)
+    seen: list[list[str]] = []
+    for ratio, survivors, metrics in _fedcurv_rounds(secure, plain, 3, _stores()):
+        assert ratio <= 1.0 and metrics["secagg_clipped"] == 0
+        seen.append(survivors)
+    assert any(len(s) < N for s in seen) == (dropouts > 0)
+    # Round 4's tasks tell each client the last round whose terms of its are in U and V.
+    plan = secure.configure(4, CLIENTS)
+    kept = {c: wire.from_params(FedCurvTask, plan.tasks[c].params).kept_round for c in CLIENTS}
+    assert kept == {c: max([r + 1 for r, s in enumerate(seen) if c in s], default=0) for c in CLIENTS}
+    assert wire.from_params(FedCurvTask, plan.tasks["c0"].params).term_clip == CLIP
+    assert "kept_round" not in plain.configure(4, CLIENTS).tasks["c0"].params  # nothing new in the clear
+
+
+def test_fedcurv_clipped_changes_keep_the_sums_those_the_clients_hold() -> None:
+    """Fisher terms far above the bound: each change is clipped (the plaintext run, which does not clip, no longer
+    applies), and the server's U is still the sum of what the clients hold as their own terms in it."""
+    secure, plain = _pair("fedcurv", 0.3)
+    stores = _stores()
+    clipped = [metrics["secagg_clipped"] for _, _, metrics in _fedcurv_rounds(secure, plain, 2, stores, 20.0)]
+    assert all(n > 0 for n in clipped)
+    # Round 3, with a Fisher of 0: each client uploads its change 0 - (its terms in U), unclipped, as it sent it.
+    plan = secure.configure(3, CLIENTS)
+    assert plan.broadcast is not None
+    inner, total = _fedcurv(secure), None
+    for c in CLIENTS:
+        tensors = _fedcurv_upload(
+            FedCurvClient(), plan.tasks[c], plan.broadcast, stores["secure"][c], torch.Generator(), 0.0
+        )
+        own = {k: -tensors[FISHER_U + k] for k in inner.trainable}
+        total = own if total is None else {k: total[k] + own[k] for k in total}
+    assert total is not None
+    u_sum = inner.sums()[0]
+    assert max(float((u_sum[k] - total[k]).abs().max()) for k in total) <= 2 * N * _resolution(secure) + 1e-5
+    assert max(float(t.abs().max()) for t in total.values()) > 0.1  # the terms are there, not all clipped away
+
+
+def test_a_fedcurv_server_that_forgets_the_survivors_or_a_wrong_part_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Forgetting who was in the sum: every client still believes U holds nothing of it and adds its terms again.
+    monkeypatch.setattr(FedCurv, "secure_survivors", lambda self, rnd, reports: None)
+    ratios = [ratio for ratio, _, _ in _fedcurv_rounds(*_pair("fedcurv", 0.0), 2, _stores())]
+    assert ratios[0] <= 1.0 < 100 < ratios[1]
+    monkeypatch.undo()
+    declared = FedCurv.secure_parts
+    wrong = lambda self: (*declared(self)[:2], dataclasses.replace(declared(self)[2], weighted=True))  # noqa: E731
+    monkeypatch.setattr(FedCurv, "secure_parts", wrong)  # V's changes averaged, not summed
+    assert next(_fedcurv_rounds(*_pair("fedcurv", 0.0), 1, _stores()))[0] > 100
+
+
 @pytest.mark.parametrize("in_sums", [True, False])
 def test_an_fd_client_leaves_itself_out_only_of_sums_it_is_in(in_sums: bool) -> None:
     """The real client half on secure sums that hold client a's rows (classes 0 and 1) and another client's ``o``
@@ -177,19 +308,23 @@ def test_an_fd_client_leaves_itself_out_only_of_sums_it_is_in(in_sums: bool) -> 
     assert torch.allclose(inputs["targets"], other[Y_A], atol=1e-6)
 
 
-@pytest.mark.parametrize("algorithm", ["fd"])
+@pytest.mark.parametrize("algorithm", ["fd", "fedcurv"])
 def test_a_resumed_server_tells_the_clients_what_it_would_have(algorithm: str) -> None:
-    """The state a coordinator journals holds what the secure rounds left (FD: who is in the sums): a strategy loaded
-    from it configures the next round as the first."""
+    """The state a coordinator journals holds what the secure rounds left (FD: who is in the sums; FedCurv: U, V and
+    the round of each client's terms in them): a strategy loaded from it configures the next round as the first."""
     secure, plain = _pair(algorithm, 0.3)
-    _fd_round(secure, plain)
+    if algorithm == "fd":
+        _fd_round(secure, plain)
+    else:
+        for _ in _fedcurv_rounds(secure, plain, 2, _stores()):
+            pass
     tensors, values = secure.state()
     resumed, _ = _pair(algorithm, 0.3)
     resumed.load_state(tensors, json.loads(json.dumps(values)))  # the journal is JSON
-    rnd = 2
+    rnd = 2 if algorithm == "fd" else 3
     a, b = secure.inner.configure(rnd, CLIENTS), resumed.inner.configure(rnd, CLIENTS)
     assert {c: t.params for c, t in a.tasks.items()} == {c: t.params for c, t in b.tasks.items()}
     assert a.broadcast is not None and b.broadcast is not None and a.broadcast.params == b.broadcast.params
     assert all(torch.equal(t, b.broadcast.tensors[k]) for k, t in a.broadcast.tensors.items())
-    told = "in_sums"
+    told = "in_sums" if algorithm == "fd" else "kept_round"
     assert len({t.params[told] for t in a.tasks.values()}) >= 2  # not all alike: the test is not vacuous

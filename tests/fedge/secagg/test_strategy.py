@@ -215,7 +215,6 @@ def test_the_inner_strategy_sees_one_reply_the_mean() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (dict(algorithm="fedcurv"), "cannot run --algorithm fedcurv yet"),
         (dict(algo=FedAvgSettings(robust="median")), "--robust median needs every client's update in the clear"),
         (dict(algo=FedAvgSettings(clip_factor=2.0)), "--clip-factor 2 clips each update"),
         (dict(algo=FedAvgSettings(max_update_ratio=5.0)), "--max-update-ratio 5 refuses an update by its norm"),
