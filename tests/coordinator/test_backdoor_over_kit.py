@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -126,9 +126,17 @@ def honest(fleet: Fleet) -> tuple[float, float]:
     return _scores(fleet.exp, _in_process(fleet.exp, 0))
 
 
-def _coordinate(fleet: Fleet, exp: Experiment, out: Path, *, rejoin_grace: float = 5.0) -> RunResult:
+def _run_over_kit(
+    fleet: Fleet,
+    exp: Experiment,
+    out: Path,
+    *,
+    rejoin_grace: float = 5.0,
+    on_round: Callable[[RoundRecord], None] | None = None,
+) -> RunResult:
+    """``exp`` run by a coordinator logged in with the kit's coordinator bundle, its provisioned clients only."""
     coordinator = load_bundle(fleet.kit.coordinator_dir, broker=fleet.url)
-    result = run_coordinator(
+    return run_coordinator(
         exp.config,
         out,
         broker=coordinator.address,
@@ -138,7 +146,13 @@ def _coordinate(fleet: Fleet, exp: Experiment, out: Path, *, rejoin_grace: float
         join_timeout=120,
         rejoin_grace=rejoin_grace,
         experiment=exp,
+        on_round=on_round,
     )
+
+
+def _coordinate(fleet: Fleet, exp: Experiment, out: Path, *, rejoin_grace: float = 5.0) -> RunResult:
+    """:func:`_run_over_kit`, every round aggregated."""
+    result = _run_over_kit(fleet, exp, out, rejoin_grace=rejoin_grace)
     assert len(result.rounds) == exp.config.rounds and all(r.aggregated for r in result.rounds)
     return result
 
@@ -226,18 +240,7 @@ def test_a_journal_weight_altered_with_its_checksum_recomputed_is_refused_on_res
         raise _Stopped
 
     with _served(fleet, [_honest(exp, c) for c in sorted(exp.parts)]), pytest.raises(_Stopped):
-        coordinator = load_bundle(fleet.kit.coordinator_dir, broker=fleet.url)
-        run_coordinator(
-            exp.config,
-            out,
-            broker=coordinator.address,
-            run=RUN,
-            provisioned=coordinator.clients,
-            round_timeout=60,
-            join_timeout=120,
-            experiment=exp,
-            on_round=stop,
-        )
+        _run_over_kit(fleet, exp, out, on_round=stop)
     record = json.loads((out / "journal.json").read_text())
     tensors = load_file(out / record["tensors"])
     name = next(n for n, t in sorted(tensors.items()) if n.startswith("strategy/") and t.is_floating_point())

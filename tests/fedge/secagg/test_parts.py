@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 import torch
+from secagg_support import FramedChannel, framed
 from torch import nn
 
 from edge_client.secure import SecureRounds
@@ -25,12 +26,11 @@ from fedge.algorithms.fednova import FedNova, FedNovaReport
 from fedge.algorithms.secure_aggregation import SecureAggregationStrategy
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
-from fedge.secagg.config import RoundConfig
 from fedge.secagg.errors import MessageError, SecAggConfigError
 from fedge.secagg.messages import MaskedInput, SecAggMessage
 from fedge.secagg.parts import PARTS_PARAM, PartLayout, SecurePart, parse_parts
-from fedge.secagg.protocol import STAGES, Stage
-from fedge.secagg.remote import from_message, to_message
+from fedge.secagg.protocol import Stage
+from fedge.secagg.remote import from_message
 from fedge.wire import fields as wire
 from fedge.wire.message import UPDATE, Message, decode, encode
 
@@ -197,37 +197,20 @@ def test_parts_travel_in_the_broadcast_and_malformed_ones_are_refused() -> None:
         PartLayout([SecurePart(("w",), weighted=False)], {"v": ((2,), torch.float32)})
 
 
-class DeviceChannel:
+class DeviceChannel(FramedChannel):
     """Each client's device party (edge_client/secure.py's SecureRounds) reached through encoded frames, as over
     MQTT; ``drop_at[c]``: the stage from which c answers nothing."""
 
     def __init__(self, devices: dict[str, SecureRounds], drop_at: Mapping[str, Stage]) -> None:
-        self.devices, self.drop_at = devices, drop_at
-        self.entries: list[LedgerEntry] = []
+        super().__init__(drop_at, run=RUN)
+        self.devices = devices
 
-    def stage(
-        self,
-        rnd: int,
-        config: RoundConfig,
-        stage: Stage,
-        messages: Mapping[str, SecAggMessage],
-        params: Mapping[str, Mapping[str, str]],
-    ) -> list[SecAggMessage]:
-        answers = []
-        for c, message in messages.items():
-            frame = decode(encode(to_message(message, run=RUN, params=params.get(c, {}))))
-            if c in self.drop_at and STAGES.index(self.drop_at[c]) <= STAGES.index(stage):
-                continue
-            answer = self.devices[c].answer(frame)
-            assert answer is not None
-            up = decode(encode(answer))
-            self.entries.append(LedgerEntry(rnd, "up", c, up.kind, 1, up.tensor_bytes, len(encode(up))))
-            answers.append(from_message(up))
-        return answers
-
-    def take_record(self, rnd: int) -> tuple[list[LedgerEntry], dict[str, str]]:
-        entries, self.entries = self.entries, []
-        return entries, {c: f"vanished at stage {s!r}" for c, s in self.drop_at.items()}
+    def answer(self, rnd: int, stage: Stage, client: str, frame: Message) -> SecAggMessage:
+        answer = self.devices[client].answer(frame)
+        assert answer is not None
+        up = framed(answer)
+        self.entries.append(LedgerEntry(rnd, "up", client, up.kind, 1, up.tensor_bytes, len(encode(up))))
+        return from_message(up)
 
 
 @pytest.mark.parametrize("algorithm", ["scaffold", "fednova", "feddyn"])

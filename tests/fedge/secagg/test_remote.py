@@ -11,9 +11,9 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 import torch
+from secagg_support import FramedChannel, framed
 from torch import nn
 
-from fedge.accounting.ledger import LedgerEntry
 from fedge.aggregation.flat import FlatLayout
 from fedge.algorithms import make_strategy
 from fedge.algorithms.base import CheckedReply, ServerContext, UpdateReport
@@ -23,10 +23,9 @@ from fedge.config import RunConfig
 from fedge.errors import CodecError
 from fedge.privacy.mechanism import noise_rng
 from fedge.privacy.shares import NoiseFloor, client_input, share_of
-from fedge.secagg.config import RoundConfig
 from fedge.secagg.errors import MessageError, ProtocolViolation
 from fedge.secagg.messages import AdvertiseKeys, SecAggMessage, ShareDelivery
-from fedge.secagg.protocol import STAGES, SecAggServer, Stage
+from fedge.secagg.protocol import SecAggServer, Stage
 from fedge.secagg.remote import (
     WEIGHT_PARAM,
     ClientParty,
@@ -40,7 +39,7 @@ from fedge.secagg.remote import (
 )
 from fedge.secagg.rounds import rounding_rng, simulated_dropouts
 from fedge.wire import fields as wire
-from fedge.wire.message import UPDATE, Message, decode, encode
+from fedge.wire.message import UPDATE, Message
 
 RUN = "run"
 
@@ -72,43 +71,20 @@ def _updates(weights: Mapping[str, torch.Tensor], rnd: int, clients: list[str]) 
     return out
 
 
-def _wire(frame: Message) -> Message:
-    return decode(encode(frame))  # what the broker carries: fedge's safetensors frame
-
-
-class LocalChannel:
+class LocalChannel(FramedChannel):
     """Clients' parties in this process, reached through encoded frames; ``drop_at[c]``: the stage from which c
     sends nothing; ``tamper``: replaces an answer before the server sees it."""
 
     def __init__(self, parties: dict[str, ClientParty], drop_at: Mapping[str, Stage], tamper: object = None) -> None:
-        self.parties, self.drop_at, self.tamper = parties, drop_at, tamper
-        self.entries: list[LedgerEntry] = []
+        super().__init__(drop_at, run=RUN)
+        self.parties, self.tamper = parties, tamper
 
-    def stage(
-        self,
-        rnd: int,
-        config: RoundConfig,
-        stage: Stage,
-        messages: Mapping[str, SecAggMessage],
-        params: Mapping[str, Mapping[str, str]],
-    ) -> list[SecAggMessage]:
-        answers = []
-        for c, message in messages.items():
-            frame = _wire(to_message(message, run=RUN, params=params.get(c, {})))
-            self.entries.append(LedgerEntry(rnd, "down", c, message.KIND, 1, frame.tensor_bytes, len(encode(frame))))
-            if c in self.drop_at and STAGES.index(self.drop_at[c]) <= STAGES.index(stage):
-                continue
-            down = from_message(frame)
-            answer = self.parties[c].answer(down, weight_of(frame) if isinstance(down, ShareDelivery) else None)
-            if callable(self.tamper):
-                answer = self.tamper(stage, answer)
-            answers.append(from_message(_wire(to_message(answer, run=RUN))))
-        return answers
-
-    def take_record(self, rnd: int) -> tuple[list[LedgerEntry], dict[str, str]]:
-        gone = {c: f"vanished at stage {s!r}" for c, s in self.drop_at.items()}
-        entries, self.entries = self.entries, []
-        return entries, gone
+    def answer(self, rnd: int, stage: Stage, client: str, frame: Message) -> SecAggMessage:
+        down = from_message(frame)
+        answer = self.parties[client].answer(down, weight_of(frame) if isinstance(down, ShareDelivery) else None)
+        if callable(self.tamper):
+            answer = self.tamper(stage, answer)
+        return from_message(framed(to_message(answer, run=RUN)))
 
 
 def _remote_round(
@@ -118,7 +94,7 @@ def _remote_round(
     strategy = _strategy(config)
     updates = _updates(strategy.global_weights(), 1, clients)
     plan = strategy.configure(1, clients)
-    broadcast = _wire(plan.broadcast)  # type: ignore[arg-type]
+    broadcast = framed(plan.broadcast)  # type: ignore[arg-type]
     round_config = round_config_of(broadcast)
     assert round_config is not None
     layout = FlatLayout({n: (tuple(updates[clients[0]].tensors[n].shape), torch.float32) for n in layout_of(broadcast)})
@@ -140,7 +116,7 @@ def _remote_round(
         if drop_at.get(c) == "advertise":
             continue
         reply = to_message(parties[c].advertise(), run=RUN, kind=UPDATE, params=updates[c].params)
-        replies[c] = strategy.accept(1, c, _wire(reply))
+        replies[c] = strategy.accept(1, c, framed(reply))
     return strategy, strategy.aggregate(1, replies)
 
 
@@ -188,7 +164,7 @@ def test_a_wrong_answer_is_refused_and_its_sender_left_out_of_the_sum() -> None:
 def test_frames_are_checked_before_the_protocol_sees_them() -> None:
     keys = AdvertiseKeys(2, "c1", b"\x01" * 32, b"\x02" * 32)
     frame = to_message(keys, run=RUN)
-    assert from_message(_wire(frame)) == keys
+    assert from_message(framed(frame)) == keys
     with pytest.raises(MessageError, match="only secagg"):
         from_message(dataclasses.replace(frame, tensors={**frame.tensors, "w": torch.zeros(1)}))
     with pytest.raises(MessageError, match="the frame is for"):
@@ -253,7 +229,7 @@ def test_dp_noise_shares_added_on_the_devices_give_the_in_process_model_bit_for_
                 strategy.aggregate(1, {c: strategy.accept(1, c, inputs[c]) for c in clients})
             strategies[remote] = strategy
             continue
-        broadcast = _wire(plan.broadcast)  # type: ignore[arg-type]
+        broadcast = framed(plan.broadcast)  # type: ignore[arg-type]
         round_config, share = round_config_of(broadcast), share_of(broadcast.params)
         assert round_config is not None and share is not None and share.count == clip.startswith("adaptive")
         floor = NoiseFloor.of_config(config)  # what a device provisioned for this run accepts: the honest share passes
@@ -273,7 +249,7 @@ def test_dp_noise_shares_added_on_the_devices_give_the_in_process_model_bit_for_
         replies = {}
         for c in clients:
             reply = to_message(channel.parties[c].advertise(), run=RUN, kind=UPDATE, params=updates[c].params)
-            replies[c] = strategy.accept(1, c, _wire(reply))
+            replies[c] = strategy.accept(1, c, framed(reply))
         metrics = strategy.aggregate(1, replies)
         assert metrics["dp_survivors"] == 5 and strategy.last is None  # the coordinator knows no client's noise
         strategies[remote] = strategy

@@ -1,0 +1,55 @@
+"""Secure-aggregation rounds with the clients' parties in the test's process, reached as over MQTT: every protocol
+message encoded into fedge's frame and decoded again (what the broker carries), clients vanishing at a chosen stage."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+
+from fedge.accounting.ledger import LedgerEntry
+from fedge.secagg.config import RoundConfig
+from fedge.secagg.messages import SecAggMessage
+from fedge.secagg.protocol import STAGES, Stage
+from fedge.secagg.remote import to_message
+from fedge.wire.message import Message, decode, encode
+
+
+def framed(message: Message) -> Message:
+    """``message`` as the broker carries it: encoded into fedge's safetensors frame and decoded."""
+    return decode(encode(message))
+
+
+class FramedChannel(ABC):
+    """A :class:`fedge.secagg.remote.StageChannel` whose clients answer in this process: each message to a client is
+    framed (:func:`framed`); a client in ``drop_at`` answers nothing from that stage on (and its record says it
+    vanished there). Each frame sent is a "down" entry of the record (a vanished client's too: it was sent); a
+    subclass answers one frame."""
+
+    def __init__(self, drop_at: Mapping[str, Stage], *, run: str) -> None:
+        self.drop_at, self.run = drop_at, run
+        self.entries: list[LedgerEntry] = []
+
+    def stage(
+        self,
+        rnd: int,
+        config: RoundConfig,
+        stage: Stage,
+        messages: Mapping[str, SecAggMessage],
+        params: Mapping[str, Mapping[str, str]],
+    ) -> list[SecAggMessage]:
+        answers = []
+        for c, message in messages.items():
+            frame = framed(to_message(message, run=self.run, params=params.get(c, {})))
+            self.entries.append(LedgerEntry(rnd, "down", c, message.KIND, 1, frame.tensor_bytes, len(encode(frame))))
+            if c in self.drop_at and STAGES.index(self.drop_at[c]) <= STAGES.index(stage):
+                continue
+            answers.append(self.answer(rnd, stage, c, frame))
+        return answers
+
+    @abstractmethod
+    def answer(self, rnd: int, stage: Stage, client: str, frame: Message) -> SecAggMessage:
+        """``client``'s answer to ``frame``, as the server receives it."""
+
+    def take_record(self, rnd: int) -> tuple[list[LedgerEntry], dict[str, str]]:
+        entries, self.entries = self.entries, []
+        return entries, {c: f"vanished at stage {s!r}" for c, s in self.drop_at.items()}
