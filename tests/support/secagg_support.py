@@ -1,10 +1,13 @@
-"""Secure-aggregation rounds with the clients' parties in the test's process, reached as over MQTT: every protocol
-message encoded into fedge's frame and decoded again (what the broker carries), clients vanishing at a chosen stage."""
+"""Secure-aggregation rounds in the test's process: seeded key material, and the clients' parties reached as over
+MQTT (every protocol message encoded into fedge's frame and decoded again, what the broker carries), clients vanishing
+at a chosen stage."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+
+import numpy as np
 
 from fedge.accounting.ledger import LedgerEntry
 from fedge.secagg.config import RoundConfig
@@ -12,6 +15,12 @@ from fedge.secagg.messages import SecAggMessage
 from fedge.secagg.protocol import STAGES, Stage
 from fedge.secagg.remote import to_message
 from fedge.wire.message import Message, decode, encode
+
+
+def seeded_bytes(seed: int) -> Callable[[int], bytes]:
+    """A deterministic stand-in for os.urandom (tests only; real rounds draw their keys from os.urandom)."""
+    gen = np.random.default_rng(seed)
+    return lambda n: gen.bytes(n)
 
 
 def framed(message: Message) -> Message:

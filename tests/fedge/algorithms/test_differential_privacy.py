@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from secagg_support import seeded_bytes
 from torch import nn
 
 from fedge.algorithms import make_strategy
@@ -24,7 +25,6 @@ from fedge.privacy.accountant import Ledger
 from fedge.privacy.mechanism import adapted_clip, noise_rng
 from fedge.wire import fields as wire
 from fedge.wire.message import UPDATE, Message
-from tests.fedge.secagg.conftest import _seeded_bytes
 
 RUN = "run"
 
@@ -50,7 +50,7 @@ def _strategy(config: RunConfig, inputs: int = 5, outputs: int = 3) -> Different
 
     strategy = make_strategy(config, ServerContext(model, outputs, RUN))
     assert isinstance(strategy, DifferentialPrivacyStrategy)
-    strategy._rand = _seeded_bytes(0)  # deterministic keys for the secure path (tests only)
+    strategy._rand = seeded_bytes(0)  # deterministic keys for the secure path (tests only)
     return strategy
 
 

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import pytest
+from secagg_support import seeded_bytes
 
 RandBytesFactory = Callable[[int], Callable[[int], bytes]]
-
-
-def _seeded_bytes(seed: int) -> Callable[[int], bytes]:
-    gen = np.random.default_rng(seed)
-    return lambda n: gen.bytes(n)
 
 
 @pytest.fixture
 def seeded() -> RandBytesFactory:
     """``seeded(seed)``: a deterministic ``rand_bytes`` (tests only; real rounds use os.urandom)."""
-    return _seeded_bytes
+    return seeded_bytes
