@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,15 +26,12 @@ from fedge.aggregation.fedbuff import BufferedUpdate, ServerLearningRate, Server
 from fedge.aggregation.robust import state_norm
 from fedge.algorithms.base import (
     CheckedReply,
-    Evaluation,
-    RoundPlan,
-    ServerContext,
     Strategy,
     StrategyState,
-    TensorSpec,
 )
 from fedge.algorithms.catalog import ALGORITHMS, get_algorithm
 from fedge.algorithms.fedavg import FedAvg
+from fedge.algorithms.wrapping import WrappingStrategy
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.types import ClientId, StateDict
@@ -225,51 +222,29 @@ def _moves(tensors: Mapping[str, torch.Tensor], prefix: str, like: Mapping[str, 
     return out
 
 
-class BufferedFedAvg(Strategy[Any]):
+class BufferedFedAvg(WrappingStrategy):
     """A FedAvg-family server half whose global model moves by FedBuff's buffered step instead of a round's average.
 
-    Plans, checks and evaluates by delegation to the wrapped strategy; :meth:`aggregate` takes the server step from
-    :attr:`buffer` (the replies handed to it are the record's view, one per client; the buffer may hold two updates of
-    one client, trained on different versions). ``server_step``: what turns the mean update into the averaged weights
-    (the server learning rate), from which the wrapped strategy's server optimizer steps (:meth:`FedAvg.apply_average`:
-    the average itself for FedAvg, Adam's step for FedAdam)."""
+    Plans, checks and evaluates as the wrapped strategy (:class:`~fedge.algorithms.wrapping.WrappingStrategy`);
+    :meth:`aggregate` takes the server step from :attr:`buffer` (the replies handed to it are the record's view, one per
+    client; the buffer may hold two updates of one client, trained on different versions). ``server_step``: what turns
+    the mean update into the averaged weights (the server learning rate), from which the wrapped strategy's server
+    optimizer steps (:meth:`FedAvg.apply_average`: the average itself for FedAvg, Adam's step for FedAdam)."""
+
+    inner: FedAvg[Any]
 
     def __init__(self, inner: FedAvg[Any], weight: StalenessWeight, server_step: ServerStep) -> None:
-        super().__init__(
-            inner.config,
-            ServerContext(
-                inner.model_factory,
-                inner.num_classes,
-                run_id=inner.run_id,
-                evaluation_device=inner.evaluation_device,
-            ),
-        )
-        self.inner, self.weight, self.server_step = inner, weight, server_step
+        super().__init__(inner, inner.config)
+        self.weight, self.server_step = weight, server_step
         self.buffer = BufferState()
         self._drops: dict[int, tuple[Drop, ...]] = {}  # step -> the buffered updates it refused
-
-    # --- delegated -----------------------------------------------------------------------------------------------
-    def configure(self, rnd: int, clients: Sequence[ClientId]) -> RoundPlan:
-        return self.inner.configure(rnd, clients)
-
-    def accept(self, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
-        return self.inner.accept(rnd, client, reply)
 
     def accept_from(self, base: StateDict, rnd: int, client: ClientId, reply: Message) -> CheckedReply:
         """:meth:`accept` of a reply whose task sent ``base`` (:meth:`FedAvg.accept_from`)."""
         return self.inner.accept_from(base, rnd, client, reply)
 
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> Evaluation | None:
-        return self.inner.evaluate(x, y)
-
-    def reply_tensors(self) -> dict[str, TensorSpec]:
-        return self.inner.reply_tensors()
-
     def global_weights(self) -> StateDict:
         return self.inner.global_weights()
-
-    def stop_before(self, rnd: int) -> str:
-        return self.inner.stop_before(rnd)
 
     def averaging_weight(self, reply: CheckedReply) -> float:
         """``n_i``: the reply's share of the mean as the wrapped FedAvg weighs it (data size, or 1 when uniform)."""
