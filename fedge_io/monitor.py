@@ -143,13 +143,22 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return [line(headers), *(line(r) for r in rows)]
 
 
+def joining_text(status: RunStatus) -> str:
+    """The join phase in words; the count needed once the coordinator says it (its first status, published as it
+    connects, does not know it yet: "0 of 0 online" read as if nobody were wanted)."""
+    online = status.counts[0]
+    if status.needed <= 0:
+        return f"waiting for clients, {online} online"
+    return f"waiting for clients, {online} of {status.needed} online"
+
+
 def render(status: RunStatus, now: float) -> str:
     """The status as a few lines of text, ``now`` (Unix seconds) for ages and the time left."""
     s = status
     head = f"run {printable(s.run, 40)!r} (session {printable(s.session, 16)}): "
     about = [f"  {printable(s.about)}", f"  {progress_text(s, now)}"] if s.about else []
     if s.phase == "joining":
-        head += f"waiting for clients, {s.counts[0]} of {s.needed} online"
+        head += joining_text(s)
     elif is_gone(s):
         head += "coordinator gone" + (f" (its last news: round {s.round} of {s.rounds})" if s.round else "")
     elif s.phase in ("finished", "stopped"):

@@ -44,6 +44,7 @@ from fedge_io.monitor import (  # the terminal view's rules: one answer to "is i
     LATE_S,
     ROUND_HEADERS,
     client_cells,
+    joining_text,
     names_text,
     progress_text,
     round_cells,
@@ -183,7 +184,7 @@ def state_of(status: RunStatus | None, now: float, connected: bool, run: str) ->
         late = now - status.deadline
         return "gone", f"coordinator gone? round {status.round}'s deadline passed {late:.0f} s ago with no news"
     if status.phase == "joining":
-        return "live", f"live: waiting for clients, {status.counts[0]} of {status.needed} online"
+        return "live", f"live: {joining_text(status)}"
     return "live", f"live: round {status.round} of {status.rounds}, {_PHASE_TEXT.get(status.phase, status.phase)}"
 
 
@@ -198,7 +199,7 @@ def view(status: RunStatus | None, now: float, connected: bool, run: str) -> dic
     shown["run"] = f"{printable(s.run, 40)} (session {printable(s.session, 16)})"
     shown["round"] = f"{s.round} of {s.rounds}"
     if s.phase == "joining":
-        shown["phase"] = f"waiting for clients, {s.counts[0]} of {s.needed} online"
+        shown["phase"] = joining_text(s)
     else:
         shown["phase"] = _PHASE_TEXT.get(s.phase, s.phase)
     if s.phase == "training" and s.deadline:

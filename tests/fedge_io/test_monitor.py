@@ -72,6 +72,9 @@ def test_long_lists_say_how_many_more() -> None:
     many = tuple(f"c{i:04d}" for i in range(MAX_LISTED + 3))
     shown = render(run_status("lab", "s", "joining", online=many, needed=600), NOW)
     assert "waiting for clients, 503 of 600 online" in shown and "... (3 more)" in shown
+    # The coordinator's first status, as it connects, does not know how many it needs yet: no "0 of 0".
+    first = render(run_status("lab", "s", "joining"), NOW).splitlines()[0]
+    assert first == "run 'lab' (session s): waiting for clients, 0 online"
 
 
 def test_a_peers_strings_cannot_drive_the_terminal() -> None:

@@ -119,6 +119,8 @@ def test_the_json_holds_the_validated_fields_and_escaped_texts() -> None:
         ),
         (run_status("lab", "s", "training", round=3, rounds=5, deadline=NOW - 5), NOW, True, "live", "live: round 3"),
         (run_status("lab", "s", "joining", needed=3, online=("c0",)), NOW, True, "live", "waiting for clients, 1 of 3"),
+        # The coordinator's first status, as it connects, before it says how many it needs: not "0 of 0".
+        (run_status("lab", "s", "joining"), NOW, True, "live", "live: waiting for clients, 0 online"),
         (run_status("lab", "s", "finished", round=5, rounds=5), NOW, True, "finished", "finished after round 5 of 5"),
         (
             run_status("lab", "s", "stopped", note="nobody came"),
