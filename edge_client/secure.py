@@ -100,8 +100,9 @@ class SecureRounds:
         if self.noise_floor is not None:  # never less noise than the run this client joined states
             self.noise_floor.check(share, len(config.index))
         if share is not None:
-            if not layout.default:
-                raise CodecError("DP-FedAvg noises the model's move only; this round announces other parts")
+            if any(p.value_bound is not None for p in parts):
+                raise CodecError("DP-FedAvg clips a contribution in L2 norm; this round announces a per-value part")
+            # every part at once (SCAFFOLD: [y - x, delta_c]): one clip bounds all this client adds to the sums
             vector = client_input(new, moved_from, share, noise_rng(None, task.round))  # (dim + 1,)
             clipped = float(np.linalg.norm(new - moved_from)) > share.clip
         else:  # each part clipped to the bound on its own; the weighted parts get the share with the delivery

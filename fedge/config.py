@@ -523,8 +523,8 @@ class RunConfig:
         if spec.dp_refusal:
             supported = ", ".join(name for name, a in ALGORITHMS.items() if not a.dp_refusal)
             raise ConfigError(
-                f"--dp-noise-multiplier cannot run --algorithm {self.algorithm}: DP-FedAvg noises a mean of the "
-                f"returned weights, and {spec.dp_refusal}. It runs: {supported}"
+                f"--dp-noise-multiplier cannot run --algorithm {self.algorithm}: DP-FedAvg bounds each client's whole "
+                f"contribution to the sums its server releases by one clip, and {spec.dp_refusal}. It runs: {supported}"
             )
         algo = self.algo
         robust = getattr(algo, "robust", "mean")

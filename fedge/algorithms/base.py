@@ -394,8 +394,10 @@ class Algorithm(Generic[SettingsT]):
     # error; "" when its server half needs nothing but sums of the replies' tensors that fedge.secagg.parts declares
     # (by default the weighted mean of the returned weights).
     secagg_gap: str = "its aggregation is not declared to be a weighted mean of the returned weights"
-    # Why DP-FedAvg (fedge.privacy), which clips and noises the weighted mean of the returned weights alone, cannot
-    # run it; None: the same as secagg_gap (an algorithm secure aggregation runs with its default part).
+    # Why DP-FedAvg (fedge.algorithms.differential_privacy) cannot run it: it clips each client's whole contribution
+    # to the sums of the declared parts jointly (fedge.privacy.contribution) and noises them, so an algorithm whose
+    # server needs more than those sums (a per-client rescaling, per-client state) is refused. None: the same as
+    # secagg_gap (an algorithm secure aggregation runs with its default part).
     dp_gap: str | None = None
 
     @property

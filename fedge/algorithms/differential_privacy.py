@@ -2,12 +2,15 @@
 adaptive clipping (Andrew et al., NeurIPS 2021, Algorithm 1) and a privacy accountant (:mod:`fedge.privacy.accountant`).
 
 :class:`DifferentialPrivacyStrategy` wraps an algorithm's :class:`~fedge.algorithms.base.Strategy` whose aggregation
-is a mean of the returned weights. Per round ``r``, with ``w`` the broadcast weights, ``N`` the client population,
+needs only sums of the replies' moves and deltas (``Algorithm.dp_refusal == ""``): the mean of the returned weights
+for the FedAvg family, and SCAFFOLD's control-delta sum and FedDyn's drift sum beside it (their parts,
+:mod:`fedge.privacy.contribution`). Per round ``r``, with ``w`` the broadcast weights, ``N`` the client population,
 ``q`` the sampling rate (``client_fraction``), ``m = q N`` the expected cohort and ``C`` the round's clip:
 
 1. The cohort is Poisson-sampled by the round engine (:func:`fedge.privacy.mechanism.poisson_sample`): each client
    joins with probability ``q``; the cohort may be empty.
-2. Each reply becomes ``clip_C(w_k - w)`` (and, for adaptive clipping, the bit ``||w_k - w|| <= C``).
+2. Each reply becomes ``clip_C(v_k)``, ``v_k`` its contribution: ``w_k - w`` for the FedAvg family and FedDyn,
+   ``[w_k - w, delta_c_k]`` for SCAFFOLD, clipped jointly (and, for adaptive clipping, the bit ``||v_k|| <= C``).
 3. The sum over the replies gets Gaussian noise of std ``z_delta C`` per coordinate (the bits' sum: std ``sigma_b =
    m / 20``), where ``z_delta`` is ``z`` for a fixed clip and Andrew et al.'s raised multiplier for an adaptive one.
    Without secure aggregation the coordinator adds it; with it, each client adds ``N(0, (z_delta C)^2 / t)`` before
@@ -15,7 +18,8 @@ is a mean of the returned weights. Per round ``r``, with ``w`` the broadcast wei
    has at least the stated std and the coordinator never sees an un-noised sum.
 4. The new weights are ``w + (noised sum) / m`` (the fixed-denominator estimator ``f_f``: a dropped client leaves
    the round valid; an empty cohort moves the model by noise only, the mechanism the accountant counts). The inner
-   strategy aggregates one reply carrying them.
+   strategy aggregates one reply carrying them (and the noised sums of SCAFFOLD's control deltas or FedDyn's moves,
+   which its server step divides by ``N``).
 5. Adaptive clipping: ``C <- C exp(-lr (b / m - target))`` with ``b`` the noised count (public: it is noised).
 
 Every round is one Poisson-sampled Gaussian event to the accountant, aggregated or not (an abandoned secure round is
@@ -41,19 +45,20 @@ import numpy.typing as npt
 import torch
 
 from fedge.accounting.records import AggregationRecord
-from fedge.aggregation.flat import FlatLayout
 from fedge.algorithms.base import CheckedReply, RoundPlan, Strategy, StrategyState
 from fedge.algorithms.secure_aggregation import remote_reply
 from fedge.algorithms.wrapping import WrappingStrategy
 from fedge.config import AlgorithmSettings, RunConfig
 from fedge.errors import ConfigError
 from fedge.privacy.accountant import Ledger, update_noise_multiplier
+from fedge.privacy.contribution import Contribution
 from fedge.privacy.mechanism import adapted_clip, count_std, noise_rng
 from fedge.privacy.shares import ClientShare, share_params
 from fedge.secagg.config import RoundConfig
 from fedge.secagg.driver import run_configured, serve_round
 from fedge.secagg.errors import RoundAbandoned, SecAggError
 from fedge.secagg.messages import AdvertiseKeys, SecAggMessage
+from fedge.secagg.parts import SecurePart, default_parts, parts_param
 from fedge.secagg.protocol import SecAggServer, Stage
 from fedge.secagg.remote import LAYOUT_PARAM, SEED_PARAM, StageChannel
 from fedge.secagg.rounds import (
@@ -81,7 +86,8 @@ the clip, so a noised value is clipped with probability about 1e-23 per value.""
 class _Round:
     round: int
     cohort: tuple[ClientId, ...]
-    reference: npt.NDArray[np.float64]  # (dim,) the broadcast weights, flattened in reply-tensor order
+    weights: Mapping[str, torch.Tensor]  # the broadcast weights
+    reference: npt.NDArray[np.float64]  # (dim,) what a vector is a move from: the weights on relative parts, else 0
     clip: float
     secure: RoundConfig | None = None  # the secure sum's parameters (a cohort of 2 or more under secure aggregation)
 
@@ -89,7 +95,8 @@ class _Round:
 @dataclass(frozen=True)
 class PrivateRound:
     """The last aggregated round as the simulator saw it (for tests): each survivor's clipped norm, the sum of their
-    clipped deltas, the noise that was added to it (over the survivors, in total), and the weights before and after."""
+    clipped contributions, the noise that was added to it (over the survivors, in total), what the contributions are
+    moves from (the weights, and 0 on SCAFFOLD's control deltas) and that plus the noised sum over ``m``."""
 
     clipped_norms: Mapping[ClientId, float]
     clipped_sum: npt.NDArray[np.float64]  # (dim,)
@@ -121,10 +128,19 @@ class DifferentialPrivacyStrategy(WrappingStrategy):
         weights = inner.global_weights()
         if weights is None:
             raise ConfigError(f"differential privacy needs a global model; {inner.name} has none")
-        odd = [k for k, (shape, dtype) in specs.items() if dtype != torch.float32 or k not in weights]
+        # What its server releases sums of (the model's move; SCAFFOLD's control deltas too): one joint clip covers
+        # them all. A per-client rescaling (FedNova's) or per-client server state (FedCurv's) is outside that bound.
+        beyond = [h for h in ("secure_shares", "secure_scale", "secure_survivors") if hasattr(inner, h)]
+        if beyond:
+            raise ConfigError(f"DP-FedAvg cannot bound {inner.name}'s release by one clip: it needs {beyond[0]}")
+        declared = getattr(inner, "secure_parts", None)
+        parts: tuple[SecurePart, ...] = declared() if callable(declared) else default_parts(list(specs))
+        covered = {n for p in parts for n in p.tensors}
+        odd = [k for k, (shape, dtype) in specs.items() if dtype != torch.float32 or k not in covered]
+        odd += [n for p in parts if p.relative for n in p.tensors if n not in weights]
         if odd:
-            raise ConfigError(f"DP-FedAvg noises float32 weights; this model also exchanges {odd[:3]}")
-        self._layout = FlatLayout(specs)  # one flat vector per client
+            raise ConfigError(f"DP-FedAvg noises float32 moves and deltas; this model also exchanges {odd[:3]}")
+        self._layout = Contribution(parts, specs)  # one flat vector per client: the distinct parts, clipped jointly
         self._dim = self._layout.dim
         self.population = config.num_clients
         self.q = config.client_fraction
@@ -192,7 +208,7 @@ class DifferentialPrivacyStrategy(WrappingStrategy):
         assert weights is not None  # checked in __init__
         cohort = tuple(sorted(clients))
         secure = self._secure_config(rnd, cohort) if self.dp_config.secure_aggregation and len(cohort) >= 2 else None
-        self._round = _Round(rnd, cohort, self._layout.flatten(weights), self.clip, secure)
+        self._round = _Round(rnd, cohort, dict(weights), self._layout.reference(weights), self.clip, secure)
         if self._remote is None or not self.dp_config.secure_aggregation:
             return plan
         if secure is None or plan.broadcast is None:  # a lone client's update would reach the coordinator alone
@@ -206,7 +222,8 @@ class DifferentialPrivacyStrategy(WrappingStrategy):
             **plan.broadcast.params,
             **meta,
             SEED_PARAM: secure.round_seed.hex(),
-            LAYOUT_PARAM: ",".join(self._layout.specs),
+            LAYOUT_PARAM: ",".join(self._layout.parts[0].tensors),
+            **parts_param(self._layout.parts),  # SCAFFOLD: the control deltas too, in the one clipped vector
             **share_params(share),
         }
         assert set(tensors) == {"secagg.round_seed"}
@@ -263,7 +280,7 @@ class DifferentialPrivacyStrategy(WrappingStrategy):
         plain = np.zeros(self._dim + 1)  # (dim + 1,) the sum of the clipped deltas and bits, without the protocol
         norms: dict[ClientId, float] = {}
         for c in ordered:
-            vector = np.empty(self._dim + 1)  # (dim + 1,) clip_C(delta), then the bit ||delta|| <= C
+            vector = np.empty(self._dim + 1)  # (dim + 1,) clip_C(the parts' values), then the bit ||.|| <= C
             np.subtract(self._layout.flatten(replies[c].update.tensors), state.reference, out=vector[:-1])
             norm = float(np.linalg.norm(vector[:-1]))
             if norm > bound:
@@ -308,18 +325,18 @@ class DifferentialPrivacyStrategy(WrappingStrategy):
         survivors: Sequence[ClientId],
         metrics: dict[str, float],
     ) -> npt.NDArray[np.float64]:
-        """From the noised sum ``total`` (dim + 1,): the new weights ``w + sum / m`` (handed to the inner strategy,
-        and returned flat) and, under adaptive clipping, the next round's clip."""
+        """From the noised sum ``total`` (dim + 1,): the reply standing for the round (new weights ``w + sum / m``;
+        SCAFFOLD's control-delta sum, FedDyn's drift sum), handed to the inner strategy; ``reference + sum / m``
+        (returned flat); and, under adaptive clipping, the next round's clip."""
         cfg = self.dp_config
         after = state.reference + total[:-1] / self.expected_cohort  # (dim,) f_f: the fixed denominator
+        tensors = self._layout.stand_in(state.weights, total[:-1], self.expected_cohort)
         if self.adaptive:
             self.clip = adapted_clip(
                 state.clip, float(total[-1]), self.expected_cohort, cfg.dp_target_quantile, cfg.dp_clip_lr
             )
             metrics["dp_unclipped_share"] = float(total[-1]) / self.expected_cohort  # noised: public
-        self.inner.aggregate(
-            rnd, {SUM_CLIENT: self._mean_reply(rnd, replies, survivors, self._layout.unflatten(after))}
-        )
+        self.inner.aggregate(rnd, {SUM_CLIENT: self._mean_reply(rnd, replies, survivors, tensors)})
         return after
 
     def _aggregate_remote(

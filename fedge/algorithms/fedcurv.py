@@ -387,6 +387,8 @@ ALGORITHM = Algorithm(
     traffic=fedcurv_traffic,
     describe=lambda s: f"λ={s.curv_lambda:g}",
     secagg_gap="",
-    dp_gap="FedCurv also sums the clients' Fisher terms, which DP-FedAvg does not clip or noise",
+    dp_gap="FedCurv's server keeps U and V, sums of each client's latest Fisher terms that stay in them after its "
+    "round, so a client's share of a release is not that round's upload alone, and noised Fisher changes would add "
+    "up in U round after round (std z C sqrt(T)), far above the Fisher diagonals (docs/privacy.md)",
     terms=(FisherProximal,),
 )

@@ -148,5 +148,5 @@ ALGORITHM = Algorithm(
     traffic=weights_traffic,
     describe=lambda s: f"α={s.dyn_alpha:g}",
     secagg_gap="",
-    dp_gap="FedDyn also sums the clients' moves unweighted for its drift term h, which DP-FedAvg does not noise",
+    dp_gap="",  # DP-FedAvg: h from the same noised sum of clipped moves as the model (fedge.privacy.contribution)
 )

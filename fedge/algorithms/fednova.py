@@ -143,6 +143,7 @@ ALGORITHM = Algorithm(
     client=FedNovaClient(),
     traffic=weights_traffic,
     secagg_gap="",
-    dp_gap="FedNova rescales each client's move by its own step count, which DP-FedAvg's per-client bound does not "
-    "cover",
+    dp_gap="FedNova's step multiplies the normalised moves by tau_eff, the sampled cohort's mean step count: a second "
+    "statistic of the clients' data (each step count follows from its data size) that no clip of the move bounds, "
+    "and a public step count in its place would drop FedNova's normalisation (docs/privacy.md)",
 )

@@ -182,6 +182,6 @@ ALGORITHM = Algorithm(
     traffic=scaffold_traffic,
     describe=lambda s: f"lr_g={s.server_lr:g}",
     secagg_gap="",
-    dp_gap="SCAFFOLD also sums the clients' control-variate deltas, which DP-FedAvg does not clip or noise",
+    dp_gap="",  # DP-FedAvg clips [y - x, delta_c] jointly and noises both sums (fedge.privacy.contribution)
     terms=(Correction,),
 )

@@ -133,7 +133,7 @@ class PartLayout:
 
     @property
     def default(self) -> bool:
-        """Whether the parts are the default one (the model's weighted move): the only layout DP-FedAvg noises."""
+        """Whether the parts are the default one (the model's weighted move)."""
         return self.parts == default_parts(self.parts[0].tensors)
 
     def flatten(self, tensors: Mapping[str, torch.Tensor]) -> npt.NDArray[np.float64]:

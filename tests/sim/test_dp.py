@@ -143,7 +143,12 @@ def test_the_ledger_counts_every_masked_value_of_a_secure_round(
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--algorithm", "scaffold"], "cannot run --algorithm scaffold: DP-FedAvg noises a mean"),
+        (
+            ["--algorithm", "fednova"],
+            "fednova: DP-FedAvg bounds each client's whole contribution to the sums its "
+            "server releases by one clip, and FedNova's step multiplies the normalised moves by tau_eff",
+        ),
+        (["--algorithm", "fedcurv"], "U and V, sums of each client's latest Fisher terms"),
         (["--algorithm", "dsfl"], "cannot run --algorithm dsfl: it uploads outputs (logits)"),
         (["--algorithm", "fedavg", "--robust", "median"], "--robust median with --dp-noise-multiplier"),
         (["--algorithm", "fedavg", "--min-cohort", "3"], "--min-cohort 3 with --dp-noise-multiplier"),

@@ -201,10 +201,10 @@ def test_the_budget_stops_before_the_round_that_would_exceed_it() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (dict(algorithm="scaffold"), "cannot run --algorithm scaffold: DP-FedAvg noises a mean"),
+        (dict(algorithm="fednova"), "cannot run --algorithm fednova: DP-FedAvg bounds each client's whole"),
         (dict(algorithm="dsfl"), "cannot run --algorithm dsfl: it uploads outputs (logits)"),
         (dict(algorithm="fd"), "cannot run --algorithm fd"),
-        (dict(algorithm="fedcurv"), "cannot run --algorithm fedcurv: DP-FedAvg noises a mean"),
+        (dict(algorithm="fedcurv"), "cannot run --algorithm fedcurv: DP-FedAvg bounds each client's whole"),
         (dict(algo=FedAvgSettings(robust="median")), "--robust median with --dp-noise-multiplier"),
         (dict(algo=FedAvgSettings(clip_factor=2.0)), "--clip-factor 2 with --dp-noise-multiplier"),
         (dict(algo=FedAvgSettings(max_update_ratio=3.0)), "--max-update-ratio 3 with --dp-noise-multiplier"),
