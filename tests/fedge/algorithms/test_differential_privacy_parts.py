@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from secagg_support import seeded_bytes
+from secagg_support import framed, seeded_bytes
 from torch import nn
 
 from fedge.algorithms import make_strategy
@@ -23,6 +23,7 @@ from fedge.algorithms.feddyn import FedDynSettings
 from fedge.algorithms.scaffold import CONTROL, CONTROL_DELTA, ScaffoldSettings
 from fedge.config import RunConfig
 from fedge.privacy.mechanism import noise_rng
+from fedge.secagg.parts import PARTS_PARAM
 from fedge.wire import fields as wire
 from fedge.wire.message import UPDATE, Message
 
@@ -71,12 +72,10 @@ def _server(strategy: Strategy[Any], algorithm: str) -> tuple[np.ndarray, np.nda
     return _flat(weights), _flat({k: v for k, v in tensors.items() if k.startswith(prefix)})
 
 
-def _replies(
-    strategy: Strategy[Any], rnd: int, steps: Mapping[str, tuple[float, float]], seed: int = 0
-) -> dict[str, CheckedReply]:
-    """Client c's reply: the global weights plus a random step of L2 norm ``steps[c][0]`` and, for SCAFFOLD, a control
+def _updates(strategy: Strategy[Any], rnd: int, steps: Mapping[str, tuple[float, float]]) -> dict[str, Message]:
+    """Client c's update: the global weights plus a random step of L2 norm ``steps[c][0]`` and, for SCAFFOLD, a control
     delta of norm ``steps[c][1]``."""
-    gen = torch.Generator().manual_seed(seed + rnd)
+    gen = torch.Generator().manual_seed(rnd)
     weights = strategy.global_weights()
     assert weights is not None
     scaffold = any(k.startswith(CONTROL_DELTA) for k in strategy.reply_tensors())
@@ -88,8 +87,12 @@ def _replies(
             raw = {k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in weights.items()}
             tensors |= {CONTROL_DELTA + k: (control / np.linalg.norm(_flat(raw)) * v).float() for k, v in raw.items()}
         params = wire.to_params(UpdateReport(num_examples=10 + len(out), loss=1.0))
-        out[c] = strategy.accept(rnd, c, Message(UPDATE, rnd, run=RUN, client=c, params=params, tensors=tensors))
+        out[c] = Message(UPDATE, rnd, run=RUN, client=c, params=params, tensors=tensors)
     return out
+
+
+def _replies(strategy: Strategy[Any], rnd: int, steps: Mapping[str, tuple[float, float]]) -> dict[str, CheckedReply]:
+    return {c: strategy.accept(rnd, c, m) for c, m in _updates(strategy, rnd, steps).items()}
 
 
 def _round(
@@ -198,3 +201,38 @@ def test_secure_aggregation_releases_the_clipped_sum_plus_the_survivors_noise(al
     released = _released_sum(algorithm, before, _server(strategy, algorithm))
     assert np.allclose(released, last.clipped_sum + last.noise, atol=1e-4)  # the ring's fixed point, then float32
     assert np.std(last.noise) > 0.1
+
+
+@pytest.mark.parametrize("algorithm", ["scaffold", "feddyn"])
+def test_devices_build_the_joint_vector_from_the_broadcast(algorithm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DP under secure aggregation with the clients' parties on their devices (edge_client/secure.py): the broadcast
+    names SCAFFOLD's two parts (FedDyn sends its move once: the default part), each device clips [move, control
+    delta] jointly, adds its noise share and masks; given the in-process noise stream (each client's draw in id
+    order), the server's model and c or h are the in-process ones within the ring's fixed point (devices round with
+    their own streams)."""
+    from edge_client.secure import SecureRounds
+    from tests.fedge.secagg.test_parts import DeviceChannel
+
+    clients = ["c0", "c1", "c2", "c3"]
+    steps = {"c0": (0.3, 0.2), "c1": (3.0, 3.0), "c2": (0.1, 0.0), "c3": (1.0, 0.5)}
+    config = _config(algorithm, secure_aggregation=True)
+    inprocess = _strategy(config)
+    _round(inprocess, 1, steps)
+    remote = _strategy(config)
+    assert isinstance(remote, DifferentialPrivacyStrategy)
+    devices = {c: SecureRounds(c) for c in clients}
+    remote.use_channel(DeviceChannel(devices, {}))
+    plan = remote.configure(1, clients)
+    assert plan.broadcast is not None and (PARTS_PARAM in plan.broadcast.params) == (algorithm == "scaffold")
+    noise = noise_rng(3, 1)  # the in-process stream, drawn in turn by each device below
+    monkeypatch.setattr("edge_client.secure.noise_rng", lambda seed, rnd: noise)
+    updates = _updates(remote, 1, steps)  # the same as in process
+    replies = {}
+    for c in clients:
+        reply = devices[c].reply(plan.tasks[c], framed(plan.broadcast), updates[c])
+        assert reply is not None and not set(reply.tensors) & set(updates[c].tensors)  # never the update
+        replies[c] = remote.accept(1, c, framed(reply))
+    metrics = remote.aggregate(1, replies)
+    assert metrics["dp_survivors"] == 4 and remote.last is None  # the coordinator saw no client's noise
+    for a, b in zip(_server(remote, algorithm), _server(inprocess, algorithm), strict=True):
+        assert np.abs(a).max() > 1e-3 and np.allclose(a, b, atol=1e-5)
