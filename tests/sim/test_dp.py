@@ -5,6 +5,7 @@ options another; a killed run resumes to the same model and ledger; the budget s
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -109,12 +110,14 @@ def test_the_budget_stops_the_run_with_exit_0(tmp_path: Path, capsys: pytest.Cap
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+@pytest.mark.parametrize(("algorithm", "copies"), [("fedavg", 1), ("scaffold", 2), ("feddyn", 1)])
 def test_the_ledger_counts_every_masked_value_of_a_secure_round(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str, copies: int
 ) -> None:
     """Each client masks its clipped update and one value more (the clipped-count bit, 0 under a fixed clip): the
     ledger's upload of each client that uploaded (its update message and any masked-input entry) is the masked
-    vector it sent, 4 bytes a value, as the protocol packed it."""
+    vector it sent, 4 bytes a value, as the protocol packed it. SCAFFOLD's vector is its move and control delta
+    (twice the model's values, as its update message), FedDyn's its move once (h reuses its sum)."""
     import fedge.algorithms.differential_privacy as dp
 
     sent: dict[str, int] = {}  # client: bytes of the masked vector it uploaded (round 1)
@@ -129,10 +132,10 @@ def test_the_ledger_counts_every_masked_value_of_a_secure_round(
         return run_configured(*args, on_message=seen, **kwargs)
 
     monkeypatch.setattr(dp, "run_configured", spy)
-    result = _run(tmp_path, "secure", secure_aggregation=True, num_clients=6, rounds=1)
+    result = _run(tmp_path, "secure", algorithm=algorithm, secure_aggregation=True, num_clients=6, rounds=1)
     assert len(sent) >= 2 and result.rounds[0].aggregated
     dim = sum(t.numel() for t in load_file(result.path / "global_model.safetensors").values())
-    assert set(sent.values()) == {4 * (dim + 1)}  # the update and the count
+    assert set(sent.values()) == {4 * (copies * dim + 1)}  # the update (and control delta) and the count
     counted: dict[str, int] = {}
     for e in read_ledger_csv(result.path / "ledger.csv"):
         if e.direction == "up" and e.kind in ("update", MaskedInput.KIND):
@@ -232,3 +235,22 @@ def test_fedge_coordinator_and_provision_refuse_a_noise_seed_in_one_line(
         assert err.startswith("fedge: error:") and "--dp-noise-seed makes the noise predictable" in err, err
         assert "Traceback" not in err
         assert not (tmp_path / "run").exists()  # refused before anything was written or connected
+
+
+@pytest.mark.parametrize("algorithm", ["scaffold", "feddyn"])
+def test_scaffold_and_feddyn_repeat_bit_for_bit_and_resume_exactly(tmp_path: Path, algorithm: str) -> None:
+    """DP-SCAFFOLD and DP-FedDyn (one joint clip, fixed denominators): a killed run, its round 1 played afresh and
+    rounds 2-3 resumed, is the uninterrupted run bit for bit (model, epsilons, clips: the noise seed repeats the
+    run; the adaptive clip, c or h and the ledger survive the restart); another noise seed gives another model."""
+    cfg = _config(algorithm=algorithm, dp_clip="adaptive:1.0", dp_noise_multiplier=0.5)
+    reference = run_inprocess(cfg, tmp_path / "ref" / "run", executor="sequential")
+    other = run_inprocess(replace(cfg, dp_noise_seed=2, rounds=1), tmp_path / "other" / "run", executor="sequential")
+    first = run_inprocess(replace(cfg, rounds=1), tmp_path / "first" / "run", executor="sequential")
+    assert not _same_model(other, first)
+    with pytest.raises(Interrupted):
+        run_inprocess(cfg, tmp_path / "killed" / "run", executor="sequential", on_round=interrupt_after(1))
+    resumed = run_inprocess(cfg, tmp_path / "killed" / "run", executor="sequential", resume=True)
+    assert resumed.summary["resumed_after"] == [1]
+    assert _same_model(reference, resumed) and lines(reference.path) == lines(resumed.path)
+    assert [r.metrics["dp_clip"] for r in reference.rounds][1] != 1.0  # the clip moved: it was state to resume
+    assert resumed.summary["dp_epsilon"] == reference.summary["dp_epsilon"] == Ledger(0.5, 0.5, 1 / 20**1.1).epsilon(3)
