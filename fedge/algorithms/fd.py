@@ -14,12 +14,18 @@ client masks its C x C outputs (zero rows for absent classes) and a C-vector of 
 sample of the class, 0 elsewhere; uploaded only then, ``class_holds``), both as sent and unweighted, clipped per value
 (probabilities and indicators lie in [0, 1]). The server learns ``S_n = sum_{U3} t_k,n`` and ``|K_n ∩ U3|`` and
 broadcasts their quotient and the counts as in the clear. Eq. 6's leave-one-out needs no more: each client subtracts
-its own row from ``|K_n| t_g,n`` itself (:func:`fd_leave_one_out`); it is told in its task whether its upload is in the
-sums (``in_sums``: it may have vanished in the protocol after uploading in the clear's sense; the server knows U3).
+its own row from ``|K_n| t_g,n`` itself (:func:`fd_leave_one_out`).
+
+A client subtracts its own outputs only from an average that holds them. Each task with a broadcast says whether the
+client's upload of the broadcast's source round is in that average (``in_sums``; in the clear too: the server knows
+whose replies it averaged, U3 under secure aggregation, and a client whose reply was dropped, refused or vanished in
+the protocol does not). The broadcast names its source round, older than ``r - 1`` after rounds without a quorum, so a
+client keeps two uploads: its last one and the one the last broadcast it saw averaged (:func:`own_upload_in`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +69,8 @@ from fedge.wire import fields as wire
 from fedge.wire.fields import bounded
 from fedge.wire.message import Message
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class FDSettings(AlgorithmSettings):
@@ -83,8 +91,10 @@ CLASS_HOLDS = "class_holds"
 class FDTask:
     model_seed: int = field(metadata=bounded(0, 2**31 - 1))  # common initialization of every client's own model
     # Under secure aggregation only (absent in the clear): upload CLASS_HOLDS too (the server cannot read the holders
-    # off zero rows it never sees), and whether this client's upload of the broadcast's source round is in its sums.
+    # off zero rows it never sees).
     secure: bool | None = None
+    # With a broadcast: whether this client's upload of the broadcast's source round is in its average (None: unknown,
+    # a server resumed from an older journal; the client then assumes so if it uploaded in that round).
     in_sums: bool | None = None
 
 
@@ -128,7 +138,8 @@ class FederatedDistillation(Strategy[FDSettings]):
         self._last_eval: Evaluation | None = None
         self._source: int | None = None  # the round whose uploads _global averages (None: unknown, an old journal)
         self._secure = config.secure_aggregation
-        self._in_sums: frozenset[ClientId] = frozenset()  # secure: the clients whose uploads _global sums (U3)
+        # The clients whose uploads _global averages (U3 under secure aggregation); None: unknown (an older journal).
+        self._in_sums: frozenset[ClientId] | None = frozenset()
         self._survivors: Mapping[ClientId, UpdateReport] = {}  # secure: this round's U3 and their reports
 
     def state(self) -> StrategyState:
@@ -141,19 +152,19 @@ class FederatedDistillation(Strategy[FDSettings]):
             values["last_eval_accuracy"] = self._last_eval.accuracy
         if self._source is not None:
             values["source_round"] = self._source
-        if self._secure:
+        if self._in_sums is not None:
             values["in_sums"] = sorted(self._in_sums)
         return tensors, values
 
     def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
         c = self.num_classes
         self._global = self._contributors = self._last_eval = None
-        source, in_sums = values.get("source_round"), values.get("in_sums", [])
+        source, in_sums = values.get("source_round"), values.get("in_sums")
         if not (source is None or isinstance(source, int)):
             raise ConfigError("the saved state's source_round must be an integer")
-        if not (isinstance(in_sums, list) and all(isinstance(c, str) for c in in_sums)):
+        if not (in_sums is None or (isinstance(in_sums, list) and all(isinstance(c, str) for c in in_sums))):
             raise ConfigError("the saved state's in_sums must be a list of client ids")
-        self._source, self._in_sums = source, frozenset(in_sums)
+        self._source, self._in_sums = source, None if in_sums is None else frozenset(in_sums)
         if "global_probs" in tensors:
             like = {"global_probs": torch.zeros(c, c), "contributors": torch.zeros(c, dtype=torch.int32)}
             restored = tensors_like(tensors, "", like)
@@ -188,10 +199,9 @@ class FederatedDistillation(Strategy[FDSettings]):
             tensors = {"global_probs": self._global, "contributors": self._contributors}
             source = rnd - 1 if self._source is None else self._source  # older than rnd - 1 after a skipped round
             broadcast = self.broadcast(rnd, tensors, FDBroadcast(source_round=source))
-        seed = derive_seed(self.config.seed, "model")
-        if not self._secure:
-            return RoundPlan(broadcast=broadcast, tasks={c: self.task(rnd, c, FDTask(seed)) for c in clients})
-        tasks = {c: self.task(rnd, c, FDTask(seed, secure=True, in_sums=c in self._in_sums)) for c in clients}
+        seed, secure, kept = derive_seed(self.config.seed, "model"), self._secure or None, self._in_sums
+        told = {c: None if broadcast is None or kept is None else c in kept for c in clients}
+        tasks = {c: self.task(rnd, c, FDTask(seed, secure=secure, in_sums=told[c])) for c in clients}
         return RoundPlan(broadcast=broadcast, tasks=tasks)
 
     def aggregate(self, rnd: int, replies: Mapping[ClientId, CheckedReply]) -> dict[str, float]:
@@ -211,6 +221,7 @@ class FederatedDistillation(Strategy[FDSettings]):
         g, k = fd_global_logits(probs, counts)
         self._global = g.to(torch.float32)
         self._contributors = k.to(torch.int32)
+        self._in_sums = frozenset(replies)
         self._last_eval = pooled_local_eval([r.report for r in ordered], self.num_classes)
         return {}
 
@@ -284,13 +295,13 @@ class FDClient(ClientHalf[FDSettings]):
         else:
             source = wire.from_params(FDBroadcast, broadcast.params, defaults=False)
             g, k = broadcast.tensor("global_probs"), broadcast.tensor("contributors").to(torch.int64)
-            own_round = int(store["uploaded_round"]) if "uploaded_round" in store else -1
-            targets, mask = fd_leave_one_out(  # a client absent from that round has nothing of its own to leave out
+            own = own_upload_in(store, source.source_round, extra.in_sums)
+            targets, mask = fd_leave_one_out(  # a client absent from that average has nothing of its own to leave out
                 g,
                 k,
-                store.get("uploaded_probs", torch.zeros_like(g)),
-                store.get("uploaded_counts", torch.zeros_like(k)),
-                own_included=own_round == source.source_round and extra.in_sums is not False,
+                torch.zeros_like(g) if own is None else own[0],
+                torch.zeros_like(k) if own is None else own[1],
+                own_included=own is not None,
             )
             inputs = {"targets": targets[data.y], "mask": mask[data.y]}  # (N, C), (N,)
             objective = FDDistillation(gamma=settings.fd_gamma)
@@ -302,12 +313,43 @@ class FDClient(ClientHalf[FDSettings]):
         counts = torch.bincount(data.y, minlength=data.num_classes)
         class_probs = class_probs / counts.clamp(min=1).unsqueeze(1)  # eq. 4; absent classes stay zero rows
         keep_own_model(store, backend)
-        store["uploaded_probs"] = class_probs
-        store["uploaded_counts"] = (counts > 0).to(torch.int64)
-        store["uploaded_round"] = torch.tensor(task.round)
+        store[_LAST + "probs"] = class_probs
+        store[_LAST + "counts"] = (counts > 0).to(torch.int64)
+        store[_LAST + "round"] = torch.tensor(task.round)
         report = FDReport(num_examples=len(data), loss=stats.mean_loss, **local_eval_counts(backend, data))
         holds = {CLASS_HOLDS: (counts > 0).to(torch.float32)} if extra.secure else {}
         return update_message(task, {"class_probs": class_probs, **holds}, report)
+
+
+_LAST, _KEPT = "uploaded_", "fd.kept_"  # store prefixes (+ probs, counts, round): the last upload; the one averaged
+
+
+def own_upload_in(
+    store: ClientStore, source_round: int, in_sums: bool | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """This client's upload of ``source_round`` (per-class outputs (C, C), holds (C,) int64) when the broadcast average
+    of that round holds it (``in_sums``; None: assumed when the client uploaded in that round), else None.
+
+    Kept in the store as the averaged upload: the next broadcast averages this round again (rounds without a quorum
+    between) or a later one, so the client needs no other than that and its next upload. A client told that its
+    upload is in the average but that no longer has it (its store lost) leaves nothing out."""
+    found = None
+    for prefix in (_LAST, _KEPT):
+        if prefix + "round" in store and int(store[prefix + "round"]) == source_round:
+            found = (store[prefix + "probs"], store[prefix + "counts"])
+    for name in ("probs", "counts", "round"):  # the last upload is replaced at the end of this step anyway
+        store.pop(_KEPT + name, None)
+        store.pop(_LAST + name, None)
+    if found is None or in_sums is False:
+        if in_sums and found is None:
+            log.warning(
+                "round %d's outputs of this client are in the broadcast average, but it no longer has them (a lost "
+                "store): it distills toward an average that holds its own outputs",
+                source_round,
+            )
+        return None
+    store[_KEPT + "probs"], store[_KEPT + "counts"], store[_KEPT + "round"] = *found, torch.tensor(source_round)
+    return found
 
 
 def local_eval_counts(backend: Backend, data: ClientData) -> dict[str, tuple[int, ...]]:

@@ -6,10 +6,14 @@ and eq. 6 would divide by zero. There fedge skips the distillation term of those
 counting in the batch mean), which the paper leaves open. Round 1 is the plain update (eq. 1) and upload; round 2
 distills on round 1's broadcast (eq. 7), then uploads again."""
 
+import pytest
 import torch
-from algorithm_support import NUM_CLASSES, W0, TwoClients, ce_gradient, config
+from algorithm_support import NUM_CLASSES, W0, LinearBackend, TwoClients, ce_gradient, config, linear
 
-from fedge.algorithms.fd import FDSettings
+from fedge.algorithms.base import ClientData, ServerContext
+from fedge.algorithms.fd import FDClient, FDSettings, FDTask, FederatedDistillation
+from fedge.wire import fields as wire
+from fedge.wire.message import Message
 
 LR, STEPS, GAMMA = 1.0, 2, 0.5  # full-batch steps per round (2 epochs of one batch); eq. 7's gamma
 X_A = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 0.5]])
@@ -91,3 +95,46 @@ def test_round_2_distills_toward_the_other_clients_outputs():
         assert torch.allclose(run.upload(2, k, "class_probs"), _class_means(w2, x, y), atol=1e-6)  # eq. 4 again
         # The distillation term moved the weights: without it, round 2 would be two more CE steps.
         assert not torch.allclose(w2, _ce_steps(w1[k], x, y), atol=1e-3)
+
+
+# Who uploads in rounds 1-3 and whose uploads the server averages (None: the round has no quorum, no aggregate).
+SCENARIOS = {
+    # a's round-1 reply was dropped (deadline, refused, offline): round 1's average holds b and c only.
+    "dropped": [("abc", "bc"), ("a", None)],
+    # Round 2 had no quorum: round 3's broadcast is round 1's average, which holds a's round-1 upload, not its round-2.
+    "older source": [("abc", "abc"), ("ab", None), ("a", None)],
+    # a sat round 2 out: round 2's average holds b and c only.
+    "not sampled": [("abc", "abc"), ("bc", "bc"), ("a", None)],
+}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_a_client_leaves_itself_out_only_of_an_average_that_holds_its_upload(scenario: str) -> None:
+    """The real halves, three clients that share classes 0 and 1 (b also holds 2). In the scenario's last round, a's
+    eq. 6 target for class n is the mean over the *other* clients' uploads in the broadcast's average (its own
+    upload of that round taken out only when the average holds it), computed here from the uploads themselves."""
+    data = {
+        "a": ClientData(X_A, Y_A, NUM_CLASSES),
+        "b": ClientData(X_B, Y_B, NUM_CLASSES),
+        "c": ClientData(torch.tensor([[0.5, 1.0], [1.0, 0.2]]), torch.tensor([1, 0]), NUM_CLASSES),
+    }
+    server = FederatedDistillation(config("fd", FDSettings(fd_gamma=GAMMA)), ServerContext(linear, NUM_CLASSES, "t"))
+    half, stores = FDClient(), {c: dict[str, torch.Tensor]() for c in data}
+    backends = {c: LinearBackend() for c in data}
+    uploads: dict[int, dict[str, Message]] = {}
+    averaged: tuple[int, str] = (0, "")  # the latest round with an average, and whose uploads it holds
+    for rnd, (stepping, aggregated) in enumerate(SCENARIOS[scenario], 1):
+        plan = server.configure(rnd, list(data))
+        uploads[rnd] = {c: half.step(plan.tasks[c], plan.broadcast, data[c], backends[c], stores[c]) for c in stepping}
+        if aggregated is not None:
+            server.aggregate(rnd, {c: server.accept(rnd, c, uploads[rnd][c]) for c in aggregated})
+            averaged = (rnd, aggregated)
+    source, holders = averaged
+    assert plan.broadcast is not None and plan.broadcast.params["source_round"] == str(source)
+    assert wire.from_params(FDTask, plan.tasks["a"].params).in_sums == ("a" in holders)
+    others = torch.stack([uploads[source][c].tensor("class_probs") for c in holders if c != "a"])  # (K-1, C, C)
+    held = others.sum(dim=2) > 0  # (K-1, C)
+    expected = others.sum(dim=0) / held.sum(dim=0).clamp(min=1).unsqueeze(1)  # (C, C): the others' mean per class
+    inputs = backends["a"].requests[-1].inputs  # the last round's distillation (eq. 7) on a's samples
+    assert bool(inputs["mask"].all())  # classes 0 and 1 each have another holder in the average
+    assert torch.allclose(inputs["targets"], expected[Y_A], atol=1e-6)
