@@ -26,11 +26,14 @@ Their server subtracts client k's own terms from the sums in place, so each late
 minus every earlier client's terms too (a tensor aliasing slip); fedge subtracts client k's own terms only.
 
 Traffic: the server broadcasts the model plus ``U = sum_j u_j`` and ``V = sum_j v_j``, and each client subtracts its
-own last ``(u_k, v_k)``, kept in its store, to get P and Q; each update carries the model plus ``(u_k, v_k)``. Both
-directions carry the model plus two values per trainable parameter, three times FedAvg's parameters. A client that
-lost its store, or whose last update the server refused, subtracts terms the server does not hold (or holds other
-ones): P is clamped at 0 so the pull stays a pull. The server's memory grows with the number of clients heard from:
-two values per trainable parameter per client, journaled with the run.
+own ``(u_k, v_k)`` that U and V hold, kept in its store, to get P and Q; each update carries the model plus
+``(u_k, v_k)``. Both directions carry the model plus two values per trainable parameter, three times FedAvg's
+parameters. Which of the client's terms the server holds is the server's to say: its task names their round
+(``kept_round``: that of its last accepted update; 0, none), since a reply dropped at the deadline, refused or lost
+leaves the server with older terms or none. The client keeps its last upload's terms as pending beside those, and
+takes them as held when the task names their round (:func:`_settle`). A client that lost its store cannot take its
+held terms out (logged): P is clamped at 0 so the pull stays a pull. The server's memory grows with the number of
+clients heard from: two values per trainable parameter per client, journaled with the run.
 
 Under secure aggregation (:mod:`fedge.secagg.parts`) the server keeps no client's terms: it keeps ``U`` and ``V``
 themselves and learns each round only sums. Each client k keeps in its store the terms of its that are in U and V
@@ -89,9 +92,9 @@ log = logging.getLogger(__name__)
 FISHER_U = "fisher_u."  # broadcast: U = sum_j u_j; update: the client's u_k
 FISHER_V = "fisher_v."  # broadcast: V = sum_j v_j; update: the client's v_k = u_k * w_k
 _SAVED = "fedcurv.{}.{}."  # the server's kept (u_j, v_j) in its saved state: fedcurv.u.<client>.<param>
-_OWN = "fedcurv.own_"  # the client's own last u_k, v_k in its store (secure aggregation: those in U and V)
+_OWN = "fedcurv.own_"  # the client's u_k, v_k that U and V hold, in its store
 _SUMS = "fedcurv.sum_{}."  # secure aggregation: U and V in the server's saved state
-_PENDING = "fedcurv.pending_"  # secure aggregation: the client's last uploaded terms, not yet known to be in U, V
+_PENDING = "fedcurv.pending_"  # the client's last uploaded terms, not yet known to be in U and V
 _PENDING_ROUND, _KEPT_ROUND = "fedcurv.pending_round", "fedcurv.kept_round"  # their rounds, in the client's store
 
 
@@ -112,8 +115,9 @@ class FedCurvSettings(FedAvgSettings):
 
 @dataclass(frozen=True)
 class FedCurvTask:
-    """Under secure aggregation only (absent in the clear): the round of this client's terms in the broadcast's U and
-    V (0: none) and the L2 bound of each uploaded change of its terms (the run's ``--secagg-clip``)."""
+    """The round of this client's terms in the broadcast's U and V (0: none; None: unknown, a server resumed from an
+    older journal) and, under secure aggregation only, the L2 bound of each uploaded change of its terms (the run's
+    ``--secagg-clip``)."""
 
     kept_round: int | None = field(default=None, metadata=bounded(0, 2**31 - 1))
     term_clip: float | None = field(default=None, metadata=bounded(1e-9, 1e9))
@@ -146,11 +150,10 @@ class FedCurv(FedAvg[FedCurvSettings]):
         super().__init__(config, context)
         self.trainable = tuple(name for name, _ in self._model.named_parameters())
         self._terms: dict[ClientId, tuple[StateDict, StateDict]] = {}  # client -> (u_j, v_j), its latest accepted
-        # Secure aggregation: U and V themselves (never a client's terms), the round of each client's terms in them,
-        # and this round's survivors U3.
+        self._kept: dict[ClientId, int] = {}  # client -> the round of its terms in U and V
+        # Secure aggregation: U and V themselves (never a client's terms) and this round's survivors U3.
         self._secure = config.secure_aggregation
         self._u_sum, self._v_sum = self._zeros(), self._zeros()
-        self._kept: dict[ClientId, int] = {}
         self._survivors: tuple[ClientId, ...] = ()
 
     def _zeros(self) -> StateDict:
@@ -158,10 +161,11 @@ class FedCurv(FedAvg[FedCurvSettings]):
 
     def state(self) -> StrategyState:
         tensors, values = super().state()
+        values = {**values, "fedcurv_kept": dict(sorted(self._kept.items()))}
         if self._secure:
             tensors.update({_SUMS.format("u") + k: t for k, t in self._u_sum.items()})
             tensors.update({_SUMS.format("v") + k: t for k, t in self._v_sum.items()})
-            return tensors, {**values, "fedcurv_kept": dict(sorted(self._kept.items()))}
+            return tensors, values
         for client, (u, v) in sorted(self._terms.items()):
             tensors.update({_SAVED.format("u", client) + k: t for k, t in u.items()})
             tensors.update({_SAVED.format("v", client) + k: t for k, t in v.items()})
@@ -169,11 +173,11 @@ class FedCurv(FedAvg[FedCurvSettings]):
 
     def load_state(self, tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any]) -> None:
         super().load_state(tensors, values)
+        kept = values.get("fedcurv_kept", {})  # absent from an older journal of a run in the clear
+        if not (isinstance(kept, dict) and all(isinstance(c, str) and type(r) is int for c, r in kept.items())):
+            raise ConfigError("the saved state's fedcurv_kept must map client ids to rounds")
+        self._kept = dict(kept)
         if self._secure:
-            kept = values.get("fedcurv_kept", {})
-            if not (isinstance(kept, dict) and all(isinstance(c, str) and type(r) is int for c, r in kept.items())):
-                raise ConfigError("the saved state's fedcurv_kept must map client ids to rounds")
-            self._kept = dict(kept)
             self._u_sum = tensors_like(tensors, _SUMS.format("u"), self._zeros())
             self._v_sum = tensors_like(tensors, _SUMS.format("v"), self._zeros())
             return
@@ -205,10 +209,10 @@ class FedCurv(FedAvg[FedCurvSettings]):
             **{FISHER_U + k: t for k, t in u_sum.items()},
             **{FISHER_V + k: t for k, t in v_sum.items()},
         }
-        if not self._secure:
-            return RoundPlan(broadcast=self.broadcast(rnd, tensors), tasks={c: self.task(rnd, c) for c in clients})
-        clip = self.config.secagg_clip
-        tasks = {c: self.task(rnd, c, FedCurvTask(self._kept.get(c, 0), clip)) for c in clients}
+        clip = self.config.secagg_clip if self._secure else None
+        # A client whose terms the server holds from an older journal, which kept no rounds: unknown (None).
+        kept = {c: self._kept.get(c, None if c in self._terms else 0) for c in clients}
+        tasks = {c: self.task(rnd, c, FedCurvTask(kept[c], clip)) for c in clients}
         return RoundPlan(broadcast=self.broadcast(rnd, tensors), tasks=tasks)
 
     def reply_tensors(self) -> dict[str, TensorSpec]:
@@ -256,6 +260,7 @@ class FedCurv(FedAvg[FedCurvSettings]):
             scale = min(1.0, cap / norms[client]) if norms[client] > 0 else 1.0
             u = {k: t * scale if scale < 1.0 else t for k, t in fisher[client].items()}
             self._terms[client] = (u, {k: u[k] * replies[client].update.tensors[k] for k in self.trainable})
+            self._kept[client] = rnd
         return metrics
 
     def secure_parts(self) -> tuple[SecurePart, ...]:
@@ -309,8 +314,9 @@ class FedCurvClient(FedAvgClient[FedCurvSettings]):
                 r.store[_PENDING + "v." + k] = own_v[k] + dv_sent[k]
             r.store[_PENDING_ROUND] = torch.tensor(r.task.round)
             return {**weights, **{FISHER_U + k: t for k, t in du.items()}, **{FISHER_V + k: t for k, t in dv.items()}}
-        for k in u:
-            r.store[_OWN + "u." + k], r.store[_OWN + "v." + k] = u[k], v[k]
+        for k in u:  # what the server will hold of this client if it accepts this reply (up to its own safeguards)
+            r.store[_PENDING + "u." + k], r.store[_PENDING + "v." + k] = u[k], v[k]
+        r.store[_PENDING_ROUND] = torch.tensor(r.task.round)
         return {**weights, **{FISHER_U + k: t for k, t in u.items()}, **{FISHER_V + k: t for k, t in v.items()}}
 
 
@@ -327,29 +333,33 @@ def _sums(broadcast: Message, weights: StateDict) -> tuple[StateDict, StateDict]
 
 
 def _own(store: ClientStore, like: StateDict) -> tuple[StateDict, StateDict]:
-    """This client's last (u_k, v_k), zeros before its first round (or after it lost its store)."""
+    """This client's (u_k, v_k) that U and V hold, zeros before its first round (or after it lost its store)."""
     u = {k: store.get(_OWN + "u." + k, torch.zeros_like(t)) for k, t in like.items()}
     v = {k: store.get(_OWN + "v." + k, torch.zeros_like(t)) for k, t in like.items()}
     return u, v
 
 
 def _own_terms(r: LocalRound[FedCurvSettings], like: StateDict) -> tuple[StateDict, StateDict]:
-    """This client's terms in the broadcast's U and V: its last upload's in the clear; under secure aggregation those
-    of the round the task names (:func:`_settle`)."""
+    """This client's terms in the broadcast's U and V: those of the round the task names (:func:`_settle`); its last
+    upload's when the task names none (a server resumed from an older journal, which assumed so)."""
     kept_round = wire.from_params(FedCurvTask, r.task.params).kept_round
+    if kept_round is None and _PENDING_ROUND in r.store:
+        kept_round = int(r.store[_PENDING_ROUND])
     if kept_round is not None:
         _settle(r.store, kept_round, like)
     return _own(r.store, like)
 
 
 def _settle(store: ClientStore, kept_round: int, like: StateDict) -> None:
-    """Secure aggregation: make the store's committed terms (:data:`_OWN`) those the server says U and V hold of this
-    client, from round ``kept_round`` (0: none): the pending upload of that round, or the committed terms already."""
+    """Make the store's committed terms (:data:`_OWN`) those the server says U and V hold of this client, from round
+    ``kept_round`` (0: none): the pending upload of that round, or the committed terms already."""
     pending = int(store[_PENDING_ROUND]) if _PENDING_ROUND in store else -1
     kept = int(store[_KEPT_ROUND]) if _KEPT_ROUND in store else 0
-    if kept_round == pending:
+    if kept_round == pending:  # moved, not copied: one copy in memory, and a store of unshared tensors to save
         for k in like:
-            store[_OWN + "u." + k], store[_OWN + "v." + k] = store[_PENDING + "u." + k], store[_PENDING + "v." + k]
+            store[_OWN + "u." + k] = store.pop(_PENDING + "u." + k)
+            store[_OWN + "v." + k] = store.pop(_PENDING + "v." + k)
+        del store[_PENDING_ROUND]
     elif kept_round == 0:  # the server holds nothing of this client
         for k, t in like.items():
             store[_OWN + "u." + k], store[_OWN + "v." + k] = torch.zeros_like(t), torch.zeros_like(t)

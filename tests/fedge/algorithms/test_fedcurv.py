@@ -7,14 +7,37 @@ from pathlib import Path
 
 import pytest
 import torch
-from algorithm_support import W0, X_A, X_B, Y_A, Y_B, TwoClients, assert_mqtt_run_matches_inprocess, ce_gradient, config
+from algorithm_support import (
+    NUM_CLASSES,
+    W0,
+    X_A,
+    X_B,
+    Y_A,
+    Y_B,
+    LinearBackend,
+    TwoClients,
+    assert_mqtt_run_matches_inprocess,
+    ce_gradient,
+    config,
+    linear,
+)
 
 from coordinator.run import admission_rule
 from edge_client.cli import runtime_capabilities
 from fedge.accounting.cost import CostInputs
-from fedge.algorithms.fedcurv import FISHER_U, FISHER_V, FedCurvSettings, fedcurv_traffic
+from fedge.algorithms.base import ClientData, ServerContext
+from fedge.algorithms.fedcurv import (
+    FISHER_U,
+    FISHER_V,
+    FedCurv,
+    FedCurvClient,
+    FedCurvSettings,
+    FedCurvTask,
+    fedcurv_traffic,
+)
 from fedge.config import RunConfig, TrainConfig
 from fedge.errors import CodecError
+from fedge.wire import fields as wire
 from fedge.wire.protocol import ClientStatus
 from fedge_io.experiment import prepare
 
@@ -148,3 +171,38 @@ def test_under_a_clip_factor_one_clients_huge_fisher_is_scaled_to_the_median_and
     plain.strategy.configure(2, ["a", "b"])
     plain.strategy.aggregate(2, {c: plain.strategy.accept(2, c, reply) for c, reply in replies.items()})
     assert _norm(plain.strategy._terms["a"][0]) == pytest.approx(_norm(huge_u))
+
+
+# Whose uploads the server keeps, round by round (every client uploads): a's reply was dropped (deadline, refused,
+# offline) in its first round, or in its second after its first one's terms were kept.
+DROPPED = {"its first reply": ["bc"], "its second reply": ["abc", "bc"]}
+
+
+@pytest.mark.parametrize("dropped", DROPPED)
+def test_a_client_whose_reply_was_dropped_subtracts_only_the_terms_the_server_holds(dropped: str) -> None:
+    """The real halves, three clients. In the next round client a's P and Q are the sums of the terms the server
+    holds of the *other* clients (its own kept ones taken out, or none when it holds none), not the broadcast sums
+    minus its last upload's terms, which the server never received."""
+    data = {
+        "a": ClientData(X_A, Y_A, NUM_CLASSES),
+        "b": ClientData(X_B, Y_B, NUM_CLASSES),
+        "c": ClientData(torch.tensor([[0.5, 1.0], [1.0, 0.2]]), torch.tensor([1, 0]), NUM_CLASSES),
+    }
+    server = FedCurv(config("fedcurv", FedCurvSettings(curv_lambda=LAM)), ServerContext(linear, NUM_CLASSES, "t"))
+    half, stores = FedCurvClient(), {c: dict[str, torch.Tensor]() for c in data}
+    backends = {c: LinearBackend() for c in data}
+    for rnd, kept in enumerate(DROPPED[dropped], 1):
+        plan = server.configure(rnd, list(data))
+        assert plan.broadcast is not None
+        uploads = {c: half.step(plan.tasks[c], plan.broadcast, data[c], backends[c], stores[c]) for c in data}
+        server.aggregate(rnd, {c: server.accept(rnd, c, uploads[c]) for c in kept})
+    plan = server.configure(len(DROPPED[dropped]) + 1, ["a"])
+    told = wire.from_params(FedCurvTask, plan.tasks["a"].params).kept_round
+    assert told == (1 if dropped == "its second reply" else 0)
+    assert plan.broadcast is not None
+    half.step(plan.tasks["a"], plan.broadcast, data["a"], backends["a"], stores["a"])
+    (pull,) = backends["a"].requests[-1].terms
+    p, q = ([server._terms[c][i]["weight"] for c in "bc"] for i in (0, 1))  # the others' kept u and v
+    assert torch.allclose(pull.tensors["weights"]["weight"], p[0] + p[1], atol=1e-7)
+    anchor = torch.where(p[0] + p[1] > 0, (q[0] + q[1]) / (p[0] + p[1]), torch.zeros_like(p[0]))
+    assert torch.allclose(pull.tensors["anchor"]["weight"], anchor, atol=1e-5)
