@@ -33,6 +33,7 @@ from fedge.data.augment import Augmentation, augment_batch, black_level
 from fedge.errors import ConfigError
 from fedge.learning.models import load_exchanged_state
 from fedge.learning.objectives import Objective
+from fedge.learning.pool_first import pool_before_relu
 from fedge.learning.terms import TermCall, batch_loss, needs_representation
 from fedge.types import StateDict
 
@@ -387,9 +388,10 @@ def train(model: nn.Module, request: TrainRequest) -> TrainStats:
     total, steps, samples = 0.0, 0, 0
     order = batch_order(len(r.x), r.epochs, r.batch_size, r.seed)
     meter = EpochMeter(r, len(order))
+    compute = pool_before_relu(model)  # the same weights bit for bit, less work (fedge.learning.pool_first)
     for step, idx in enumerate(order):
         xb, yb = r.batch_x(idx, step).to(device), r.y[idx].to(device)
-        loss = _loss(model, r, xb, yb, r.batch_inputs(idx, step, device), params, tensors, references)
+        loss = _loss(compute, r, xb, yb, r.batch_inputs(idx, step, device), params, tensors, references)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -423,6 +425,7 @@ def predict_logits(model: nn.Module, x: torch.Tensor, *, batch_size: int | None 
         batch_size = CPU_PREDICT_BATCH if device.type == "cpu" else DEVICE_PREDICT_BATCH
     model.eval()
     model, layout = _inference_layout(model, device) if x.dim() == 4 else (model, torch.contiguous_format)
+    model = pool_before_relu(model)  # the same logits bit for bit, less work (fedge.learning.pool_first)
     outs = [
         model(x[i : i + batch_size].to(device).contiguous(memory_format=layout)).float().cpu()
         for i in range(0, len(x), batch_size)
