@@ -153,6 +153,12 @@ def run_cost(args: argparse.Namespace) -> int:
     from fedge.learning.models import build_model, num_exchanged_values
 
     accountings = ["multicast", "unicast"] if args.accounting == "both" else [args.accounting]
+    secure = bool(getattr(args, "secure_aggregation", False))
+    if secure and not args.model:
+        raise SystemExit(
+            "fedge cost: --secure-aggregation prices the algorithms of a --model (the paper tables are the papers' "
+            "plain rounds), e.g. --model fedavg_cnn --input-shape 1,28,28 --secure-aggregation"
+        )
     out = []
     for acc in accountings:
         if args.model:
@@ -171,11 +177,13 @@ def run_cost(args: argparse.Namespace) -> int:
                     num_clients=args.num_clients,
                     open_per_round=args.open_per_round,
                     accounting=acc,
+                    secure_aggregation=secure,
                 )
                 rows.append(CostRow(args.model, name, c.bytes_up, c.bytes_down, c.protocol_extra_down))
+            masked = ", uploads as secure aggregation masks them (its keys and shares not counted)" if secure else ""
             title = (
                 f"Per-round communication, {args.model} ({values:,} values), {args.num_clients} clients, "
-                f"{args.num_classes} classes, |o_r| = {args.open_per_round} ({acc})"
+                f"{args.num_classes} classes, |o_r| = {args.open_per_round} ({acc}{masked})"
             )
             out.append(f"## {title}\n\n{cost_table_markdown(rows)}")
         else:

@@ -52,6 +52,7 @@ class CostInputs:
     num_classes: int
     num_clients: int  # participating clients per round
     open_per_round: int = 1000  # DS-FL |o_r|
+    secure_aggregation: bool = False  # the masked uploads (what an algorithm masks beyond its plain upload counted)
 
 
 @dataclass(frozen=True)
@@ -195,9 +196,11 @@ def algorithm_round_cost(
     num_clients: int,
     open_per_round: int = 1000,
     accounting: str = "multicast",
+    secure_aggregation: bool = False,
 ) -> RoundCost:
     """Tensor bytes of one round of an algorithm, from its own traffic model (``Algorithm.traffic``, e.g. SCAFFOLD
-    sends a control variate both ways, twice FedAvg's parameters)."""
+    sends a control variate both ways, twice FedAvg's parameters). ``secure_aggregation``: each upload as masked (FD
+    masks its per-class holds too); the protocol's keys and shares are not tensors of the algorithm and not counted."""
     _positive("num_clients", num_clients)
     _positive("num_classes", num_classes)
     copies = _copies(accounting, num_clients)
@@ -209,6 +212,7 @@ def algorithm_round_cost(
         num_classes=num_classes,
         num_clients=num_clients,
         open_per_round=open_per_round,
+        secure_aggregation=secure_aggregation,
     )
     t = traffic(inputs)
     return RoundCost(

@@ -363,10 +363,11 @@ def local_eval_counts(backend: Backend, data: ClientData) -> dict[str, tuple[int
 
 
 def fd_traffic(inputs: CostInputs) -> RoundTraffic:
-    """C x C per-class outputs each way (eq. 4-5), plus the C per-class client counts eq. 6 needs on the client (under
-    secure aggregation each upload also carries C per-class holds, 4 C bytes more: not modelled here)."""
+    """C x C per-class outputs each way (eq. 4-5), plus the C per-class client counts eq. 6 needs on the client; under
+    secure aggregation each upload also carries the C per-class holds (float32) the server's counts come from."""
     c = inputs.num_classes
-    return RoundTraffic(up_per_client=c * c * 4, down_broadcast=c * c * 4, protocol_extra_down=c * 4)
+    holds = c * 4 if inputs.secure_aggregation else 0
+    return RoundTraffic(up_per_client=c * c * 4 + holds, down_broadcast=c * c * 4, protocol_extra_down=c * 4)
 
 
 ALGORITHM = Algorithm(

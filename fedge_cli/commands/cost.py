@@ -41,6 +41,12 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="also price the paper tables with uploads and broadcast compressed by each scheme, e.g. "
         "float16 int8:row,offset topk:k=1 (see --upload-codec of fedge sim)",
     )
+    p.add_argument(
+        "--secure-aggregation",
+        action="store_true",
+        help="with --model: price each upload as secure aggregation masks it (FD's also carries its C per-class "
+        "holds); the protocol's keys and shares are not counted",
+    )
     p.add_argument("--markdown", type=Path, help="also write the table(s) to this Markdown file")
     add_plugin_flag(p)
     p.set_defaults(func=run)

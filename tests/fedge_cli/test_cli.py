@@ -113,6 +113,20 @@ def test_cost_reproduces_the_dsfl_tables(capsys):
     assert comu.count("| MNIST ") == 4 and comu.count("| IMDb ") == 1 and comu.count("| Reuters ") == 1
 
 
+def test_cost_under_secure_aggregation_prices_fd_s_holds_and_needs_a_model(capsys):
+    flags = ["cost", "--model", "tiny_mlp", "--input-shape", "64", "--num-clients", "10"]
+    rows = {}
+    for extra in ([], ["--secure-aggregation"]):
+        assert main([*flags, *extra]) == 0
+        out = capsys.readouterr().out
+        cells = [[c.strip() for c in line.split("|")] for line in out.splitlines() if line.count("|") > 4]
+        rows[bool(extra)] = {c[2]: c[3:] for c in cells}  # method: upload, download, totals
+    assert (rows[False]["FD"][0], rows[True]["FD"][0]) == ("4.0 kB", "4.4 kB")  # 10 x (400 + 40) B up
+    assert {m: r for m, r in rows[True].items() if m != "FD"} == {m: r for m, r in rows[False].items() if m != "FD"}
+    with pytest.raises(SystemExit, match="--secure-aggregation prices the algorithms of a --model"):
+        main(["cost", "--secure-aggregation"])
+
+
 def test_missing_dataset_is_a_clear_error_not_a_traceback(tmp_path: Path, capsys):
     code = main(["sim", "--dataset", "mnist", "--data-dir", str(tmp_path), "--out", str(tmp_path / "runs"), "--quiet"])
     assert code == 2

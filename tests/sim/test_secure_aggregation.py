@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from fedge.accounting.cost import algorithm_round_cost
 from fedge.accounting.ledger import read_ledger_csv
+from fedge.algorithms.catalog import get_algorithm
 from fedge.config import RunConfig, TrainConfig
 from fedge_cli.main import main
+from fedge_io.experiment import prepare
 from fedge_io.rundir import RunResult
 from sim.report import write_report
 from sim.run import run_inprocess
@@ -78,6 +81,31 @@ def test_the_ledger_counts_the_protocol_and_the_masked_upload_is_the_plain_uploa
     # tiny_mlp has 2,442 values (9.8 kB an update): the keys and shares of a cohort of 10 weigh ~2 kB more per client.
     assert 1.0 < ratio < 1.5, ratio
     print(f"bytes up per client, secure / plain, tiny_mlp, cohort 10: {ratio:.3f}")
+
+
+def test_the_fd_cost_model_counts_the_holds_a_masked_upload_carries(tmp_path: Path) -> None:
+    """``fedge cost --secure-aggregation``'s FD row is the simulated secure run's ledger: each update is the C x C
+    outputs and the C holds (float32), the broadcast the C x C average and the C counts."""
+    cfg = _config(algorithm="fd", num_clients=6, rounds=2, secure_aggregation=True)
+    result = run_inprocess(cfg, tmp_path / "fd")
+    exp = prepare(cfg)
+    costs = {
+        secure: algorithm_round_cost(
+            get_algorithm("fd").traffic,
+            model="tiny_mlp",
+            input_shape=exp.input_shape,
+            num_classes=exp.num_classes,
+            num_clients=6,
+            secure_aggregation=secure,
+        )
+        for secure in (True, False)
+    }
+    ledger = read_ledger_csv(result.path / "ledger.csv")
+    for rnd in (1, 2):
+        assert sum(e.tensor_bytes for e in ledger if e.round == rnd and e.kind == "update") == costs[True].bytes_up
+    (broadcast,) = [e for e in ledger if e.kind == "broadcast"]  # round 2's: round 1 has no average yet
+    assert broadcast.tensor_bytes == costs[True].bytes_down + costs[True].protocol_extra_down
+    assert costs[True].bytes_up - costs[False].bytes_up == 6 * 4 * exp.num_classes  # the holds, 40 bytes a client
 
 
 def test_dropouts_are_recorded_and_the_survivors_sum_is_used(tmp_path: Path) -> None:
