@@ -9,11 +9,12 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from edge_client.secure import SecureRounds
 from fedge.accounting.ledger import LedgerEntry
 from fedge.secagg.config import RoundConfig
 from fedge.secagg.messages import SecAggMessage
 from fedge.secagg.protocol import STAGES, Stage
-from fedge.secagg.remote import to_message
+from fedge.secagg.remote import from_message, to_message
 from fedge.wire.message import Message, decode, encode
 
 
@@ -62,3 +63,19 @@ class FramedChannel(ABC):
     def take_record(self, rnd: int) -> tuple[list[LedgerEntry], dict[str, str]]:
         entries, self.entries = self.entries, []
         return entries, {c: f"vanished at stage {s!r}" for c, s in self.drop_at.items()}
+
+
+class DeviceChannel(FramedChannel):
+    """Each client's device party (edge_client/secure.py's SecureRounds) reached through encoded frames, as over
+    MQTT; ``drop_at[c]``: the stage from which c answers nothing."""
+
+    def __init__(self, devices: dict[str, SecureRounds], drop_at: Mapping[str, Stage], *, run: str) -> None:
+        super().__init__(drop_at, run=run)
+        self.devices = devices
+
+    def answer(self, rnd: int, stage: Stage, client: str, frame: Message) -> SecAggMessage:
+        answer = self.devices[client].answer(frame)
+        assert answer is not None
+        up = framed(answer)
+        self.entries.append(LedgerEntry(rnd, "up", client, up.kind, 1, up.tensor_bytes, len(encode(up))))
+        return from_message(up)

@@ -16,11 +16,20 @@ from typing import Any, cast
 import pytest
 import torch
 from algorithm_support import NUM_CLASSES, X_A, Y_A, LinearBackend, config, linear
+from secagg_support import DeviceChannel
 from torch import nn
 
+from edge_client.secure import SecureRounds
 from fedge.algorithms import make_strategy
 from fedge.algorithms.base import CheckedReply, ClientData, ServerContext, Strategy, UpdateReport
-from fedge.algorithms.fd import CLASS_HOLDS, FDClient, FDReport, FDTask, FederatedDistillation
+from fedge.algorithms.fd import (
+    CLASS_HOLDS,
+    FDClient,
+    FDReport,
+    FDTask,
+    FederatedDistillation,
+    secure_class_average,
+)
 from fedge.algorithms.fedavg import LocalRound
 from fedge.algorithms.fedcurv import FISHER_U, FedCurv, FedCurvClient, FedCurvSettings, FedCurvTask
 from fedge.algorithms.secure_aggregation import SecureAggregationStrategy
@@ -30,7 +39,7 @@ from fedge.learning.training import TrainStats
 from fedge.secagg.parts import SecurePart
 from fedge.secagg.rounds import SUM_CLIENT
 from fedge.wire import fields as wire
-from fedge.wire.message import UPDATE, Message
+from fedge.wire.message import UPDATE, Message, decode, encode
 
 RUN = "run"
 N = 10
@@ -154,6 +163,54 @@ def test_an_fd_part_left_out_or_wrong_is_caught(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(FederatedDistillation, "secure_parts", lambda self: weighted)  # the mean, not the sum
     ratio, _ = _fd_round(*_pair("fd", 0.3))
     assert ratio > 100
+
+
+def test_hostile_fd_devices_move_no_broadcast_row_out_of_range_and_raise_nothing() -> None:
+    """Three devices mask values an honest FD client never sends but the ring takes (each within the per-value clip
+    C = 4): holds of +4 for class 0 and -4 for class 1, outputs of -4 in row 0 and +4 in row 2. After unmasking, class
+    0's holder count is above |U3| and its sums negative, class 1's count negative, row 2's mean above 1. The server
+    clamps them (counts to [0, |U3|], means to [0, 1], rows without a holder zero) and raises nothing, and an honest
+    client distills on the result."""
+    secure, _ = _pair("fd", 0.0)
+    devices = {c: SecureRounds(c) for c in CLIENTS}
+    secure.use_channel(DeviceChannel(devices, {}, run=RUN))
+    plan = secure.configure(1, CLIENTS)  # FD's round 1 has no broadcast: the parameters ride in the tasks
+    updates = _fd_updates(1)
+    hostile = {"c0", "c1", "c2"}
+    for c in hostile:
+        probs = torch.zeros(C, C)
+        probs[0], probs[2] = -CLIP, CLIP
+        tensors = {"class_probs": probs, CLASS_HOLDS: torch.tensor([CLIP, -CLIP, 1.0])}
+        updates[c] = dataclasses.replace(updates[c], tensors=tensors)
+    replies = {}
+    for c in CLIENTS:
+        reply = devices[c].reply(decode(encode(plan.tasks[c])), None, updates[c])
+        assert reply is not None
+        replies[c] = secure.accept(1, c, decode(encode(reply)))
+    secure.aggregate(1, replies)
+    honest = [updates[c].tensors for c in CLIENTS if c not in hostile]
+    counts = sum(t[CLASS_HOLDS] for t in honest) + torch.tensor([3 * CLIP, -3 * CLIP, 3.0])  # unclamped
+    sums = sum(t["class_probs"] for t in honest)
+    assert isinstance(sums, torch.Tensor) and counts[0] > N and counts[1] < 0 and bool((sums[0] < 3 * CLIP).all())
+    assert bool((sums[2] + 3 * CLIP > counts[2]).all())  # row 2's mean above 1 before the clamp
+    state = secure.state()[0]
+    g, k = state["global_probs"], state["contributors"]
+    assert k.tolist() == [N, 0, int(counts[2])]
+    assert bool((g[0] == 0).all()) and bool((g[1] == 0).all()) and bool((g[2] == 1).all())
+    broadcast = secure.configure(2, CLIENTS).broadcast
+    assert broadcast is not None
+    # A client new to the run (none of its outputs in the average) distills toward the broadcast rows as they are.
+    task, backend = secure.inner.configure(2, ["new"]).tasks["new"], LinearBackend()
+    x, y = torch.eye(3, 2), torch.tensor([0, 1, 2])  # a sample of each class
+    FDClient().step(task, decode(encode(broadcast)), ClientData(x, y, NUM_CLASSES), backend, {})
+    inputs = backend.requests[-1].inputs
+    assert torch.equal(inputs["targets"], g[y]) and inputs["mask"].tolist() == [True, False, True]
+    # A device that skips the clip wraps its codes around the ring: a decoded sum is then anything the ring holds.
+    plan = secure._round_config(1, CLIENTS).plan
+    top = 2.0 ** (plan.ring_bits - 1 - plan.frac_bits)  # the largest magnitude a decoded value can have
+    sums = torch.tensor([[top, -top, 2.5], [-top, top, 0.0], [top, top, top]])
+    g, k = secure_class_average(sums, torch.tensor([top, -top, 0.4]), N)
+    assert k.tolist() == [N, 0, 0] and g.tolist() == [[1.0, 0.0, 0.25], [0.0] * 3, [0.0] * 3]
 
 
 # --- FedCurv ---------------------------------------------------------------------------------------------------------

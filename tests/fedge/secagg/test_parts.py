@@ -14,11 +14,10 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 import torch
-from secagg_support import FramedChannel, framed
+from secagg_support import DeviceChannel
 from torch import nn
 
 from edge_client.secure import SecureRounds
-from fedge.accounting.ledger import LedgerEntry
 from fedge.algorithms import make_strategy
 from fedge.algorithms.base import CheckedReply, ServerContext, Strategy
 from fedge.algorithms.dsfl import DSFLSettings
@@ -27,10 +26,9 @@ from fedge.algorithms.secure_aggregation import SecureAggregationStrategy
 from fedge.config import RunConfig
 from fedge.errors import ConfigError
 from fedge.secagg.errors import MessageError, SecAggConfigError
-from fedge.secagg.messages import MaskedInput, SecAggMessage
+from fedge.secagg.messages import MaskedInput
 from fedge.secagg.parts import PARTS_PARAM, PartLayout, SecurePart, parse_parts
 from fedge.secagg.protocol import Stage
-from fedge.secagg.remote import from_message
 from fedge.wire import fields as wire
 from fedge.wire.message import UPDATE, Message, decode, encode
 
@@ -197,28 +195,12 @@ def test_parts_travel_in_the_broadcast_and_malformed_ones_are_refused() -> None:
         PartLayout([SecurePart(("w",), weighted=False)], {"v": ((2,), torch.float32)})
 
 
-class DeviceChannel(FramedChannel):
-    """Each client's device party (edge_client/secure.py's SecureRounds) reached through encoded frames, as over
-    MQTT; ``drop_at[c]``: the stage from which c answers nothing."""
-
-    def __init__(self, devices: dict[str, SecureRounds], drop_at: Mapping[str, Stage]) -> None:
-        super().__init__(drop_at, run=RUN)
-        self.devices = devices
-
-    def answer(self, rnd: int, stage: Stage, client: str, frame: Message) -> SecAggMessage:
-        answer = self.devices[client].answer(frame)
-        assert answer is not None
-        up = framed(answer)
-        self.entries.append(LedgerEntry(rnd, "up", client, up.kind, 1, up.tensor_bytes, len(encode(up))))
-        return from_message(up)
-
-
 @pytest.mark.parametrize("algorithm", ["scaffold", "fednova", "feddyn"])
 def test_device_parties_give_the_plaintext_aggregate_of_the_survivors(algorithm: str) -> None:
     secure, plain = _pair(algorithm)
     drop_at: dict[str, Stage] = {"c3": "upload", "c5": "unmask", "c7": "share"}
     devices = {c: SecureRounds(c) for c in CLIENTS}
-    secure.use_channel(DeviceChannel(devices, drop_at))
+    secure.use_channel(DeviceChannel(devices, drop_at, run=RUN))
     plan = secure.configure(1, CLIENTS)
     broadcast = decode(encode(plan.broadcast))  # type: ignore[arg-type]
     updates = _updates(secure, 1)
@@ -261,7 +243,7 @@ def test_dsfl_soft_labels_are_the_plaintext_aggregate_of_the_survivors(aggregati
     if devices:
         drop_at: dict[str, Stage] = {"c3": "upload", "c5": "unmask", "c7": "share"}
         parties = {c: SecureRounds(c) for c in CLIENTS}
-        secure.use_channel(DeviceChannel(parties, drop_at))
+        secure.use_channel(DeviceChannel(parties, drop_at, run=RUN))
         replies = {}
         for c in CLIENTS:
             reply = parties[c].reply(decode(encode(plan.tasks[c])), None, updates[c])
