@@ -371,20 +371,32 @@ def test_an_fd_client_leaves_itself_out_only_of_sums_it_is_in(in_sums: bool) -> 
 @pytest.mark.parametrize("algorithm", ["fd", "fedcurv"])
 def test_a_resumed_server_tells_the_clients_what_it_would_have(algorithm: str) -> None:
     """The state a coordinator journals holds what the secure rounds left (FD: who is in the sums; FedCurv: U, V and
-    the round of each client's terms in them): a strategy loaded from it configures the next round as the first."""
+    the round of each client's terms in them), and the plaintext server's what its rounds over the survivors left (the
+    same who and rounds): a strategy loaded from it configures the next round as the first."""
     secure, plain = _pair(algorithm, 0.3)
     if algorithm == "fd":
         _fd_round(secure, plain)
     else:
         for _ in _fedcurv_rounds(secure, plain, 2, _stores()):
             pass
-    tensors, values = secure.state()
-    resumed, _ = _pair(algorithm, 0.3)
-    resumed.load_state(tensors, json.loads(json.dumps(values)))  # the journal is JSON
+    resumed, resumed_plain = _pair(algorithm, 0.3)
     rnd = 2 if algorithm == "fd" else 3
-    a, b = secure.inner.configure(rnd, CLIENTS), resumed.inner.configure(rnd, CLIENTS)
-    assert {c: t.params for c, t in a.tasks.items()} == {c: t.params for c, t in b.tasks.items()}
-    assert a.broadcast is not None and b.broadcast is not None and a.broadcast.params == b.broadcast.params
-    assert all(torch.equal(t, b.broadcast.tensors[k]) for k, t in a.broadcast.tensors.items())
-    told = "in_sums" if algorithm == "fd" else "kept_round"
-    assert len({t.params[told] for t in a.tasks.values()}) >= 2  # not all alike: the test is not vacuous
+    for first, loaded in ((secure, resumed), (plain, resumed_plain)):
+        tensors, values = first.state()
+        loaded.load_state(tensors, json.loads(json.dumps(values)))  # the journal is JSON
+        inner = first.inner if isinstance(first, SecureAggregationStrategy) else first
+        again = loaded.inner if isinstance(loaded, SecureAggregationStrategy) else loaded
+        a, b = inner.configure(rnd, CLIENTS), again.configure(rnd, CLIENTS)
+        assert {c: t.params for c, t in a.tasks.items()} == {c: t.params for c, t in b.tasks.items()}
+        assert a.broadcast is not None and b.broadcast is not None and a.broadcast.params == b.broadcast.params
+        assert all(torch.equal(t, b.broadcast.tensors[k]) for k, t in a.broadcast.tensors.items())
+        told = "in_sums" if algorithm == "fd" else "kept_round"
+        assert len({t.params[told] for t in a.tasks.values()}) >= 2  # not all alike: the test is not vacuous
+    # A plaintext journal of an older fedge kept no such thing: its clients are told nothing (they assume as before,
+    # that the average holds their last upload), but those it never heard from, that it holds nothing of them.
+    tensors, values = plain.state()
+    older = _pair(algorithm, 0.3)[1]
+    older.load_state(tensors, {k: v for k, v in values.items() if k not in ("in_sums", "fedcurv_kept")})
+    told_now = {c: t.params.get(told) for c, t in older.configure(rnd, CLIENTS).tasks.items()}
+    heard = set(values.get("fedcurv_clients", []))  # FedCurv's: the clients whose terms it holds
+    assert told_now == {c: None if algorithm == "fd" or c in heard else "0" for c in CLIENTS}
