@@ -8,6 +8,7 @@ import logging
 import multiprocessing as mp
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -317,6 +318,65 @@ def test_ctrl_c_during_a_round_stops_every_worker(monkeypatch: pytest.MonkeyPatc
         engine.run_round(1)
     assert not _live_workers()
     exe.close()  # idempotent
+
+
+class _Waiter:
+    """A client that runs its step only once ``marker`` exists, and fails after 20 s without it."""
+
+    def __init__(self, inner: SimClient, marker: Path) -> None:
+        self.inner, self.marker = inner, marker
+        self.client_id = inner.client_id
+
+    @property
+    def store(self) -> Any:
+        return self.inner.store
+
+    def handle(self, task: Message, broadcast: Message | None) -> Message:
+        deadline = time.monotonic() + 20.0
+        while not self.marker.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError("no result was handed over while this client waited")
+            time.sleep(0.02)
+        return self.inner.handle(task, broadcast)
+
+
+@dataclass(frozen=True)
+class WaitingClients:
+    """ExperimentClients whose client ``waiter`` waits for the file ``marker`` before its step."""
+
+    inner: ExperimentClients
+    waiter: str
+    marker: str
+
+    def __call__(self) -> ClientBuilder:
+        build = self.inner()
+
+        def builder(client_id: str) -> SimClient:
+            client = build(client_id)
+            return _Waiter(client, Path(self.marker)) if client_id == self.waiter else client
+
+        return builder
+
+
+@pytest.mark.timeout(120)
+def test_processes_hand_over_each_result_while_later_clients_still_run(importable_here: None, tmp_path: Path):
+    """The coordinator judges the first replies while the workers train the last clients: c003 (worker 1's second
+    job) starts its step only after the stream handed over c000's result."""
+    exp = prepare(CONFIGS["fedavg"])
+    marker = tmp_path / "first-result-handed-over"
+    plan = exp.strategy("stream-test").configure(1, sorted(exp.parts))
+    assert plan.broadcast is not None
+    blob = encode(plan.broadcast)
+    jobs = [ClientJob(c, encode(task), blob) for c, task in sorted(plan.tasks.items())]
+    assert [j.client_id for j in jobs] == ["c000", "c001", "c002", "c003"]
+    factory = WaitingClients(ExperimentClients(exp.config), waiter="c003", marker=str(marker))
+    with make_executor("processes", 2, factory) as exe:
+        seen = []
+        for result in exe.stream(jobs):
+            seen.append(result)
+            marker.touch()
+    assert [r.client_id for r in seen] == ["c000", "c001", "c002", "c003"]
+    assert [r.error for r in seen] == [None] * 4 and all(r.reply for r in seen)
 
 
 @dataclass(frozen=True)
