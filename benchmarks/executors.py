@@ -26,7 +26,14 @@ shows medians of the other rounds and throughput as a ratio to the plain loop's 
 
 ``--overlap-blocks``: the plain loop, and ``fedge sim``'s default path (the ``auto`` executor) without and with the
 server's evaluation overlapped with the next round's clients (``coordinator.engine.RoundPipeline``), alternated in
-blocks of rounds (overlap works across rounds), checking that both record the same rounds.
+blocks of rounds (overlap works across rounds), checking that both record the same rounds. Each path's CPU seconds
+per round (this process and its workers, user + system, from /proc) come beside its seconds, so a run on a busy
+machine still shows what each path costs; the last lines say which choices ``auto`` made and how the defaults compare
+with the faster of ``--overlap off``/``on`` and with the plain loop.
+
+``--defaults-only``: that comparison alone, on the fedntd setup (issue 56's: the defaults at least as fast as either
+overlap choice, and 1.6x the plain loop): ``python benchmarks/executors.py --defaults-only --json defaults.json``
+(4 blocks of 2 rounds by default; about 5 minutes on a quiet 2-core machine).
 
 Also measured: start-up (imports, dataset load, partition) in fresh processes, the processes executor's worker
 start-up with each start method (spawn, forkserver), the per-client arithmetic options
@@ -36,7 +43,7 @@ weights from the default's, and the server's test-set evaluation, the plain loop
 Usage: python benchmarks/executors.py [--quick] [--data-dir ../shared/data/mnist] [--setups fedntd,dsfl]
        [--paths plain,sequential,processes,ray,batched] [--rounds N] [--skip-startup] [--skip-arithmetic]
        [--skip-worker-start]
-       [--device cuda] [--overlap-blocks BLOCKS,ROUNDS]
+       [--device cuda] [--overlap-blocks BLOCKS,ROUNDS] [--defaults-only] [--json FILE]
 """
 
 from __future__ import annotations
@@ -405,6 +412,16 @@ def report(name: str, done: list[Timed]) -> dict[str, Any]:
 # --- the server's work overlapped with the clients' ------------------------------------------------------------------
 
 
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far, from /proc (Linux); NaN elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 class PipelinePath:
     """``fedge sim``'s path: the ``auto`` executor, rounds through a :class:`RoundPipeline`, overlapped or not."""
 
@@ -414,23 +431,33 @@ class PipelinePath:
         self.overlap, self.why = overlap_choice(self.executor, 1, overlap)
         transport = ExecutorTransport(self.executor, sorted(exp.parts))
         self.engine = RoundEngine(exp.config, exp.strategy("bench"), transport, *exp.test_tensors())
+        self.cpu_s: list[float] = []  # CPU seconds per round of each block: this process and its workers
+
+    def _cpu(self) -> float:
+        pids = getattr(self.executor, "pids", [])
+        return time.process_time() + sum(_process_cpu_s(pid) for pid in pids)
 
     def block(self, rounds: range) -> float:
         """Seconds per round over ``rounds``, all of them concluded (an overlapped evaluation cannot run on into
         another path's block)."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), self._cpu()
         with RoundPipeline(self.engine, overlap=self.overlap) as pipeline:
             for rnd in rounds:
                 pipeline.round(rnd)
+        self.cpu_s.append((self._cpu() - cpu) / len(rounds))
         return (time.perf_counter() - started) / len(rounds)
 
 
 class PlainBlocks:
     def __init__(self, exp: Experiment) -> None:
         self.loop = PlainLoop(exp)
+        self.cpu_s: list[float] = []
 
     def block(self, rounds: range) -> float:
-        return sum(self.loop.round(rnd) for rnd in rounds) / len(rounds)
+        cpu = time.process_time()
+        seconds = sum(self.loop.round(rnd) for rnd in rounds) / len(rounds)
+        self.cpu_s.append((time.process_time() - cpu) / len(rounds))
+        return seconds
 
 
 def bench_overlap(name: str, config: RunConfig, blocks: int, per_block: int) -> dict[str, Any]:
@@ -465,6 +492,7 @@ def bench_overlap(name: str, config: RunConfig, blocks: int, per_block: int) -> 
         ]
         same = all(r == recorded[0] for r in recorded[1:])
         executor, auto = fedge[0].executor, fedge[-1]
+        paths_cpu = {label: path.cpu_s for label, path in paths.items()}
     finally:
         for p in paths.values():
             if isinstance(p, PipelinePath):
@@ -474,20 +502,45 @@ def bench_overlap(name: str, config: RunConfig, blocks: int, per_block: int) -> 
         f"\n{name}, fedge sim's default path ({executor.name}, {executor.workers} worker(s)) with and without "
         f"overlap: median s/round of blocks 2..{blocks} of {per_block} rounds (block 1 apart); same records: {same}"
     )
-    print(f"auto chose overlap {'on' if auto.overlap else 'off'}: {auto.why}")
-    print(f"{'path':<34} {'round s':>8} {'x plain':>8} {'block 1 s':>10}")
+    threads = getattr(executor, "threads", 1)
+    print(
+        f"auto chose the {executor.name} executor with {executor.workers} worker(s) x {threads} thread(s) "
+        f"({usable_cores()} usable cores, {config.clients_per_round} clients a round) and overlap "
+        f"{'on' if auto.overlap else 'off'}: {auto.why}"
+    )
+    print(f"{'path':<34} {'round s':>8} {'x plain':>8} {'block 1 s':>10} {'CPU s/round':>12}")
     out: dict[str, Any] = {
         "same_records": same,
         "executor": executor.name,
         "workers": executor.workers,
+        "threads_per_worker": threads,
         "auto_overlap": auto.overlap,
         "auto_why": auto.why,
         "load_avg": os.getloadavg(),
     }
     for label, ts in times.items():
         med = statistics.median(ts[1:] or ts)
-        print(f"{label:<34} {med:>8.2f} {base / med:>7.2f}x {ts[0]:>10.2f}")
-        out[label] = {"median_round_s": med, "vs_plain": base / med, "first_block_s": ts[0], "blocks_s": ts}
+        cpu = paths_cpu[label]
+        cpu_med = statistics.median(cpu[1:] or cpu)
+        print(f"{label:<34} {med:>8.2f} {base / med:>7.2f}x {ts[0]:>10.2f} {cpu_med:>12.2f}")
+        out[label] = {
+            "median_round_s": med,
+            "vs_plain": base / med,
+            "first_block_s": ts[0],
+            "blocks_s": ts,
+            "median_cpu_round_s": cpu_med,
+            "blocks_cpu_s": cpu,
+        }
+    medians = {label: out[label]["median_round_s"] for label in times}
+    defaults = medians["fedge sim defaults (auto)"]
+    best = min(medians["fedge sim, --overlap off"], medians["fedge sim, --overlap on"])
+    out["defaults_vs_best_choice"] = best / defaults
+    out["defaults_vs_plain"] = base / defaults
+    print(
+        f"defaults against the faster of --overlap off/on: {best / defaults:.3f}x (1.00x or more: the defaults are the "
+        f"fast choice); against the plain loop: {base / defaults:.2f}x (issue 56 asks 1.6x, then toward 2x). "
+        "CPU s/round: this process and its workers, user + system (the plain loop: this process)"
+    )
     if not same:
         raise RuntimeError("the overlapped path recorded other rounds than the plain one")
     return out
@@ -723,16 +776,28 @@ def main() -> None:
         help="BLOCKS,ROUNDS: also alternate the plain loop and fedge sim's default path without and with overlap in "
         "BLOCKS blocks of ROUNDS rounds each (default 3,2 quick, 4,3 full; 0 to skip)",
     )
+    p.add_argument(
+        "--defaults-only",
+        action="store_true",
+        help="issue 56's comparison alone: the plain loop, fedge sim's defaults and --overlap off/on on the fedntd "
+        "setup, alternated in --overlap-blocks (default 4,2), with CPU seconds per round and auto's choices; skips "
+        "start-up, worker start, the per-executor rounds and the arithmetic",
+    )
     args = p.parse_args()
+    if args.defaults_only:
+        args.setups = "fedntd"
+        args.skip_startup = args.skip_worker_start = args.skip_arithmetic = True
+        args.overlap_blocks = args.overlap_blocks or "4,2"
     check_device(args.device)
     logging.basicConfig(level=logging.WARNING)
     rounds = args.rounds or (3 if args.quick else 4)
-    paths = (args.paths or (CPU_PATHS if args.device == "cpu" else GPU_PATHS)).split(",")
+    paths = [] if args.defaults_only else (args.paths or (CPU_PATHS if args.device == "cpu" else GPU_PATHS)).split(",")
     workers = tuple(int(n) for n in args.workers.split(","))
     configs = setups(args.data_dir, args.quick)
     print(
         f"torch {torch.__version__}, {usable_cores()} usable cores, torch default {torch.get_num_threads()} threads; "
         f"{'quick' if args.quick else 'full'} setups, {rounds} rounds per path"
+        + (f"; load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "")
     )
     if args.device != "cpu":  # several workers on one GPU are another result with MPS than without (docs/design.md)
         mps = (mps_pipe_dir() / "control").exists()
@@ -751,7 +816,7 @@ def main() -> None:
         results["ray_init_s"] = time.perf_counter() - started
         print(f"ray {ray.__version__}: ray.init {results['ray_init_s']:.1f} s")
     try:
-        for name in args.setups.split(","):
+        for name in args.setups.split(",") if paths else ():
             results[name] = report(
                 name, bench_setup(name, configs[name], paths, rounds, workers=workers, device=args.device)
             )

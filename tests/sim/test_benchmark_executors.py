@@ -51,3 +51,24 @@ def test_the_gpu_mode_stops_with_one_line_without_cuda(monkeypatch: pytest.Monke
         bench.main()
     assert "\n" not in str(info.value)
     bench.check_device("cpu")  # the CPU needs nothing
+
+
+def test_the_defaults_comparison_reports_cpu_seconds_auto_choices_and_the_verdict(capsys: pytest.CaptureFixture[str]):
+    bench = _bench()
+    config = RunConfig(
+        algorithm="fedavg",
+        dataset="digits",
+        model="tiny_mlp",
+        num_clients=4,
+        train=TrainConfig(lr=0.05, momentum=0.9, local_epochs=1, batch_size=32),
+    )
+    out = bench.bench_overlap("tiny", config, blocks=2, per_block=1)
+    assert out["same_records"] is True
+    paths = ["plain loop", "fedge sim, --overlap off", "fedge sim, --overlap on", "fedge sim defaults (auto)"]
+    figures = [v for k, v in out.items() if any(k.startswith(p) for p in paths)]
+    assert len(figures) == 4
+    for f in figures:
+        assert len(f["blocks_s"]) == len(f["blocks_cpu_s"]) == 2 and f["median_cpu_round_s"] > 0
+    assert out["defaults_vs_best_choice"] > 0 and out["defaults_vs_plain"] > 0
+    printed = capsys.readouterr().out
+    assert "auto chose the " in printed and "against the faster of --overlap off/on" in printed
