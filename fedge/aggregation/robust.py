@@ -154,7 +154,10 @@ def update_norm(state: StateDict, reference: StateDict) -> float:
     total = 0.0
     for k, ref in reference.items():
         if ref.is_floating_point():
-            total += float((state[k].double() - ref.double()).pow(2).sum())
+            # One float64 copy, subtracted from and squared in place: the values of (a - b).pow(2), without the two
+            # extra temporaries (the coordinator measures every reply: 1.7M values each for fedavg_cnn).
+            d = state[k].to(torch.float64, copy=True).sub_(ref.double())
+            total += float(d.pow_(2).sum())
     return math.sqrt(total)
 
 

@@ -93,3 +93,18 @@ def test_clipping_also_caps_a_claimed_data_size_at_the_median_weight():
     assert torch.allclose(
         robust_average(states, [10, 10, 2**40], reference, clip_factor=1.0)["w"], torch.tensor([1 / 3])
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_update_norm_is_the_float64_formula_and_leaves_its_inputs_alone(dtype):
+    g = torch.Generator().manual_seed(0)
+    reference = {"w": torch.randn(300, 7, generator=g).to(dtype), "b": torch.randn(7, generator=g).to(dtype)}
+    state = {k: v + torch.randn(v.shape, generator=g).to(dtype) for k, v in reference.items()}
+    kept = {k: v.clone() for k, v in state.items()}
+    expected = math.sqrt(sum(float((state[k].double() - reference[k].double()).pow(2).sum()) for k in reference))
+    assert update_norm(state, reference) == expected  # the same float64 sums, bit for bit
+    assert all(torch.equal(state[k], kept[k]) for k in state)  # a float64 state is not subtracted from in place
+    assert (
+        update_norm({"w": torch.tensor([3.0]), "b": torch.tensor([4.0])}, {"w": torch.zeros(1), "b": torch.zeros(1)})
+        == 5.0
+    )
