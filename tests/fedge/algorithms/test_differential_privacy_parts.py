@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from secagg_support import framed, seeded_bytes
+from secagg_support import DeviceChannel, framed, seeded_bytes
 from torch import nn
 
 from fedge.algorithms import make_strategy
@@ -211,7 +211,6 @@ def test_devices_build_the_joint_vector_from_the_broadcast(algorithm: str, monke
     order), the server's model and c or h are the in-process ones within the ring's fixed point (devices round with
     their own streams)."""
     from edge_client.secure import SecureRounds
-    from tests.fedge.secagg.test_parts import DeviceChannel
 
     clients = ["c0", "c1", "c2", "c3"]
     steps = {"c0": (0.3, 0.2), "c1": (3.0, 3.0), "c2": (0.1, 0.0), "c3": (1.0, 0.5)}
@@ -221,7 +220,7 @@ def test_devices_build_the_joint_vector_from_the_broadcast(algorithm: str, monke
     remote = _strategy(config)
     assert isinstance(remote, DifferentialPrivacyStrategy)
     devices = {c: SecureRounds(c) for c in clients}
-    remote.use_channel(DeviceChannel(devices, {}))
+    remote.use_channel(DeviceChannel(devices, {}, run=RUN))
     plan = remote.configure(1, clients)
     assert plan.broadcast is not None and (PARTS_PARAM in plan.broadcast.params) == (algorithm == "scaffold")
     noise = noise_rng(3, 1)  # the in-process stream, drawn in turn by each device below
