@@ -131,11 +131,6 @@ class PartLayout:
             [np.full(lay.dim, p.weighted) for p, lay in zip(parts, self.layouts, strict=True)]
         )
 
-    @property
-    def default(self) -> bool:
-        """Whether the parts are the default one (the model's weighted move)."""
-        return self.parts == default_parts(self.parts[0].tensors)
-
     def flatten(self, tensors: Mapping[str, torch.Tensor]) -> npt.NDArray[np.float64]:
         """(dim,): the parts' tensors as they are, concatenated."""
         return np.concatenate([layout.flatten(tensors) for layout in self.layouts])
