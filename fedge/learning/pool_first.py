@@ -38,15 +38,28 @@ def _swapped(layers: list[nn.Module]) -> list[nn.Module] | None:
     return out if changed else None
 
 
+def _observed(model: nn.Module) -> bool:
+    """Whether a hook sees any of ``model``'s layers run (its own, or one registered for every module)."""
+    hooks = nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks:
+        return True
+    if hooks._global_backward_pre_hooks:
+        return True
+    return any(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in model.modules()
+    )
+
+
 def pool_before_relu(model: nn.Module) -> nn.Module:
     """``model`` with each ReLU of its ``features`` that a 2-D max-pool follows moved after that pool: the same
     outputs and gradients bit for bit (see the module docstring), computed with less work.
 
     The result shares every parameter, buffer and layer with ``model`` (only its table of children is its own), so
     weights set into ``model`` are the result's, and training the result trains ``model``. Models other than fedge's
-    CNNs, and models with nothing to move, are returned as they are.
+    CNNs, models with nothing to move, and models whose layers something observes (a module hook: the export gates'
+    jitter and tie probes read each layer's input and output in the model's own order) are returned as they are.
     """
-    if type(model) not in _FEATURES_WHOLE:
+    if type(model) not in _FEATURES_WHOLE or _observed(model):
         return model
     features = model._modules.get("features")
     if not isinstance(features, nn.Sequential):

@@ -6,7 +6,7 @@ from torch import nn
 from fedge.algorithms.fedavg import CrossEntropy
 from fedge.learning.models import FedAvgCNN, build_model, exchanged_state
 from fedge.learning.pool_first import pool_before_relu
-from fedge.learning.training import MomentumSGD, SGDSettings, TrainRequest, batch_order, train
+from fedge.learning.training import MomentumSGD, SGDSettings, TrainRequest, batch_order, predict_logits, train
 
 CNNS = [("fedavg_cnn", (1, 8, 8)), ("dsfl_mnist_cnn", (1, 16, 16)), ("dsfl_fmnist_cnn", (1, 4, 4))]
 
@@ -82,3 +82,16 @@ def test_the_form_shares_the_models_weights_and_leaves_other_models_alone():
 
     sliced = Sliced(in_channels=1, image_size=8, num_classes=3)
     assert pool_before_relu(sliced) is sliced
+
+
+def test_a_model_whose_layers_are_observed_runs_in_its_own_order():
+    """A hook on a layer (the export gates' jitter and tie probes) sees that layer's input and output as the model
+    computes them: such a model is not rewritten."""
+    model = build_model("fedavg_cnn", input_shape=(1, 8, 8), num_classes=3, seed=0)
+    seen: list[tuple[int, ...]] = []
+    handle = model.features[1].register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
+    assert pool_before_relu(model) is model
+    predict_logits(model, torch.randn(2, 1, 8, 8))
+    assert seen == [(2, 32, 8, 8)]  # the ReLU ran on the convolution's full output, before the pool
+    handle.remove()
+    assert pool_before_relu(model) is not model
