@@ -254,10 +254,7 @@ class SecureAggregationStrategy(WrappingStrategy):
             self._record = AggregationRecord(tuple(ledger.entries), simulated_drops(gone, drop_at, config), str(exc))
             return metrics
         survivors = result.survivors
-        after, scaled = self._stand_in(state, result.decoded_sum, replies, shares, survivors)
-        if self._note_survivors is not None:
-            self._note_survivors(rnd, {c: replies[c].report for c in survivors})
-        metrics.update(self.inner.aggregate(rnd, {SUM_CLIENT: _mean_reply(replies, survivors, after)}) | scaled)
+        after = self._release(rnd, state, result.decoded_sum, survivors, replies, shares, metrics)
         gone = [c for c in result.dropped if c in replies]
         self._record = AggregationRecord(tuple(ledger.entries), simulated_drops(gone, drop_at, config), "")
         self.last = SecureRound(vectors, shares, result, self._layout.reference(state.reference), after)
@@ -304,10 +301,7 @@ class SecureAggregationStrategy(WrappingStrategy):
             return metrics
         entries, why = channel.take_record(rnd)
         survivors = result.survivors
-        after, scaled = self._stand_in(state, result.decoded_sum, replies, shares, survivors)
-        if self._note_survivors is not None:
-            self._note_survivors(rnd, {c: replies[c].report for c in survivors})
-        metrics.update(self.inner.aggregate(rnd, {SUM_CLIENT: _mean_reply(replies, survivors, after)}) | scaled)
+        self._release(rnd, state, result.decoded_sum, survivors, replies, shares, metrics)
         gone = [c for c in result.dropped if c in replies]
         self._record = AggregationRecord(tuple(entries), remote_drops(gone, why, config), "")
         return metrics | {
@@ -317,6 +311,25 @@ class SecureAggregationStrategy(WrappingStrategy):
             "secagg_server_s": sum(timings.values()),
             "secagg_unmask_server_s": timings.get("unmask.server", 0.0),
         }
+
+    def _release(
+        self,
+        rnd: int,
+        state: _Round,
+        decoded: npt.NDArray[np.float64],
+        survivors: Sequence[ClientId],
+        replies: Mapping[ClientId, CheckedReply],
+        shares: Mapping[ClientId, float],
+        metrics: dict[str, float],
+    ) -> dict[str, torch.Tensor]:
+        """The unmasked sum ``decoded`` of ``survivors`` handed on: the inner strategy told who survived (when it asks)
+        and aggregating the reply that stands for them, its metrics and the stand-in's added to ``metrics``. The
+        stand-in's tensors."""
+        after, scaled = self._stand_in(state, decoded, replies, shares, survivors)
+        if self._note_survivors is not None:
+            self._note_survivors(rnd, {c: replies[c].report for c in survivors})
+        metrics.update(self.inner.aggregate(rnd, {SUM_CLIENT: _mean_reply(replies, survivors, after)}) | scaled)
+        return after
 
     def _stand_in(
         self,
