@@ -125,6 +125,8 @@ def table() -> str:
         if not (run_dir / "metrics.jsonl").is_file():
             continue
         lines = _lines(run_dir)
+        if not lines:  # started, no round yet
+            continue
         last = lines[-1]
         accs = [line["accuracy"] for line in lines if line.get("accuracy") is not None]
         info = {
