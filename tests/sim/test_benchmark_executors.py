@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -24,16 +25,18 @@ def _bench() -> ModuleType:
     return module
 
 
+TINY = RunConfig(
+    algorithm="fedavg",
+    dataset="digits",
+    model="tiny_mlp",
+    num_clients=4,
+    train=TrainConfig(lr=0.05, momentum=0.9, local_epochs=1, batch_size=32),
+)
+
+
 def test_the_plain_sequential_and_batched_paths_alternate_on_tiny_settings(capsys: pytest.CaptureFixture[str]):
     bench = _bench()
-    config = RunConfig(
-        algorithm="fedavg",
-        dataset="digits",
-        model="tiny_mlp",
-        num_clients=4,
-        rounds=2,
-        train=TrainConfig(lr=0.05, momentum=0.9, local_epochs=1, batch_size=32),
-    )
+    config = dataclasses.replace(TINY, rounds=2)
     done = bench.bench_setup("tiny", config, ["plain", "sequential", "batched"], rounds=2, device="cpu")
     names = [p.name for p in done]
     assert names[0].startswith("plain") and any(n.startswith("batched") for n in names)
@@ -55,14 +58,7 @@ def test_the_gpu_mode_stops_with_one_line_without_cuda(monkeypatch: pytest.Monke
 
 def test_the_defaults_comparison_reports_cpu_seconds_auto_choices_and_the_verdict(capsys: pytest.CaptureFixture[str]):
     bench = _bench()
-    config = RunConfig(
-        algorithm="fedavg",
-        dataset="digits",
-        model="tiny_mlp",
-        num_clients=4,
-        train=TrainConfig(lr=0.05, momentum=0.9, local_epochs=1, batch_size=32),
-    )
-    out = bench.bench_overlap("tiny", config, blocks=2, per_block=1)
+    out = bench.bench_overlap("tiny", TINY, blocks=2, per_block=1)
     assert out["same_records"] is True
     paths = ["plain loop", "fedge sim, --overlap off", "fedge sim, --overlap on", "fedge sim defaults (auto)"]
     figures = [v for k, v in out.items() if any(k.startswith(p) for p in paths)]
