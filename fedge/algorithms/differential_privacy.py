@@ -279,9 +279,12 @@ class DifferentialPrivacyStrategy(WrappingStrategy):
         vectors: dict[ClientId, npt.NDArray[np.float64]] = {}  # each client's input to the secure sum
         plain = np.zeros(self._dim + 1)  # (dim + 1,) the sum of the clipped deltas and bits, without the protocol
         norms: dict[ClientId, float] = {}
+        scratch = None if secure else np.empty(self._dim + 1)  # one vector at a time, summed at once: one buffer
         for c in ordered:
-            vector = np.empty(self._dim + 1)  # (dim + 1,) clip_C(the parts' values), then the bit ||.|| <= C
-            np.subtract(self._layout.flatten(replies[c].update.tensors), state.reference, out=vector[:-1])
+            # (dim + 1,) clip_C(the parts' values), then the bit ||.|| <= C; each step in place (1.66M values a reply
+            # for fedavg_cnn: a temporary costs as much as the arithmetic)
+            vector = np.empty(self._dim + 1) if scratch is None else scratch
+            self._layout.move_into(replies[c].update.tensors, state.reference, vector[:-1])
             norm = float(np.linalg.norm(vector[:-1]))
             if norm > bound:
                 vector[:-1] *= bound / norm
@@ -305,7 +308,9 @@ class DifferentialPrivacyStrategy(WrappingStrategy):
                 total, noise, survivors = self._secure_sum(rnd, state, vectors, stds, rng)
             except RoundAbandoned:
                 return metrics
-            clipped_sum = sum((vectors[c][:-1] for c in survivors), np.zeros(self._dim))
+            clipped_sum = np.zeros(self._dim)  # (dim,) in survivor order, in place (sum() would copy per client)
+            for c in survivors:
+                clipped_sum += vectors[c][:-1]
             metrics.update(self._secure_metrics)  # the survivors' noise: dp_noise_std * sqrt(survivors / t)
         else:
             noise = rng.normal(0.0, stds)  # (dim + 1,) the coordinator's draw (also a lone client's, in effect)
@@ -422,7 +427,9 @@ class DifferentialPrivacyStrategy(WrappingStrategy):
         survivors = result.survivors
         gone = [c for c in result.dropped if c in vectors]
         self._record = AggregationRecord(tuple(ledger.entries), simulated_drops(gone, drop_at, result.config), "")
-        noise = sum((noises[c] for c in survivors), np.zeros(self._dim + 1))
+        noise = np.zeros(self._dim + 1)  # (dim + 1,) in survivor order, in place
+        for c in survivors:
+            noise += noises[c]
         self._secure_metrics = {"dp_min_survivors": float(t_min), "dp_survivors": float(len(survivors))}
         return result.decoded_sum, noise, survivors
 

@@ -68,6 +68,12 @@ class Contribution:
         """(dim,): a reply's tensors in the vector's order."""
         return self.sent.flatten(tensors)
 
+    def move_into(
+        self, tensors: Mapping[str, torch.Tensor], reference: npt.NDArray[np.float64], out: npt.NDArray[np.float64]
+    ) -> None:
+        """Write ``flatten(tensors) - reference`` (dim,) into ``out``, bit for bit, in one pass and no temporary."""
+        self.sent.flatten_into(tensors, out, reference)
+
     def stand_in(
         self, weights: Mapping[str, torch.Tensor], total: npt.NDArray[np.float64], denominator: float
     ) -> dict[str, torch.Tensor]:
@@ -80,5 +86,8 @@ class Contribution:
             for k, (shape, _) in ((k, layout.specs[k]) for k in p.tensors):
                 where[(p.relative, k)] = slice(start, start + math.prod(shape))
                 start = where[(p.relative, k)].stop
-        full = np.concatenate([total[where[(p.relative, k)]] for p in self.full.parts for k in p.tensors])
+        if self.full.parts == self.sent.parts:  # every part sent (the FedAvg family): the sum is already in order
+            full = total
+        else:
+            full = np.concatenate([total[where[(p.relative, k)]] for p in self.full.parts for k in p.tensors])
         return self.full.stand_in(weights, full, denominator)  # (full dim,) in float64 until each tensor's dtype

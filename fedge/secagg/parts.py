@@ -133,7 +133,23 @@ class PartLayout:
 
     def flatten(self, tensors: Mapping[str, torch.Tensor]) -> npt.NDArray[np.float64]:
         """(dim,): the parts' tensors as they are, concatenated."""
-        return np.concatenate([layout.flatten(tensors) for layout in self.layouts])
+        out = np.empty(self.dim)  # (dim,)
+        self.flatten_into(tensors, out)
+        return out
+
+    def flatten_into(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        out: npt.NDArray[np.float64],
+        minus: npt.NDArray[np.float64] | None = None,
+    ) -> None:
+        """Write :meth:`flatten` of ``tensors`` into ``out`` (dim,), less ``minus`` (dim,) when given, bit for bit
+        and without a temporary of the vector's size (:meth:`FlatLayout.flatten_into`)."""
+        start = 0
+        for layout in self.layouts:
+            part = slice(start, start + layout.dim)
+            layout.flatten_into(tensors, out[part], None if minus is None else minus[part])
+            start = part.stop
 
     def reference(self, reference: Mapping[str, torch.Tensor]) -> npt.NDArray[np.float64]:
         """(dim,): ``reference`` on the relative parts' coordinates, 0 on the others: what the vector is a move
@@ -184,7 +200,7 @@ class PartLayout:
             if p.weighted:
                 s = s / weight if scale == 1.0 else s / weight * scale
                 if p.relative:
-                    s = layout.flatten(reference) + s
+                    s += layout.flatten(reference)  # s is a new array: w + s without another one
             out.update({p.into + k: v for k, v in layout.unflatten(s).items()})
         return out
 
