@@ -15,7 +15,6 @@ import logging
 import math
 import os
 
-import numpy as np
 import torch
 
 from fedge.errors import CodecError
@@ -35,6 +34,7 @@ from fedge.secagg.remote import (
     weight_of,
 )
 from fedge.secagg.shamir import RandBytes
+from fedge.tensors import l2_norm
 from fedge.types import ClientId
 from fedge.wire.fields import printable
 from fedge.wire.message import UPDATE, Message
@@ -104,7 +104,7 @@ class SecureRounds:
                 raise CodecError("DP-FedAvg clips a contribution in L2 norm; this round announces a per-value part")
             # every part at once (SCAFFOLD: [y - x, delta_c]): one clip bounds all this client adds to the sums
             vector = client_input(new, moved_from, share, noise_rng(None, task.round))  # (dim + 1,)
-            clipped = float(np.linalg.norm(new - moved_from)) > share.clip
+            clipped = l2_norm(new - moved_from) > share.clip
         else:  # each part clipped to the bound on its own; the weighted parts get the share with the delivery
             vector, parts_clipped = layout.vector(update.tensors, reference, config.plan.bound)  # (dim,)
             clipped = parts_clipped > 0

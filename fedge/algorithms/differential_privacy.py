@@ -72,6 +72,7 @@ from fedge.secagg.rounds import (
     simulated_drops,
 )
 from fedge.secagg.shamir import RandBytes
+from fedge.tensors import l2_norm
 from fedge.types import ClientId
 from fedge.wire.message import Message
 
@@ -285,7 +286,7 @@ class DifferentialPrivacyStrategy(WrappingStrategy):
             # for fedavg_cnn: a temporary costs as much as the arithmetic)
             vector = np.empty(self._dim + 1) if scratch is None else scratch
             self._layout.move_into(replies[c].update.tensors, state.reference, vector[:-1])
-            norm = float(np.linalg.norm(vector[:-1]))
+            norm = l2_norm(vector[:-1])
             if norm > bound:
                 vector[:-1] *= bound / norm
             vector[-1] = 1.0 if self.adaptive and norm <= bound else 0.0  # a fixed clip releases no count

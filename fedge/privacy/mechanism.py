@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from fedge.tensors import l2_norm
 from fedge.types import ClientId
 
 _SAMPLE, _NOISE = 0xD9501, 0xD9502  # SeedSequence words: which per-round stream
@@ -37,7 +38,7 @@ def noise_rng(noise_seed: int | None, rnd: int) -> np.random.Generator:
 
 def clip(delta: npt.NDArray[np.float64], bound: float) -> tuple[npt.NDArray[np.float64], float]:
     """``delta`` scaled down to L2 norm ``bound`` when longer (``delta * min(1, C / ||delta||)``); and its norm."""
-    norm = float(np.linalg.norm(delta))
+    norm = l2_norm(delta)
     return (delta * (bound / norm) if norm > bound else delta), norm
 
 

@@ -38,6 +38,7 @@ import torch
 from fedge.aggregation.flat import FlatLayout, Spec
 from fedge.secagg.errors import MessageError, SecAggConfigError
 from fedge.secagg.messages import PREFIX
+from fedge.tensors import l2_norm
 
 PARTS_PARAM = PREFIX + "parts"
 """Broadcast param: every part, ``;``-separated, each ``<r|a><w|u><n|v>:name,name,...`` (relative or as sent;
@@ -171,7 +172,7 @@ class PartLayout:
             x = layout.flatten(update)  # (d_p,)
             if p.relative:
                 x = x - layout.flatten(reference)
-            norm = float(np.linalg.norm(x)) if p.value_bound is None else 0.0
+            norm = l2_norm(x) if p.value_bound is None else 0.0
             if norm > bound:
                 x, clipped = x * (bound / norm), clipped + 1
             out.append(x)

@@ -46,6 +46,7 @@ from fedge.secagg.messages import (
 )
 from fedge.secagg.protocol import SecAggClient, Stage
 from fedge.secagg.shamir import SHARE_BYTES, RandBytes
+from fedge.tensors import l2_norm
 
 if TYPE_CHECKING:
     import torch
@@ -76,7 +77,7 @@ def clipped_delta(
 ) -> tuple[npt.NDArray[np.float64], bool]:
     """``update - reference`` scaled down to L2 norm ``bound`` when longer; and whether it was."""
     delta = update - reference  # (dim,)
-    norm = float(np.linalg.norm(delta))
+    norm = l2_norm(delta)
     if norm > bound:
         return delta * (bound / norm), True
     return delta, False

@@ -35,9 +35,10 @@ def _straightforward_aggregate(
     self: DifferentialPrivacyStrategy, rnd: int, replies: Mapping[ClientId, CheckedReply]
 ) -> dict[str, float]:
     """DP-FedAvg's aggregation for the FedAvg family's one part (the model's move), written plainly: each reply
-    concatenated in float64 (torch), minus the broadcast weights, clipped by ``np.linalg.norm``, summed in id order
-    (Python ``sum``), noised by the round's generator (by the coordinator, or per client before a secure sum of the
-    cohort in id order), divided by ``m = qN`` and added to the weights."""
+    concatenated in float64 (torch), minus the broadcast weights, clipped by the L2 norm summed in numpy's
+    single-threaded loop (as fedge.tensors.l2_norm does: BLAS's dot would change its last bits with its thread
+    count), summed in id order (Python ``sum``), noised by the round's generator (by the coordinator, or per client
+    before a secure sum of the cohort in id order), divided by ``m = qN`` and added to the weights."""
     state = self._round
     assert state is not None and state.round == rnd
     assert len(self._layout.parts) == 1 and self._layout.parts[0].relative
@@ -49,7 +50,7 @@ def _straightforward_aggregate(
     norms: dict[ClientId, float] = {}
     for c in sorted(replies):
         move = torch.cat([replies[c].update.tensors[k].reshape(-1).double() for k in names]).numpy() - base
-        norm = float(np.linalg.norm(move))
+        norm = float(np.sqrt(np.einsum("i,i->", move, move)))
         norms[c] = min(norm, bound)
         clipped = move * (bound / norm) if norm > bound else move
         vectors[c] = np.append(clipped, 1.0 if adaptive and norm <= bound else 0.0)
