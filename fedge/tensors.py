@@ -13,6 +13,9 @@ import torch
 from fedge.errors import ConfigError
 from fedge.types import StateDict
 
+NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+"""The dtypes whose ``Tensor.numpy()`` is a view (bfloat16 and the integers need torch to cast them)."""
+
 
 def tensors_like(tensors: Mapping[str, torch.Tensor], prefix: str, like: Mapping[str, torch.Tensor]) -> StateDict:
     """``like``'s entries read back from ``tensors[prefix + name]``, in ``like``'s order (for :meth:`Strategy.

@@ -10,9 +10,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-Spec = tuple[tuple[int, ...], torch.dtype]  # a tensor's shape and dtype (fedge.algorithms.base.TensorSpec)
+from fedge.tensors import NUMPY_FLOATS
 
-_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)  # what Tensor.numpy() gives a view of
+Spec = tuple[tuple[int, ...], torch.dtype]  # a tensor's shape and dtype (fedge.algorithms.base.TensorSpec)
 
 
 class FlatLayout:
@@ -42,7 +42,7 @@ class FlatLayout:
             stop = start + math.prod(shape)
             source = tensors[k].detach().cpu().reshape(-1)
             piece = out[start:stop]  # (size,) a view
-            if source.dtype not in _NUMPY_FLOATS:  # bfloat16, integers: torch casts, then as float64
+            if source.dtype not in NUMPY_FLOATS:  # bfloat16, integers: torch casts, then as float64
                 torch.from_numpy(piece).copy_(source)
                 source = torch.from_numpy(piece)
             # numpy, one pass (the float32 -> float64 cast within): one thread, no wait for torch's workers on a busy

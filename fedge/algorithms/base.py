@@ -33,6 +33,7 @@ from fedge.learning.metrics import per_class_accuracy
 from fedge.learning.objectives import Objective
 from fedge.learning.terms import LocalTerm
 from fedge.learning.training import SGDSettings, TrainRequest, predict_logits
+from fedge.tensors import NUMPY_FLOATS
 from fedge.tensors import tensors_like as tensors_like  # the algorithms' load_state reads it beside Strategy
 from fedge.types import ClientId, StateDict
 from fedge.wire import fields as wire
@@ -52,12 +53,9 @@ def derive_seed(base: int, *words: int | str) -> int:
 # --- what travels ---------------------------------------------------------------------------------------------------
 
 
-_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)  # what Tensor.numpy() gives a view of
-
-
 def all_finite(t: torch.Tensor) -> bool:
     """Whether every value of ``t`` is finite (no NaN, no +-inf)."""
-    if t.dtype in _NUMPY_FLOATS and t.device.type == "cpu":
+    if t.dtype in NUMPY_FLOATS and t.device.type == "cpu":
         # numpy's one pass on one thread: torch.isfinite builds three temporaries of the tensor's size (== itself,
         # abs, != inf) and waits for its worker threads, the server's largest cost per reply on a busy machine
         return bool(np.isfinite(t.detach().resolve_neg().resolve_conj().numpy()).all())
