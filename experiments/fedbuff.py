@@ -56,6 +56,7 @@ KINDS: dict[str, tuple[str, str | None, int, float]] = {
     "fedbuff10": ("fedavg", "sqrt", 10, 1.0),  # as many training at once as the buffer holds: less staleness
     "fedbufflr2": ("fedavg", "sqrt", 20, 2.0),  # a server step twice as long: makes up for the staleness discount
     "fedbuff15": ("fedavg", "sqrt", 15, 1.0),  # between: the throughput 2.5x needs, half fedbuff's staleness
+    "fedbuff15c": ("fedavg", "constant", 15, 1.0),  # the same, every update at full weight
     "fedbuff_fedntd": ("fedntd", "sqrt", 20, 1.0),
     "fedbuffc_fedntd": ("fedntd", "constant", 20, 1.0),
 }
