@@ -48,8 +48,8 @@ typecheck: install
 # --durations: the slowest tests at the end of every run, to keep the suite well under 15 minutes on 2 cores.
 # Two worker processes (pytest-xdist), one test file each at a time (module fixtures such as a fleet's mosquitto stay
 # in one process): many tests wait on brokers, subprocesses and deadlines, so two workers on 2 cores cut the wall
-# time (measured: 11.7 min for 1,589 tests from a fresh clone, 2-core Intel Xeon, 2026-11-29, beside three nice-19
-# experiments; 11.8 min for 1,530 and 10.4 min for 1,463
+# time (measured: 11.9 min for 1,636 tests from a fresh clone, 2-core Intel Xeon, 2026-11-29 15:00, beside two
+# nice-19 experiments; 11.7 min for 1,589, 11.8 min for 1,530 and 10.4 min for 1,463
 # and 8.3 min for 1,332 earlier that day; 16.3 min for 1,025 on 2026-11-27).
 # Each worker computes on one torch thread (tests/conftest.py): with two, in-process training of small tensors ran
 # tens of times slower than alone, its second OpenMP thread waiting for a core at every op. Files are taken in
