@@ -25,6 +25,8 @@ def _run(path: Path) -> dict[str, Any]:
     config = json.loads((path / "config.json").read_text())
     lines = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     accuracies = [line["accuracy"] for line in lines if line.get("accuracy") is not None]
+    if not accuracies:
+        raise SystemExit(f"{path}: no evaluated round in metrics.jsonl yet (leave it out)")
     z = config["dp_noise_multiplier"]
     return {
         "path": path,

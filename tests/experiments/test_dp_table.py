@@ -49,3 +49,14 @@ def test_rows_come_from_the_runs_and_the_gap_from_the_private_run(runs: tuple[Pa
     a, b = _accuracies(noised), _accuracies(private)
     assert second[7] == f"{100 * a[-1]:.2f}" and second[8] == f"{100 * max(a):.2f}"
     assert second[10] == f"{100 * (statistics.fmean(a[-5:]) - statistics.fmean(b[-5:])):+.2f}"
+
+
+def test_a_run_with_no_evaluation_yet_is_named_not_a_traceback(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    started.mkdir()
+    (started / "config.json").write_text((runs[1] / "config.json").read_text())
+    first = json.loads((runs[1] / "metrics.jsonl").read_text().splitlines()[0])
+    (started / "metrics.jsonl").write_text(json.dumps({**first, "accuracy": None}) + "\n")
+    done = subprocess.run([sys.executable, SCRIPT, started], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "started: no evaluated round in metrics.jsonl yet" in done.stderr
+    assert "Traceback" not in done.stderr
