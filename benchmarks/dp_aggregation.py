@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from machine import cpu_model
 from torch import nn
 
 from fedge.algorithms import make_strategy
@@ -63,19 +64,6 @@ def server_seconds(**dp: object) -> tuple[float, float]:
         strategy.aggregate(rnd, replies)
         accept, aggregate = middle - start, time.perf_counter() - middle
     return accept, aggregate
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux), or the platform's word for it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def load_average() -> str:
@@ -125,7 +113,8 @@ def main() -> None:
         print(f"{accept:.6f} {aggregate:.6f}")
         return
     if args.compare:
-        compare(*args.compare, args.repeats)
+        old, new = args.compare
+        compare(old, new, args.repeats)
         return
     for variant, dp in VARIANTS.items():
         accept, aggregate = server_seconds(**dp)

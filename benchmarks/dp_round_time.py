@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from dp_aggregation import cpu_model, load_average
+from dp_aggregation import load_average
+from machine import cpu_model
 
 from fedge.config import RunConfig, TrainConfig
 from sim.run import run_inprocess

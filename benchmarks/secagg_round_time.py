@@ -20,11 +20,12 @@ import dataclasses
 import json
 import logging
 import os
-import platform
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from machine import cpu_model
 
 from coordinator.run import run_coordinator
 from fedge.accounting.ledger import read_ledger_csv
@@ -33,17 +34,6 @@ from fedge_io.experiment import prepare
 from sim.brokers import mosquitto_broker
 from sim.laptop import client_processes
 from sim.provision import write_client_files
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else what platform says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def up_bytes_per_client_round(run_dir: Path, rounds: range) -> float:
@@ -116,7 +106,7 @@ def main() -> None:
     load_after = os.getloadavg()
     plain, secure = statistics.median(walls["plain"]), statistics.median(walls["secure"])
     results: dict[str, Any] = {
-        "cpu": cpu_name(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "load_average_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
         "clients": args.clients,
