@@ -20,13 +20,13 @@ from safetensors.torch import load_file
 from fedge.accounting.records import AggregationRecord
 from fedge.algorithms.base import CheckedReply
 from fedge.algorithms.differential_privacy import DifferentialPrivacyStrategy, PrivateRound
-from fedge.config import RunConfig, TrainConfig
 from fedge.privacy.mechanism import adapted_clip, noise_rng
 from fedge.secagg.driver import run_configured
 from fedge.secagg.errors import RoundAbandoned
 from fedge.secagg.rounds import SUM_CLIENT, ProtocolLedger, rounding_rng, simulated_dropouts, simulated_drops
 from fedge.types import ClientId
 from sim.run import run_inprocess
+from tests.sim.test_dp import _config as dp_config
 
 _TIMING = re.compile(r".*_s(_max)?$")  # wall-clock fields of a metrics row: not part of what is released
 
@@ -128,23 +128,6 @@ def _same_round(a: PrivateRound | None, b: PrivateRound | None) -> bool:
     return same and (a.clipped_norms, a.survivors, a.clip) == (b.clipped_norms, b.survivors, b.clip)
 
 
-def _config(**overrides: object) -> RunConfig:
-    base: dict[str, object] = dict(
-        algorithm="fedavg",
-        dataset="digits",
-        model="tiny_mlp",
-        num_clients=12,
-        client_fraction=0.5,
-        rounds=3,
-        partition="iid",
-        train=TrainConfig(lr=0.05, momentum=0.9, local_epochs=1, batch_size=32),
-        dp_noise_multiplier=0.5,
-        dp_noise_seed=7,
-    )
-    base.update(overrides)
-    return RunConfig(**base)  # type: ignore[arg-type]
-
-
 def _outputs(path: Path) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
     released = [{k: v for k, v in row.items() if not _TIMING.fullmatch(k)} for row in rows]
@@ -164,7 +147,7 @@ def _outputs(path: Path) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]
 def test_the_release_is_the_straightforward_mechanisms_bit_for_bit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: dict[str, object]
 ) -> None:
-    config = _config(**overrides)
+    config = dp_config(num_clients=12, dp_noise_multiplier=0.5, dp_noise_seed=7, **overrides)
     fast_rounds: list[PrivateRound | None] = []
     plain_rounds: list[PrivateRound | None] = []
     own = DifferentialPrivacyStrategy.aggregate
