@@ -1,7 +1,8 @@
 """Print the secure-aggregation experiment's table (experiments/results/secagg-mnist/README.md) from run directories.
 
 One row per run: algorithm, cohort (the clients sampled a round), plain or secure, rounds, final / best /
-mean-of-the-last-5-evaluations accuracy, the gap to the plain run of the same algorithm and cohort (final and last-5),
+mean-of-the-last-5-evaluations accuracy, the gap to the plain run of the same algorithm and cohort (final and last-5,
+against the plain run's evaluations of the same rounds, so a run still going is compared with the plain run so far),
 the tensor bytes up per replying client and round (median over rounds; every protocol message included, as the run's
 ledger counts it) and its ratio to the plain run's, and the round's wall time (median and mean) with the ratio of the
 medians. Every figure comes from the runs' config.json, summary.json and metrics.jsonl.
@@ -23,7 +24,8 @@ from fedge.accounting.markdown import markdown_table
 def _run(path: Path) -> dict[str, Any]:
     config = json.loads((path / "config.json").read_text())
     lines = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    accuracies = [line["accuracy"] for line in lines if line.get("accuracy") is not None]
+    by_round = {line["round"]: line["accuracy"] for line in lines if line.get("accuracy") is not None}
+    accuracies = list(by_round.values())
     if not accuracies:
         raise SystemExit(f"{path}: no evaluated round in metrics.jsonl yet (leave it out)")
     bytes_up = [line["tensor_bytes_up"] / len(line["replied"]) for line in lines if line["replied"]]
@@ -36,6 +38,7 @@ def _run(path: Path) -> dict[str, Any]:
         "final": accuracies[-1],
         "best": max(accuracies),
         "last5": statistics.fmean(accuracies[-5:]),
+        "by_round": by_round,
         "bytes_up": statistics.median(bytes_up),
         "wall_median": statistics.median(line["wall_s"] for line in lines),
         "wall_mean": statistics.fmean(line["wall_s"] for line in lines),
@@ -57,8 +60,11 @@ def table(paths: list[Path]) -> str:
     for r in runs:
         base = plain.get((r["algorithm"], r["cohort"])) if r["secure"] else None
         gap = "-"
-        if base is not None:
-            gap = f"{100 * (r['final'] - base['final']):+.2f} / {100 * (r['last5'] - base['last5']):+.2f}"
+        if base is not None:  # against the plain run's evaluations of the same rounds (a running run: so far)
+            same = [base["by_round"][n] for n in r["by_round"] if n in base["by_round"]]
+            if len(same) == len(r["by_round"]):
+                final, last5 = r["final"] - same[-1], r["last5"] - statistics.fmean(same[-5:])
+                gap = f"{100 * final:+.2f} / {100 * last5:+.2f}"
         rows.append(
             [
                 f"`{r['path'].name}`" + ("" if r["finished"] else " (running)"),

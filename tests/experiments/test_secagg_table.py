@@ -55,6 +55,21 @@ def test_rows_come_from_the_runs_and_the_ratios_from_the_plain_run(runs: tuple[P
     assert second[12] == f"{walls[0] / walls[1]:.2f}x"
 
 
+def test_a_run_still_going_is_compared_with_the_plain_runs_same_rounds(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    plain, secure = runs
+    going = tmp_path / "going"
+    going.mkdir()
+    (going / "config.json").write_text((secure / "config.json").read_text())
+    lines = _lines(secure)[:2]
+    (going / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = subprocess.run([sys.executable, SCRIPT, going, plain], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    row = table_rows(done.stdout)[3]
+    a, b = [line["accuracy"] for line in lines], [line["accuracy"] for line in _lines(plain)[:2]]
+    assert row[0] == "`going` (running)" and row[4] == "2"
+    assert row[8] == f"{100 * (a[-1] - b[-1]):+.2f} / {100 * (statistics.fmean(a) - statistics.fmean(b)):+.2f}"
+
+
 def test_a_run_with_no_evaluation_yet_is_named_not_a_traceback(runs: tuple[Path, Path], tmp_path: Path) -> None:
     started = tmp_path / "started"
     started.mkdir()
